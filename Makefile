@@ -1,0 +1,27 @@
+# One-command set-up: `make test` creates .venv, installs the pinned stack, lints and tests.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint quickstart bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+quickstart: $(STAMP)
+	$(BIN)/marinlm quickstart
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

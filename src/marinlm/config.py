@@ -1,0 +1,343 @@
+"""Typed configs: dataclasses that load from YAML, take `--a.b=c` overrides, and save back.
+
+Every component owns a `@dataclass(kw_only=True)` config. A run config nests them, and its YAML
+file mirrors the tree. Loading is strict: an unknown key, a wrong type or an impossible value
+raises `ConfigError` naming the dotted key and what would be valid.
+
+Variants (routers, schedules, ...) subclass a `Choice` base and are picked with a `type:` key,
+Levanter/draccus style:
+
+    @RouterConfig.register("qb")
+    @dataclass(kw_only=True)
+    class QBRouterConfig(RouterConfig): ...
+
+A config class checks combinations in `__post_init__` with `check(cond, key, message)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config value. The message starts with the dotted key that is wrong."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.reason = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        key = f"{prefix}.{self.key}" if self.key else prefix
+        return ConfigError(key, self.reason)
+
+
+class Choice:
+    """Base for a config with registered variants, selected in YAML by `type: name`."""
+
+    _variants: ClassVar[dict[str, type]]
+    type_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if Choice in cls.__bases__:
+            cls._variants = {}
+
+    @classmethod
+    def register(cls, name: str):
+        def wrap(sub: type[T]) -> type[T]:
+            if name in cls._variants:
+                raise ValueError(f"{cls.__name__} variant {name!r} registered twice")
+            sub.type_name = name
+            cls._variants[name] = sub
+            return sub
+
+        return wrap
+
+    @classmethod
+    def variants(cls) -> dict[str, type]:
+        return dict(cls._variants)
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise ConfigError(key, message) unless condition holds. For use in `__post_init__`."""
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def _choice_base(tp: Any) -> type | None:
+    if isinstance(tp, type) and issubclass(tp, Choice) and Choice in tp.__bases__:
+        return tp
+    return None
+
+
+def _is_config_class(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) or (isinstance(tp, type) and issubclass(tp, Choice))
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`, converting where it is lossless."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(key, f"must not be null; expected {_type_name(tp)}")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(e.reason)
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r} ({'; '.join(errors)})")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(key, f"expected {len(args)} items, got {len(value)}")
+            items = [_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            item_type = args[0] if args else Any
+            items = [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {value!r}")
+        key_type, value_type = get_args(tp) or (Any, Any)
+        return {_coerce(k, key_type, key): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    if _is_config_class(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # PyYAML reads `3e-4` (no dot) as a string; accept any string Python reads as a float.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise ConfigError(key, f"expected a path, got {value!r}")
+    raise ConfigError(key, f"unsupported config type {_type_name(tp)}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build config `cls` from a plain mapping, strictly. Errors name the dotted key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping for {cls.__name__}, got {data!r}")
+    base = _choice_base(cls)
+    if base is not None or (isinstance(cls, type) and issubclass(cls, Choice) and "type" in data):
+        base = base or next(b for b in cls.__mro__ if _choice_base(b))
+        data = dict(data)
+        name = data.pop("type", cls.type_name or None)
+        if name not in base._variants:
+            raise ConfigError(_join(prefix, "type"), f"must be one of {sorted(base._variants)}, got {name!r}")
+        cls = base._variants[name]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(_join(prefix, unknown[0]), f"unknown key for {cls.__name__}; valid keys: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], _join(prefix, name))
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(_join(prefix, missing[0]), f"required key missing for {cls.__name__}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise (e.under(prefix) if prefix else e) from None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def to_dict(config: Any) -> Any:
+    """Plain, YAML-safe view of a config tree; `from_dict(type(c), to_dict(c)) == c`."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        out: dict[str, Any] = {}
+        if isinstance(config, Choice):
+            out["type"] = config.type_name
+        for f in dataclasses.fields(config):
+            if f.init:
+                out[f.name] = to_dict(getattr(config, f.name))
+        return out
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    if isinstance(config, Path):
+        return str(config)
+    return config
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `["--optim.lr=3e-4", "--model.moe.top_k", "2"]` into a nested mapping."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError("", f"override {arg!r} must look like --key.sub=value")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, raw = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(body, "override has no value; write --key=value")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, "conflicts with another override")
+        node[parts[-1]] = value
+        i += 1
+    return tree
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `update` wins. A changed `type:` replaces the whole subtree."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            if "type" in value and value["type"] != out[key].get("type"):
+                out[key] = value
+            else:
+                out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping with `safe_load`, resolving `include:` (a path or list, relative to the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("", f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: top level must be a mapping, got {type(data).__name__}")
+    includes = data.pop("include", [])
+    includes = [includes] if isinstance(includes, str) else includes
+    merged: dict[str, Any] = {}
+    for inc in includes:
+        merged = merge(merged, read_yaml(path.parent / inc))
+    return merge(merged, data)
+
+
+def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[str, Any]:
+    """A string where a sub-config is expected names a YAML file: `model: ../model/tiny.yaml`."""
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    if not hints:
+        return data
+    out = dict(data)
+    for key, value in data.items():
+        tp = hints.get(key)
+        sub = next((a for a in (get_args(tp) or (tp,)) if _is_config_class(a)), None)
+        if sub is None:
+            continue
+        if isinstance(value, str) and value.endswith((".yaml", ".yml")):
+            ref = Path(value)
+            ref = ref if ref.is_absolute() else base_dir / ref
+            try:
+                out[key] = resolve_file_refs(read_yaml(ref), ref.parent, sub)
+            except ConfigError as e:
+                raise e.under(key) from None
+        elif isinstance(value, dict):
+            out[key] = resolve_file_refs(value, base_dir, sub)
+    return out
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Load `cls` from a YAML file (optional) plus command-line overrides.
+
+    Args:
+        cls: the config dataclass to build.
+        path: YAML file mirroring `cls`; sub-configs may be given as paths to other YAML files.
+        overrides: `--a.b=c` strings applied on top.
+    """
+    data: dict[str, Any] = {}
+    base_dir = Path.cwd()
+    if path is not None:
+        data = read_yaml(path)
+        base_dir = Path(path).parent
+    data = resolve_file_refs(data, base_dir, cls)
+    if overrides:
+        over = parse_overrides(overrides)
+        data = merge(data, resolve_file_refs(over, Path.cwd(), cls))
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        where = f" (in {path})" if path is not None else ""
+        raise ConfigError(e.key, e.reason + where) from None
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write a resolved config as YAML; `load_config(type(config), path)` reads it back equal."""
+    Path(path).write_text(dump_config(config))
+
+
+def dump_config(config: Any) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

@@ -1,0 +1,33 @@
+"""The Marin MoE transformer. Nothing in this package imports torch.distributed."""
+
+from marinlm.model.config import (
+    AttentionConfig,
+    AuxFreeRouterConfig,
+    MarinConfig,
+    MoEConfig,
+    QBRouterConfig,
+    RouterConfig,
+    SConvConfig,
+    SoftmaxTopKRouterConfig,
+)
+from marinlm.model.generate import SamplingConfig, generate, stream_generate
+from marinlm.model.router import RouterStats
+from marinlm.model.transformer import IGNORE_INDEX, CausalLMOutput, MarinForCausalLM
+
+__all__ = [
+    "IGNORE_INDEX",
+    "AttentionConfig",
+    "AuxFreeRouterConfig",
+    "CausalLMOutput",
+    "MarinConfig",
+    "MarinForCausalLM",
+    "MoEConfig",
+    "QBRouterConfig",
+    "RouterConfig",
+    "RouterStats",
+    "SConvConfig",
+    "SamplingConfig",
+    "SoftmaxTopKRouterConfig",
+    "generate",
+    "stream_generate",
+]

@@ -1,0 +1,190 @@
+"""Marin attention: GQA with local/global layers, QK-norm, partial RoPE, XSA and a head gate.
+
+Shape legend: B batch, T query length, S key length, D d_model, H query heads,
+K KV heads in use on this layer, Dh head dim.
+
+Masking works from two per-token integers, the packed-document id and the position inside the
+document, so one rule covers training on packed rows, left-padded batches and a KV cache:
+a query attends to a key iff same document, key position <= query position, and (local layers)
+query position - key position < window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marinlm.model.config import AttentionConfig
+from marinlm.model.layers import ConvState, SConv, apply_rope, rms_normalize, rope_cos_sin, trunc_normal_
+
+
+def attention_mask(
+    doc_q_BT: torch.Tensor,
+    pos_q_BT: torch.Tensor,
+    doc_k_BS: torch.Tensor,
+    pos_k_BS: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S], True where the query may attend to the key."""
+    same_doc = doc_q_BT.unsqueeze(-1) == doc_k_BS.unsqueeze(-2)
+    distance = pos_q_BT.unsqueeze(-1) - pos_k_BS.unsqueeze(-2)
+    allowed = same_doc & (distance >= 0)
+    if window is not None:
+        allowed &= distance < window
+    return allowed.unsqueeze(1)
+
+
+@dataclass
+class LayerCache:
+    """One layer's decoding state: keys/values after SConv, QK-norm and RoPE, with their doc ids
+    and positions. Local layers keep only the last `window` entries."""
+
+    k_BKSD: torch.Tensor
+    v_BKSD: torch.Tensor
+    doc_BS: torch.Tensor
+    pos_BS: torch.Tensor
+    window: int | None
+    conv_k: ConvState | None = None
+    conv_v: ConvState | None = None
+    conv_attn: ConvState | None = None
+    conv_mlp: ConvState | None = None
+
+    def append(self, k_BKTD, v_BKTD, doc_BT, pos_BT) -> None:
+        self.k_BKSD = torch.cat([self.k_BKSD, k_BKTD], dim=2)
+        self.v_BKSD = torch.cat([self.v_BKSD, v_BKTD], dim=2)
+        self.doc_BS = torch.cat([self.doc_BS, doc_BT], dim=1)
+        self.pos_BS = torch.cat([self.pos_BS, pos_BT], dim=1)
+
+    def trim(self) -> None:
+        if self.window is not None and self.k_BKSD.shape[2] > self.window:
+            self.k_BKSD = self.k_BKSD[:, :, -self.window :]
+            self.v_BKSD = self.v_BKSD[:, :, -self.window :]
+            self.doc_BS = self.doc_BS[:, -self.window :]
+            self.pos_BS = self.pos_BS[:, -self.window :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: AttentionConfig, d_model: int, *, is_global: bool, sconv_sites, sconv_kernel, init_std):
+        super().__init__()
+        self.config = config
+        self.init_std = init_std
+        self.is_global = is_global
+        c = config
+        self.num_heads, self.head_dim = c.num_heads, c.head_dim
+        self.num_kv_stored = c.num_kv_heads
+        self.num_kv = c.global_kv_heads() if is_global else c.num_kv_heads
+        self.window = None if is_global else c.sliding_window
+        self.use_rope = (c.rope_global if is_global else c.rope_local) and c.rope_dim > 0
+        self.q_proj = nn.Linear(d_model, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, d_model, bias=False)
+        kv_width = c.num_kv_heads * c.head_dim
+        self.sconv_k = SConv(kv_width, sconv_kernel) if "k" in sconv_sites else None
+        self.sconv_v = SConv(kv_width, sconv_kernel) if "v" in sconv_sites else None
+        self.gate = nn.Linear(d_model, c.num_heads, bias=False) if c.head_gate else None
+        if c.qk_norm_gain:
+            self.q_norm_weight = nn.Parameter(torch.empty(c.head_dim))
+            self.k_norm_weight = nn.Parameter(torch.empty(c.head_dim))
+        else:
+            self.q_norm_weight = self.k_norm_weight = None
+
+    def reset_parameters(self) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            trunc_normal_(linear.weight, self.init_std)
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)  # g = 2*sigmoid(0) = 1 at start
+        if self.q_norm_weight is not None:
+            nn.init.ones_(self.q_norm_weight)
+            nn.init.ones_(self.k_norm_weight)
+
+    def forward(
+        self,
+        a_BTD: torch.Tensor,
+        doc_BT: torch.Tensor | None,
+        pos_BT: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """Attend. `mask` is the precomputed [B,1,T,T] mask for this layer kind, or None for plain
+        causal attention; with `cache`, the mask is built against the cached keys instead."""
+        B, T, _ = a_BTD.shape
+        H, Dh, K = self.num_heads, self.head_dim, self.num_kv
+        q_BTHD = self.q_proj(a_BTD).view(B, T, H, Dh)
+        k_BTC = self.k_proj(a_BTD)
+        v_BTC = self.v_proj(a_BTD)
+        if self.sconv_k is not None:
+            k_BTC, new_state = self.sconv_k(k_BTC, doc_BT, None if cache is None else cache.conv_k)
+            if cache is not None:
+                cache.conv_k = new_state
+        if self.sconv_v is not None:
+            v_BTC, new_state = self.sconv_v(v_BTC, doc_BT, None if cache is None else cache.conv_v)
+            if cache is not None:
+                cache.conv_v = new_state
+        # Global layers read the first K of the stored KV heads (Marin: 6 of 12).
+        k_BTKD = k_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
+        v_BTKD = v_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
+        if self.config.qk_norm:
+            q_BTHD = rms_normalize(q_BTHD)
+            k_BTKD = rms_normalize(k_BTKD)
+            if self.q_norm_weight is not None:
+                q_BTHD = q_BTHD * self.q_norm_weight.to(q_BTHD.dtype)
+                k_BTKD = k_BTKD * self.k_norm_weight.to(k_BTKD.dtype)
+        if self.use_rope:
+            cos, sin = rope_cos_sin(pos_BT, self.config.rope_dim, self.config.rope_theta)
+            q_BTHD = apply_rope(q_BTHD, cos, sin)
+            k_BTKD = apply_rope(k_BTKD, cos, sin)
+        if self.config.qk_mult != 1.0:
+            q_BTHD = q_BTHD * self.config.qk_mult
+        q_BHTD = q_BTHD.transpose(1, 2)
+        k_BKTD = k_BTKD.transpose(1, 2)
+        v_BKTD = v_BTKD.transpose(1, 2)
+
+        if cache is not None:
+            cache.append(k_BKTD, v_BKTD, doc_BT, pos_BT)
+            k_BKSD, v_BKSD = cache.k_BKSD, cache.v_BKSD
+            mask = attention_mask(doc_BT, pos_BT, cache.doc_BS, cache.pos_BS, self.window)
+        else:
+            k_BKSD, v_BKSD = k_BKTD, v_BKTD
+        y_BHTD = F.scaled_dot_product_attention(
+            q_BHTD,
+            k_BKSD.to(q_BHTD.dtype),
+            v_BKSD.to(q_BHTD.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=H != K,
+        )
+        if cache is not None:
+            cache.trim()
+
+        if self.config.xsa:
+            # Exclusive self-attention: drop the part of each head's output along its own value.
+            y_BKGTD = y_BHTD.view(B, K, H // K, T, Dh)
+            v_BK1TD = v_BKTD.unsqueeze(2).to(y_BKGTD.dtype)
+            dot = (y_BKGTD * v_BK1TD).sum(-1, keepdim=True)
+            norm_sq = (v_BK1TD * v_BK1TD).sum(-1, keepdim=True)
+            y_BHTD = (y_BKGTD - dot / (norm_sq + 1e-6) * v_BK1TD).view(B, H, T, Dh)
+        y_BTHD = y_BHTD.transpose(1, 2)
+        if self.gate is not None:
+            g_BTH = 2.0 * torch.sigmoid(self.gate(a_BTD))
+            y_BTHD = y_BTHD * g_BTH.unsqueeze(-1).to(y_BTHD.dtype)
+        return self.o_proj(y_BTHD.reshape(B, T, H * Dh))
+
+    def empty_cache(self, batch: int, device, dtype) -> LayerCache:
+        shape = (batch, self.num_kv, 0, self.head_dim)
+        empty_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        cache = LayerCache(
+            torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
+            empty_ids,
+            empty_ids.clone(),
+            self.window,
+        )
+        if self.sconv_k is not None:
+            cache.conv_k = self.sconv_k.empty_state(batch, device, dtype)
+        if self.sconv_v is not None:
+            cache.conv_v = self.sconv_v.empty_state(batch, device, dtype)
+        return cache

@@ -1,0 +1,157 @@
+"""Routed SwiGLU experts over tokens sorted by expert.
+
+Shape legend: N tokens, k experts per token, A assignments (N*k, fewer after capacity drops),
+E experts, D expert input width (d_model or the latent width), F expert hidden width, C slots
+per expert in the padded layout.
+
+Dispatch sorts the N*k assignments by expert (stable, so token order within an expert), runs
+the experts on the sorted rows, scales by the combine weights and scatter-adds back per token.
+Three interchangeable kernels compute the sorted rows:
+
+- `grouped_mm`: `torch._grouped_mm` with offsets, wrapped in an autograd.Function because its
+  own backward fails on CPU ("Invalid strides/sizes"). The GPU path.
+- `bmm`: rows scattered into an [E, C, D] buffer and batched matmuls; pays for padding.
+- `loop`: one matmul per expert; the reference, and needs a host sync for the counts.
+
+`auto` picks `grouped_mm` on CUDA and `bmm` on CPU, from `bench/experts.py` on this machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marinlm.model.layers import trunc_normal_
+
+
+class GroupedMM(torch.autograd.Function):
+    """y = x @ w[e] for each expert's contiguous block of rows; blocks end at `offsets`."""
+
+    @staticmethod
+    def forward(ctx, x_AD, w_EDF, offsets_E):
+        ctx.save_for_backward(x_AD, w_EDF, offsets_E)
+        return torch._grouped_mm(x_AD, w_EDF, offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_AF):
+        x_AD, w_EDF, offsets_E = ctx.saved_tensors
+        dy_AF = dy_AF.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy_AF, w_EDF.transpose(-2, -1), offs=offsets_E)
+        if ctx.needs_input_grad[1]:
+            # dW_e = X_e^T dY_e: a grouped product whose groups run along the contraction dim.
+            dw = torch._grouped_mm(x_AD.t(), dy_AF, offs=offsets_E)
+        return dx, dw, None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in: the autocast dtype when autocast is on, else the input's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def grouped_mm_aligned(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """`torch._grouped_mm` needs every row stride to be a multiple of 16 bytes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(d * itemsize % 16 == 0 for d in dims)
+
+
+def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: torch.dtype) -> str:
+    aligned = grouped_mm_aligned(dims, dtype)
+    if impl == "grouped_mm" and not aligned:
+        raise ValueError(
+            f"expert impl grouped_mm needs widths {dims} to be multiples of 16 bytes in {dtype}; "
+            "use impl auto, bmm or loop"
+        )
+    if impl != "auto":
+        return impl
+    return "grouped_mm" if device.type == "cuda" and aligned else "bmm"
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked [E, in, out] matrices (one matrix per expert for Muon)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, init_std: float, impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.init_std, self.impl = num_experts, init_std, impl
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def reset_parameters(self) -> None:
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            trunc_normal_(w, self.init_std)
+
+    def forward(
+        self,
+        x_ND: torch.Tensor,
+        experts_NK: torch.Tensor,
+        weights_NK: torch.Tensor,
+        capacity: int | None = None,
+        priority_N: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the experts.
+
+        Args:
+            capacity: slots per expert; assignments past it are dropped. None = dropless.
+            priority_N: distinct per-token ranks ordering each expert's queue (lower = kept
+                first); None = token order.
+
+        Returns:
+            The weighted expert output [N, D] and the number of dropped assignments.
+        """
+        N, k = experts_NK.shape
+        E = self.num_experts
+        flat_A = experts_NK.reshape(-1)
+        if priority_N is None:
+            order_A = torch.argsort(flat_A, stable=True)
+        else:
+            order_A = torch.argsort(flat_A * N + priority_N.repeat_interleave(k))
+        counts_E = torch.bincount(flat_A, minlength=E)
+        expert_sorted_A = flat_A[order_A]
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        rank_A = torch.arange(flat_A.numel(), device=flat_A.device) - starts_E[expert_sorted_A]
+        dropped = torch.zeros((), device=x_ND.device)
+        if capacity is not None:
+            keep_A = rank_A < capacity
+            dropped = (~keep_A).sum().float()
+            order_A, expert_sorted_A, rank_A = order_A[keep_A], expert_sorted_A[keep_A], rank_A[keep_A]
+            counts_E = counts_E.clamp(max=capacity)
+        token_A = order_A // k
+        dtype = compute_dtype(x_ND)
+        x_AD = x_ND[token_A].to(dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        impl = resolve_impl(self.impl, x_ND.device, tuple(self.down_proj.shape[1:]), dtype)
+        if impl == "grouped_mm":
+            offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            h_AF = F.silu(GroupedMM.apply(x_AD, w_gate, offsets_E)) * GroupedMM.apply(x_AD, w_up, offsets_E)
+            y_AD = GroupedMM.apply(h_AF, w_down, offsets_E)
+        elif impl == "bmm":
+            slots = capacity if capacity is not None else int(counts_E.max())
+            x_ECD = x_AD.new_zeros(E, slots, x_AD.shape[1])
+            x_ECD = x_ECD.index_put((expert_sorted_A, rank_A), x_AD)
+            h_ECF = F.silu(torch.bmm(x_ECD, w_gate)) * torch.bmm(x_ECD, w_up)
+            y_AD = torch.bmm(h_ECF, w_down)[expert_sorted_A, rank_A]
+        elif impl == "loop":
+            pieces, start = [], 0
+            for e, count in enumerate(counts_E.tolist()):
+                xe = x_AD[start : start + count]
+                pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e])
+                start += count
+            y_AD = torch.cat(pieces)
+        else:
+            raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, bmm, loop")
+        y_AD = y_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1).to(dtype)
+        out_ND = y_AD.new_zeros(N, y_AD.shape[1]).index_add_(0, token_A, y_AD)
+        return out_ND, dropped
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Receiver capacity per expert: ceil(factor * assignments / experts)."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))

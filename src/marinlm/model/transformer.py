@@ -1,0 +1,226 @@
+"""MarinForCausalLM: the Marin 535B-A23B block stack, configurable down to a CPU toy.
+
+Shape legend: B batch, T sequence, D d_model, V vocabulary.
+
+    x0  = GatedNorm(RMSNorm(embed(tokens)))                 # embed_norm, gated_norm_rank > 0
+    per layer:
+      a = GatedNorm(RMSNorm(x));  x = x + SConv_attn(Attention(a))
+      m = GatedNorm(RMSNorm(x));  x = x + SConv_mlp(MoE(m) or DenseFFN(m))
+    logits = LMHead(GatedNorm(RMSNorm(x)))
+
+The model holds no parallelism and no collectives; `marinlm.parallel` shards it. Build it on the
+`meta` device, move it with `to_empty()`, then call `init_weights()` once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marinlm.model.attention import Attention, LayerCache, attention_mask
+from marinlm.model.config import MarinConfig
+from marinlm.model.layers import GatedNorm, RMSNorm, SConv, SwiGLU, doc_ids_and_positions, trunc_normal_
+from marinlm.model.moe import MoE
+from marinlm.model.router import RouterStats
+
+IGNORE_INDEX = -100
+
+
+def _norm(config: MarinConfig) -> nn.Module:
+    """RMSNorm, followed by GatedNorm when the config enables it."""
+    rms = RMSNorm(config.d_model, config.norm_eps)
+    if config.gated_norm_rank == 0:
+        return rms
+    return nn.Sequential(rms, GatedNorm(config.d_model, config.gated_norm_rank, config.init_std))
+
+
+class Block(nn.Module):
+    def __init__(self, config: MarinConfig, layer: int):
+        super().__init__()
+        sites, kernel = config.sconv.sites, config.sconv.kernel_size
+        self.is_global = config.is_global_layer(layer)
+        self.attn_norm = _norm(config)
+        self.attn = Attention(
+            config.attention,
+            config.d_model,
+            is_global=self.is_global,
+            sconv_sites=sites,
+            sconv_kernel=kernel,
+            init_std=config.init_std,
+        )
+        self.sconv_attn = SConv(config.d_model, kernel) if "attn" in sites else None
+        self.mlp_norm = _norm(config)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config.moe, config.d_model, config.norm_eps, config.init_std)
+        else:
+            self.mlp = SwiGLU(config.d_model, config.moe.dense_ffn_dim, config.init_std)
+        self.sconv_mlp = SConv(config.d_model, kernel) if "mlp" in sites else None
+
+    def forward(self, x_BTD, doc_BT, pos_BT, mask, cache: LayerCache | None = None):
+        a_BTD = self.attn_norm(x_BTD)
+        h_BTD = self.attn(a_BTD, doc_BT, pos_BT, mask, cache)
+        if self.sconv_attn is not None:
+            h_BTD, state = self.sconv_attn(h_BTD, doc_BT, None if cache is None else cache.conv_attn)
+            if cache is not None:
+                cache.conv_attn = state
+        x_BTD = x_BTD + h_BTD
+        m_BTD = self.mlp_norm(x_BTD)
+        routing = None
+        if isinstance(self.mlp, MoE):
+            h_BTD, routing = self.mlp(m_BTD)
+        else:
+            h_BTD = self.mlp(m_BTD)
+        if self.sconv_mlp is not None:
+            h_BTD, state = self.sconv_mlp(h_BTD, doc_BT, None if cache is None else cache.conv_mlp)
+            if cache is not None:
+                cache.conv_mlp = state
+        return x_BTD + h_BTD, routing
+
+    def empty_cache(self, batch: int, device, dtype) -> LayerCache:
+        cache = self.attn.empty_cache(batch, device, dtype)
+        if self.sconv_attn is not None:
+            cache.conv_attn = self.sconv_attn.empty_state(batch, device, dtype)
+        if self.sconv_mlp is not None:
+            cache.conv_mlp = self.sconv_mlp.empty_state(batch, device, dtype)
+        return cache
+
+
+@dataclass
+class CausalLMOutput:
+    """`loss` = ce_loss + z_loss + aux_loss, each a mean over tokens whose label is not ignored."""
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    num_tokens: int = 0  # tokens that count towards the loss
+    router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
+
+
+class MarinForCausalLM(nn.Module):
+    def __init__(self, config: MarinConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_norm = _norm(config) if config.embed_norm else None
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.final_norm = _norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer, following the spec:
+
+        - every matrix (embedding, projections, experts, router, GatedNorm, LM head): truncated
+          normal N(0, init_std) cut at +-3 std;
+        - RMSNorm gains (and Qwen-style QK-norm gains): 1;
+        - head gate: 0, so g = 2*sigmoid(0) = 1;
+        - SConv: identity (w[0] = 1, other taps 0);
+        - router bias: 0.
+        """
+        if seed is not None:
+            torch.manual_seed(seed)
+        if self.config.tie_embeddings:  # to_empty() gives each module its own tensor; re-tie
+            self.lm_head.weight = self.embed.weight
+        trunc_normal_(self.embed.weight, self.config.init_std)
+        if not self.config.tie_embeddings:
+            trunc_normal_(self.lm_head.weight, self.config.init_std)
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters") and not isinstance(
+                module, (nn.Linear, nn.Embedding)
+            ):
+                module.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        return_logits: bool = True,
+        caches: list[LayerCache] | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Run the model.
+
+        Args:
+            input_ids: [B, T] token ids.
+            segment_ids: [B, T] packed-document ids; attention and SConv never cross a change of
+                id, and positions restart at 0 in each document. None = one document per row.
+            labels: [B, T] next-token targets aligned with `input_ids` (labels[t] is the token
+                after position t), IGNORE_INDEX (-100) where no loss is taken.
+            return_logits: set False to skip keeping the [B, T, V] logits.
+            caches, doc_ids, positions: incremental decoding state, used by `generate`.
+        """
+        B, T = input_ids.shape
+        if doc_ids is None:
+            if segment_ids is None:
+                doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
+                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            else:
+                doc_ids, positions = doc_ids_and_positions(segment_ids)
+        local_mask = global_mask = None
+        if caches is None and segment_ids is not None:
+            global_mask = attention_mask(doc_ids, positions, doc_ids, positions, None)
+        window = self.config.attention.sliding_window
+        if caches is None and window is not None and (segment_ids is not None or window < T):
+            local_mask = attention_mask(doc_ids, positions, doc_ids, positions, window)
+        elif caches is None:
+            local_mask = global_mask
+
+        sconv_docs = doc_ids if segment_ids is not None or caches is not None else None
+        x_BTD = self.embed(input_ids)
+        if self.embed_norm is not None:
+            x_BTD = self.embed_norm(x_BTD)
+        stats, aux_losses = [], []
+        for i, layer in enumerate(self.layers):
+            mask = global_mask if layer.is_global else local_mask
+            x_BTD, routing = layer(x_BTD, sconv_docs, positions, mask, None if caches is None else caches[i])
+            if routing is not None:
+                stats.append(routing.stats)
+                if routing.aux_loss is not None:
+                    aux_losses.append(routing.aux_loss)
+        h_BTD = self.final_norm(x_BTD)
+        logits_BTV = self.lm_head(h_BTD)
+        out = CausalLMOutput(logits=logits_BTV if return_logits else None, router_stats=stats)
+        if labels is not None:
+            self._loss(out, logits_BTV, labels, aux_losses)
+        return out
+
+    def _loss(self, out: CausalLMOutput, logits_BTV, labels_BT, aux_losses) -> None:
+        logits_NV = logits_BTV.float().reshape(-1, logits_BTV.shape[-1])
+        labels_N = labels_BT.reshape(-1)
+        valid_N = labels_N != IGNORE_INDEX
+        count = valid_N.sum().clamp_min(1)
+        ce = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum") / count
+        loss = ce
+        out.z_loss = torch.zeros((), device=ce.device)
+        if self.config.z_loss_weight > 0:
+            lse_N = torch.logsumexp(logits_NV, dim=-1)
+            out.z_loss = self.config.z_loss_weight * (lse_N.pow(2) * valid_N).sum() / count
+            loss = loss + out.z_loss
+        out.aux_loss = torch.zeros((), device=ce.device)
+        if aux_losses:
+            out.aux_loss = torch.stack(aux_losses).mean()
+            loss = loss + out.aux_loss
+        out.loss, out.ce_loss, out.num_tokens = loss, ce, int(valid_N.sum())
+
+    @torch.no_grad()
+    def update_router_biases(self, stats: list[RouterStats]) -> None:
+        """Apply one optimizer step's reduced router statistics (one entry per MoE layer)."""
+        routers = [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if len(stats) != len(routers):
+            raise ValueError(f"expected router stats for {len(routers)} MoE layers, got {len(stats)}")
+        for router, layer_stats in zip(routers, stats):
+            router.update_bias(layer_stats)
+
+    def empty_caches(self, batch: int) -> list[LayerCache]:
+        p = self.lm_head.weight
+        return [layer.empty_cache(batch, p.device, p.dtype) for layer in self.layers]

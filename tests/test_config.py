@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, tiny_config
+from marinlm.config import ConfigError, from_dict, load_config, parse_overrides, save_config, to_dict
+from marinlm.model import MarinConfig, QBRouterConfig, SoftmaxTopKRouterConfig
+
+
+def test_every_shipped_yaml_parses():
+    """Each YAML under configs/ loads into the config class its folder names."""
+    from marinlm.cli import config_class_for
+
+    files = sorted(CONFIGS.rglob("*.yaml"))
+    assert files
+    for path in files:
+        cls = config_class_for(path)
+        config = load_config(cls, path)
+        assert from_dict(cls, to_dict(config)) == config, path
+
+
+def test_save_and_reload_is_lossless(tmp_path):
+    config = load_config(MarinConfig, CONFIGS / "model" / "marin-535b-a23b.yaml")
+    save_config(config, tmp_path / "resolved.yaml")
+    assert load_config(MarinConfig, tmp_path / "resolved.yaml") == config
+
+
+def test_overrides_nested_and_typed():
+    config = load_config(
+        MarinConfig,
+        CONFIGS / "model" / "tiny.yaml",
+        ["--moe.top_k=4", "--attention.qk_mult=2", "--moe.router.type=softmax_topk", "--z_loss_weight=3e-4"],
+    )
+    assert config.moe.top_k == 4
+    assert config.attention.qk_mult == 2.0 and isinstance(config.attention.qk_mult, float)
+    assert isinstance(config.moe.router, SoftmaxTopKRouterConfig)
+    assert config.z_loss_weight == 3e-4
+
+
+def test_parse_overrides_shapes():
+    assert parse_overrides(["--a.b=1", "--a.c", "x", "--d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
+    with pytest.raises(ConfigError, match="no value"):
+        parse_overrides(["--a.b"])
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["--moe.bogus=1"], "moe.bogus", "unknown key"),
+        (["--num_layers=two"], "num_layers", "expected an integer"),
+        (["--attention.xsa=1"], "attention.xsa", "true or false"),
+        (["--attention.num_kv_heads=3"], "attention.num_kv_heads", "must divide num_heads=4"),
+        (["--moe.top_k=16"], "moe.top_k", "[1, num_experts-1=15]"),
+        (["--moe.latent_dim=256"], "moe.latent_dim", "[1, d_model=128]"),
+        (["--moe.router.type=nope"], "moe.router.type", "must be one of"),
+        (["--sconv.sites=[q]"], "sconv.sites", "unknown site"),
+        (["--attention.rope_fraction=0.3"], "attention.rope_fraction", "must be even"),
+        (["--moe.impl=cuda"], "moe.impl", "must be one of"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(MarinConfig, CONFIGS / "model" / "tiny.yaml", overrides)
+    assert info.value.key == key
+    assert fragment in str(info.value)
+
+
+def test_bad_yaml_file_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("d_model: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(MarinConfig, bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(MarinConfig, tmp_path / "missing.yaml")
+
+
+def test_choice_round_trip_keeps_variant():
+    config = tiny_config(moe={"router": {"type": "qb", "weight_sum": 1.5}})
+    data = to_dict(config)
+    assert data["moe"]["router"] == {"type": "qb", "weight_sum": 1.5}
+    again = from_dict(MarinConfig, yaml.safe_load(yaml.safe_dump(data)))
+    assert isinstance(again.moe.router, QBRouterConfig) and again.moe.router.weight_sum == 1.5
+
+
+def test_sub_config_can_be_a_file_reference(tmp_path):
+    @dataclass(kw_only=True)
+    class Run:
+        model: MarinConfig = field(default_factory=MarinConfig)
+        name: str = "x"
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(f"model: {CONFIGS / 'model' / 'tiny.yaml'}\nname: demo\n")
+    run = load_config(Run, run_file, ["--model.num_layers=2"])
+    assert run.model.d_model == 128 and run.model.num_layers == 2 and run.name == "demo"

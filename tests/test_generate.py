@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import torch
+
+from conftest import build, randomize_identity_inits, tiny_config
+from marinlm.model import SamplingConfig, generate
+from marinlm.model.generate import filter_logits
+
+
+def test_cache_decoding_matches_full_forward():
+    """Prefill then one token at a time through the KV cache (window 6 < length, so the local
+    caches trim) gives the logits of one full forward, for a left-padded batch."""
+    config = tiny_config(attention={"sliding_window": 6})
+    model = build(config).eval()
+    randomize_identity_inits(model)
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, config.vocab_size, (n,)) for n in (21, 15)]
+    prompt_len = [9, 5]
+    pad = max(prompt_len) - min(prompt_len)
+    prompts = torch.zeros(2, max(prompt_len), dtype=torch.long)
+    mask = torch.zeros_like(prompts)
+    for i, (s, p) in enumerate(zip(seqs, prompt_len)):
+        prompts[i, -p:] = s[:p]
+        mask[i, -p:] = 1
+    doc = mask.clone()
+    pos = torch.where(mask.bool(), mask.cumsum(1) - 1, torch.arange(prompts.shape[1]))
+    caches = model.empty_caches(2)
+    with torch.no_grad():
+        step_logits = [model(prompts, caches=caches, doc_ids=doc, positions=pos).logits[:, -1]]
+        next_pos = mask.sum(1, keepdim=True)
+        for t in range(6):
+            token = torch.stack([s[p + t] for s, p in zip(seqs, prompt_len)]).unsqueeze(1)
+            out = model(token, caches=caches, doc_ids=torch.ones_like(token), positions=next_pos)
+            step_logits.append(out.logits[:, -1])
+            next_pos = next_pos + 1
+        for i, (s, p) in enumerate(zip(seqs, prompt_len)):
+            full = model(s[: p + 6].unsqueeze(0)).logits[0, p - 1 :]
+            got = torch.stack([lg[i] for lg in step_logits])
+            torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+    assert pad == 4
+    assert caches[0].k_BKSD.shape[2] == 6  # local layer trimmed to the window
+    assert caches[-1].k_BKSD.shape[2] == max(prompt_len) + 6  # global layer keeps everything
+
+
+def test_generate_greedy_is_deterministic_and_stops_at_eos():
+    config = tiny_config()
+    model = build(config)
+    prompt = torch.randint(0, config.vocab_size, (1, 7))
+    a = generate(model, prompt, SamplingConfig(max_new_tokens=8, temperature=0))
+    b = generate(model, prompt, SamplingConfig(max_new_tokens=8, temperature=0))
+    assert torch.equal(a, b) and a.shape == (1, 15)
+    eos = int(a[0, 7])
+    stopped = generate(model, prompt, SamplingConfig(max_new_tokens=8, temperature=0), eos_token_id=eos)
+    assert stopped.shape == (1, 8)
+    assert model.training  # generate restores the mode
+
+
+def test_sampling_with_seed_is_reproducible():
+    config = tiny_config()
+    model = build(config)
+    prompt = torch.randint(0, config.vocab_size, (2, 5))
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.8, top_k=50, top_p=0.9, seed=3)
+    assert torch.equal(generate(model, prompt, sampling), generate(model, prompt, sampling))
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, 1.0, 2, 1.0))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, 1.0, 0, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.8 >= 0.7
+    kept = torch.isfinite(filter_logits(logits, 1.0, 0, 0.4))
+    assert kept.tolist() == [[True, False, False, False]]

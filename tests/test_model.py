@@ -1,0 +1,243 @@
+from __future__ import annotations
+
+import ast
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import CONFIGS, ROOT, build, randomize_identity_inits, tiny_config
+from marinlm.config import load_config
+from marinlm.model import MarinConfig
+from marinlm.model.attention import attention_mask
+from marinlm.model.layers import SConv, doc_ids_and_positions
+from marinlm.model.summary import summarize
+
+
+def packed_segments(B: int, T: int, cuts: list[int]) -> torch.Tensor:
+    seg = torch.zeros(B, T, dtype=torch.long)
+    for i, c in enumerate(cuts):
+        seg[:, c:] = i + 1
+    return seg
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_causal_with_packed_segments(train_mode):
+    """Changing tokens at or after t0 never changes logits before t0 (train mode: with capacity)."""
+    config = tiny_config(attention={"sliding_window": 8})
+    model = build(config)
+    randomize_identity_inits(model)
+    model.train(train_mode)
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (2, 40))
+    seg = packed_segments(2, 40, [13, 27])
+    base = model(ids, seg).logits
+    for t0 in (5, 13, 20, 39):
+        changed = ids.clone()
+        changed[:, t0:] = torch.randint(0, config.vocab_size, changed[:, t0:].shape)
+        out = model(changed, seg).logits
+        torch.testing.assert_close(out[:, :t0], base[:, :t0], rtol=0, atol=1e-5)
+
+
+def test_packed_document_equals_document_alone():
+    """Attention, SConv and positions restart at a boundary: doc B packed after doc A == doc B alone."""
+    config = tiny_config(attention={"sliding_window": 6})
+    model = build(config).eval()
+    randomize_identity_inits(model)
+    torch.manual_seed(1)
+    doc_a = torch.randint(0, config.vocab_size, (1, 17))
+    doc_b = torch.randint(0, config.vocab_size, (1, 23))
+    packed = torch.cat([doc_a, doc_b], dim=1)
+    seg = packed_segments(1, 40, [17])
+    logits = model(packed, seg).logits
+    torch.testing.assert_close(logits[:, 17:], model(doc_b).logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[:, :17], model(doc_a).logits, rtol=1e-4, atol=1e-5)
+
+
+def naive_attention(q, k, v, segment_ids, window):
+    """Loops over every (batch, head, query): softmax over the keys the rules allow."""
+    B, H, T, Dh = q.shape
+    group = H // k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                allowed = []
+                for s in range(t + 1):
+                    same_doc = bool((segment_ids[b, s : t + 1] == segment_ids[b, t]).all())
+                    if same_doc and (window is None or t - s < window):
+                        allowed.append(s)
+                kh = k[b, h // group, allowed]
+                scores = kh @ q[b, h, t] / math.sqrt(Dh)
+                out[b, h, t] = torch.softmax(scores, 0) @ v[b, h // group, allowed]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_masked_sdpa_matches_naive_reference(window):
+    torch.manual_seed(2)
+    B, H, K, T, Dh = 2, 4, 2, 19, 8
+    q, k, v = torch.randn(B, H, T, Dh), torch.randn(B, K, T, Dh), torch.randn(B, K, T, Dh)
+    seg = torch.tensor([[0] * 7 + [1] * 5 + [2] * 7, [5] * 10 + [3] * 9])
+    doc, pos = doc_ids_and_positions(seg)
+    mask = attention_mask(doc, pos, doc, pos, window)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, naive_attention(q, k, v, seg, window), rtol=1e-5, atol=1e-5)
+
+
+def test_positions_restart_and_repeated_ids_are_new_documents():
+    seg = torch.tensor([[7, 7, 7, 2, 2, 7, 7]])
+    doc, pos = doc_ids_and_positions(seg)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert doc.tolist() == [[1, 1, 1, 2, 2, 3, 3]]
+
+
+def test_sconv_matches_naive_and_never_mixes_documents():
+    torch.manual_seed(3)
+    conv = SConv(channels=5, kernel_size=4)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(4, 5))
+    x = torch.randn(2, 12, 5)
+    seg = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])
+    doc, _ = doc_ids_and_positions(seg)
+    y, _ = conv(x, doc)
+    expected = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(12):
+            for lag in range(4):
+                if t - lag >= 0 and seg[b, t - lag] == seg[b, t]:
+                    expected[b, t] += conv.weight[lag] * x[b, t - lag]
+    torch.testing.assert_close(y, expected)
+    # Perturbing document 0 leaves documents 1 and 2 untouched.
+    x2 = x.clone()
+    x2[0, :5] += 100.0
+    y2, _ = conv(x2, doc)
+    torch.testing.assert_close(y2[0, 5:], y[0, 5:])
+
+
+def test_sconv_incremental_state_matches_full():
+    torch.manual_seed(4)
+    conv = SConv(channels=3, kernel_size=4)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(4, 3))
+    x = torch.randn(2, 9, 3)
+    doc = torch.tensor([[1] * 9, [0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    full, _ = conv(x, doc)
+    state = conv.empty_state(2, "cpu", torch.float32)
+    pieces = []
+    for chunk in (slice(0, 4), slice(4, 5), slice(5, 9)):
+        y, state = conv(x[:, chunk], doc[:, chunk], state)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, 1), full)
+
+
+def test_init_follows_the_spec():
+    config = load_config(MarinConfig, CONFIGS / "model" / "small.yaml")
+    model = build(config, seed=0)
+    for name, p in model.named_parameters():
+        if name.endswith("attn.gate.weight"):
+            assert torch.all(p == 0), name
+        elif "sconv" in name:
+            assert torch.all(p[0] == 1) and torch.all(p[1:] == 0), name
+        elif p.ndim == 1:
+            assert torch.all(p == 1), name  # RMSNorm gains
+        else:
+            assert p.abs().max() <= 3 * config.init_std + 1e-7, name
+            if p.numel() > 10_000:
+                # a normal cut at +-3 std has std 0.9866 * std
+                assert abs(p.std().item() - 0.9866 * config.init_std) < 0.05 * config.init_std, name
+    for name, b in model.named_buffers():
+        if name.endswith("router.bias"):
+            assert torch.all(b == 0)
+
+
+def test_meta_init_is_deterministic():
+    a, b = build(tiny_config(), seed=5), build(tiny_config(), seed=5)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_bf16_autocast_forward_backward_is_finite():
+    config = tiny_config()
+    model = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, packed_segments(2, 24, [10]), labels=ids)
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.dtype == torch.float32  # master weights stay fp32
+
+
+def test_loss_terms_and_ignore_index():
+    config = tiny_config()
+    model = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = ids.clone()
+    labels[:, 8:] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits.float()
+    ce = F.cross_entropy(logits[:, :8].reshape(-1, config.vocab_size), ids[:, :8].reshape(-1))
+    z = config.z_loss_weight * torch.logsumexp(logits[:, :8], -1).pow(2).mean()
+    torch.testing.assert_close(out.ce_loss, ce)
+    torch.testing.assert_close(out.z_loss, z)
+    torch.testing.assert_close(out.loss, ce + z)
+    assert out.num_tokens == 16
+    assert math.isclose(out.ce_loss.item(), math.log(config.vocab_size), rel_tol=0.02)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tie_embeddings": True},
+        {"moe": {"first_k_dense": 1, "dense_ffn_dim": 96}},
+        {"moe": {"router": {"type": "aux_free"}}},
+        {"moe": {"router": {"type": "softmax_topk"}}, "attention": {"qk_norm_gain": True}},
+        {"moe": {"latent_dim": None, "num_shared_experts": 0, "capacity_factor": None}},
+        {"attention": {"sliding_window": None, "xsa": False, "head_gate": False}, "sconv": {"sites": []}},
+    ],
+)
+def test_variants_train(overrides):
+    config = tiny_config(**overrides)
+    model = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 20))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert len(out.router_stats) == config.num_moe_layers
+    if config.tie_embeddings:
+        assert model.lm_head.weight is model.embed.weight
+    if "softmax_topk" in str(overrides):
+        assert out.aux_loss > 0
+
+
+def test_hero_preset_parameter_count_on_meta():
+    config = load_config(MarinConfig, CONFIGS / "model" / "marin-535b-a23b.yaml")
+    s = summarize(config)
+    assert abs(s.total - 535.3e9) / 535.3e9 < 0.005, s.total
+    assert abs(s.active - 22.76e9) / 22.76e9 < 0.02, s.active
+    per_layer = {k: v / 48 for k, v in s.total_by_component.items()}
+    assert per_layer["attention"] == 2 * 6144 * 6144 + 2 * 6144 * 1536 + 6144 * 48  # 94.66M
+    assert per_layer["router"] == 6144 * 384
+    assert per_layer["latent"] == 2 * 6144 * 3072 + 3072 / 48 * 48  # + latent RMSNorm gain
+    assert per_layer["routed_experts"] == 384 * 3 * 3072 * 3072
+    assert per_layer["shared_experts"] == 2 * 3 * 6144 * 3072
+    assert s.total_by_component["embedding"] == s.total_by_component["lm_head"] == 128256 * 6144
+    assert [i + 1 for i in range(48) if config.is_global_layer(i)] == list(range(4, 49, 4))
+
+
+def test_model_package_has_no_distributed_code():
+    """model/ neither imports nor touches torch.distributed (parallel/ applies sharding)."""
+    for path in (ROOT / "src" / "marinlm" / "model").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                names = [ast.unparse(node)]
+            else:
+                continue
+            assert not any("torch.distributed" in n for n in names), (path, names)

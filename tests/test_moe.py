@@ -1,0 +1,184 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build, tiny_config
+from marinlm.model import AuxFreeRouterConfig, QBRouterConfig, RouterStats, SoftmaxTopKRouterConfig
+from marinlm.model.experts import RoutedExperts, expert_capacity
+from marinlm.model.router import AuxFreeRouter, QBRouter, SoftmaxTopKRouter
+
+
+def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
+    """One token, one assignment at a time."""
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            if keep is not None and not keep[n, j]:
+                continue
+            e = experts[n, j]
+            h = F.silu(x[n] @ module.gate_proj[e]) * (x[n] @ module.up_proj[e])
+            out[n] += weights[n, j] * (h @ module.down_proj[e])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop"])
+def test_expert_kernels_match_naive_loop_with_grads(impl):
+    torch.manual_seed(0)
+    module = RoutedExperts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
+    module.reset_parameters()
+    x = torch.randn(20, 8, requires_grad=True)
+    experts = torch.randint(0, 5, (20, 2))  # expert 5 gets nothing: empty groups must work
+    weights = torch.rand(20, 2, requires_grad=True)
+    got, dropped = module(x, experts, weights)
+    assert dropped == 0
+    want = naive_experts(module, x, experts, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, [x, weights, module.gate_proj, module.up_proj, module.down_proj], g)
+    ref = torch.autograd.grad(want, [x, weights, module.gate_proj, module.up_proj, module.down_proj], g)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop"])
+def test_capacity_drops_later_tokens_and_counts_them(impl):
+    torch.manual_seed(2)
+    module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
+    module.reset_parameters()
+    N, k = 12, 2
+    experts = torch.stack([torch.zeros(N, dtype=torch.long), torch.randint(1, 4, (N,))], 1)  # all hit expert 0
+    weights = torch.rand(N, k)
+    capacity = expert_capacity(N, k, 4, 1.0)  # 6 slots per expert
+    assert capacity == 6
+    x = torch.randn(N, 8)
+    got, dropped = module(x, experts, weights, capacity)
+    counts = torch.bincount(experts.reshape(-1), minlength=4)
+    assert dropped.item() == (counts - capacity).clamp_min(0).sum().item()
+    # Within each expert, assignments keep token order and the first `capacity` survive.
+    keep = torch.zeros(N, k, dtype=torch.bool)
+    seen = [0] * 4
+    for n in range(N):
+        for j in range(k):
+            e = experts[n, j].item()
+            keep[n, j] = seen[e] < capacity
+            seen[e] += 1
+    torch.testing.assert_close(got, naive_experts(module, x, experts, weights, keep), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_rejects_unaligned_widths_clearly():
+    module = RoutedExperts(num_experts=2, dim=6, hidden=4, init_std=0.2, impl="grouped_mm")
+    module.reset_parameters()
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        module(torch.randn(3, 6), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+    module.impl = "auto"  # auto falls back to a kernel without the alignment rule
+    module(torch.randn(3, 6), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+def identity_router(cls, config, num_experts, top_k):
+    router = cls(config, num_experts, num_experts, top_k, 0.02)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(num_experts))
+        router.bias.zero_()
+    return router
+
+
+def test_qb_hand_computed_example():
+    """Selection on biased logits, sigmoid weights summing to 2.5, beta and the bias replacement."""
+    s = torch.tensor(
+        [[2.0, 1.0, 0.0, -1.0], [0.5, 1.5, -0.5, 0.0], [0.0, 0.0, 3.0, 1.0], [1.0, -1.0, 0.5, 2.0]]
+    )
+    router = identity_router(QBRouter, QBRouterConfig(weight_sum=2.5), 4, 2)
+    with torch.no_grad():
+        router.bias.copy_(torch.tensor([0.0, 0.0, -1.0, 0.0]))
+    routing = router(s)
+    assert [sorted(r) for r in routing.experts_NK.tolist()] == [[0, 1], [0, 1], [2, 3], [0, 3]]
+    sig = torch.sigmoid(torch.tensor([2.0, 1.0]))
+    expected_t0 = 2.5 * sig / sig.sum()
+    torch.testing.assert_close(routing.weights_NK[0], expected_t0)
+    torch.testing.assert_close(routing.weights_NK.sum(-1), torch.full((4,), 2.5))
+    # alpha = 3rd largest biased logit per token: [-1, 0, 0, -0.5]; margins = s - alpha;
+    # beta_e = the N*k/E = 2nd largest margin of each expert.
+    torch.testing.assert_close(routing.stats.beta, torch.tensor([1.5, 1.5, 1.0, 1.0]))
+    router.update_bias(routing.stats)
+    torch.testing.assert_close(router.bias, torch.tensor([-0.25, -0.25, 0.25, 0.25]))
+    # A replacement, not an accumulation: the same stats give the same bias again.
+    router.update_bias(routing.stats)
+    torch.testing.assert_close(router.bias, torch.tensor([-0.25, -0.25, 0.25, 0.25]))
+
+
+def test_qb_balances_a_skewed_router_over_steps():
+    torch.manual_seed(3)
+    E, k = 16, 2
+    router = QBRouter(QBRouterConfig(), 32, E, k, 0.02)
+    router.reset_parameters()
+    x = torch.randn(4096, 32)
+    with torch.no_grad():  # a router that strongly prefers high-numbered experts
+        x[:, 0] = 1.0
+        router.weight[:, 0] = torch.linspace(-2, 2, E)
+
+    def relative_load():
+        routing = router(x)
+        return routing, routing.stats.load / routing.stats.load.mean()
+
+    routing, before = relative_load()
+    for _ in range(3):
+        router.update_bias(routing.stats)
+        routing, after = relative_load()
+    assert before.max() > 3.0
+    assert after.max() < 1.3 and after.min() > 0.7
+
+
+def test_aux_free_bias_nudges_towards_balance():
+    router = identity_router(AuxFreeRouter, AuxFreeRouterConfig(bias_update_rate=0.01), 4, 1)
+    stats = RouterStats(load=torch.tensor([10.0, 2.0, 4.0, 4.0]), z_loss=torch.tensor(0.0),
+                        dropped=torch.tensor(0.0), num_tokens=torch.tensor(20.0))
+    router.update_bias(stats)
+    torch.testing.assert_close(router.bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
+    routing = router(torch.tensor([[3.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(routing.weights_NK.sum(-1), torch.ones(1))
+
+
+def test_softmax_topk_aux_loss_matches_hf_mixtral():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    torch.manual_seed(4)
+    router = SoftmaxTopKRouter(SoftmaxTopKRouterConfig(aux_loss_weight=1.0), 16, 8, 2, 0.5)
+    router.reset_parameters()
+    x = torch.randn(64, 16)
+    routing = router(x)
+    hf = load_balancing_loss_func((router.logits(x),), num_experts=8, top_k=2)
+    torch.testing.assert_close(routing.aux_loss, hf)
+    assert transformers is not None
+
+
+def test_router_stats_merge_and_model_update():
+    config = tiny_config()
+    model = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    stats = [model(ids[:1]).router_stats, model(ids[1:]).router_stats]
+    merged = [RouterStats.merge([a, b]) for a, b in zip(*stats)]
+    assert merged[0].load.sum() == 2 * 64 * config.moe.top_k
+    torch.testing.assert_close(merged[0].beta, (stats[0][0].beta + stats[1][0].beta) / 2)
+    assert 0 < merged[0].entropy <= math.log(config.moe.num_experts) + 1e-6
+    model.update_router_biases(merged)
+    bias = model.layers[0].mlp.router.bias
+    torch.testing.assert_close(bias, -merged[0].beta + merged[0].beta.mean())
+    assert "layers.0.mlp.router.bias" in model.state_dict()
+    with pytest.raises(ValueError, match="MoE layers"):
+        model.update_router_biases(merged[:1])
+
+
+def test_training_mode_reports_capacity_drops():
+    config = tiny_config(moe={"capacity_factor": 0.5})
+    model = build(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    stats = model(ids).router_stats
+    assert all(s.dropped > 0 for s in stats)
+    assert all(0 < s.dropped_fraction < 1 for s in stats)
+    model.eval()
+    assert all(s.dropped == 0 for s in model(ids).router_stats)
