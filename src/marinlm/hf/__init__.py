@@ -1,0 +1,1 @@
+"""Conversion between marinlm checkpoints and the Hugging Face ecosystem."""

@@ -1,0 +1,1 @@
+"""Small shared helpers: atomic files, hashing, performance measurement."""
