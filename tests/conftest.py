@@ -51,3 +51,45 @@ def randomize_identity_inits(model: MarinForCausalLM, seed: int = 1) -> None:
         for name, b in model.named_buffers():
             if name.endswith("router.bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+SAMPLE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It was 1234567 years ago.",
+    "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.",
+    "天下大势，分久必合，合久必分。学而时习之，不亦说乎？",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Emoji 🚀🔥 and accents: naïve café, Ελληνικά, русский текст, 日本語のテキスト",
+    "class Stack:\n\tdef __init__(self):\n\t\tself.items = []\n\n\tdef push(self, x):\n\t\tself.items.append(x)\n",
+]
+
+
+def write_corpus(folder, num_docs: int = 200, num_files: int = 3, seed: int = 0) -> list[str]:
+    """A small mixed corpus (English, Chinese, code, emoji) as jsonl files; returns the texts."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for i in range(num_docs):
+        parts = rng.sample(SAMPLE_TEXTS, k=rng.randint(1, 3))
+        texts.append(f"doc {i}: " + " ".join(parts) * rng.randint(1, 4))
+    for f in range(num_files):
+        with open(folder / f"part-{f}.jsonl", "w") as out:
+            for i in range(f, num_docs, num_files):
+                out.write(json.dumps({"id": f"d{i}", "text": texts[i]}) + "\n")
+    return texts
+
+
+def stdlib_python_texts(limit_bytes: int = 2_000_000) -> list[str]:
+    """Python standard library sources: a code corpus every Python installation has."""
+    import sysconfig
+
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        total += len(text)
+        if total > limit_bytes:
+            break
+    return texts

@@ -5,9 +5,10 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from conftest import CONFIGS, tiny_config
 from marinlm.config import ConfigError, from_dict, load_config, parse_overrides, save_config, to_dict
 from marinlm.model import MarinConfig, QBRouterConfig, SoftmaxTopKRouterConfig
+
+from conftest import CONFIGS, tiny_config
 
 
 def test_every_shipped_yaml_parses():

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import torch
 
-from conftest import build, randomize_identity_inits, tiny_config
 from marinlm.model import SamplingConfig, generate
 from marinlm.model.generate import filter_logits
+
+from conftest import build, randomize_identity_inits, tiny_config
 
 
 def test_cache_decoding_matches_full_forward():

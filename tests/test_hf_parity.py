@@ -3,10 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CONFIGS, build
 from marinlm.config import load_config
 from marinlm.hf.qwen3_moe import check_qwen3_compatible, from_hf_state_dict, qwen3_moe_hf_config, to_hf_state_dict
 from marinlm.model import MarinConfig
+
+from conftest import CONFIGS, build
 
 transformers = pytest.importorskip("transformers")
 

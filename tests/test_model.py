@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CONFIGS, ROOT, build, randomize_identity_inits, tiny_config
 from marinlm.config import load_config
 from marinlm.model import MarinConfig
 from marinlm.model.attention import attention_mask
 from marinlm.model.layers import SConv, doc_ids_and_positions
 from marinlm.model.summary import summarize
+
+from conftest import CONFIGS, ROOT, build, randomize_identity_inits, tiny_config
 
 
 def packed_segments(B: int, T: int, cuts: list[int]) -> torch.Tensor:

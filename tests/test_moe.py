@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build, tiny_config
 from marinlm.model import AuxFreeRouterConfig, QBRouterConfig, RouterStats, SoftmaxTopKRouterConfig
 from marinlm.model.experts import RoutedExperts, expert_capacity
 from marinlm.model.router import AuxFreeRouter, QBRouter, SoftmaxTopKRouter
+
+from conftest import build, tiny_config
 
 
 def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):

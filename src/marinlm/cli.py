@@ -14,13 +14,40 @@ from marinlm.config import ConfigError
 
 def config_class_for(path: str | Path) -> type:
     """The config class a shipped YAML file holds, from its folder under configs/."""
+    from marinlm.dataset.tokenize import TokenizeConfig
     from marinlm.model.config import MarinConfig
+    from marinlm.tokenizer import TokenizerTrainConfig
 
-    classes = {"model": MarinConfig}
+    classes = {"model": MarinConfig, "tokenizer": TokenizerTrainConfig, "tokenize": TokenizeConfig}
     folder = Path(path).resolve().parent.name
     if folder not in classes:
         raise ValueError(f"{path}: no config class for folder {folder!r}; known: {sorted(classes)}")
     return classes[folder]
+
+
+def _load(cls, path, overrides):
+    from marinlm.config import load_config
+
+    return load_config(cls, path, overrides)
+
+
+def _tokenizer_train(args, overrides) -> int:
+    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
+
+    _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides))
+    print(f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
+          f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}")
+    return 0
+
+
+def _tokenize(args, overrides) -> int:
+    from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+
+    manifest = tokenize(_load(TokenizeConfig, args.config, overrides))
+    print(f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
+          f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
+          f"{len(manifest['rejected'])} rejected inputs; {manifest['seconds']} s")
+    return 0
 
 
 def _model_summary(args, overrides) -> int:
@@ -42,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
     summary.add_argument("--seq-len", type=int, default=None, help="sequence length for attention FLOPs")
     summary.set_defaults(func=_model_summary)
+
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
+        dest="tokenizer_command", required=True
+    )
+    train_tok = tokenizer.add_parser("train", help="train a byte-level BPE tokenizer")
+    train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
+    train_tok.set_defaults(func=_tokenizer_train)
+
+    tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
+    tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")
+    tok.set_defaults(func=_tokenize)
     return parser
 
 
@@ -55,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, rest)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

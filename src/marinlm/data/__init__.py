@@ -1,0 +1,1 @@
+"""Data curation: readers, filters, dedup, decontamination, mixture (knows nothing of the model)."""

@@ -1,0 +1,198 @@
+"""Document readers for .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet, plus HF `datasets`.
+
+Bad input never raises out of a reader: a malformed JSON line, invalid UTF-8, a missing or
+non-string text field, or a truncated compressed stream becomes a `Rejected` record naming the
+file and line, and reading goes on (or stops cleanly at a truncation). A missing input path is
+different: `expand_inputs` fails fast on it.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".json")
+
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    source: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rejected:
+    """Input that could not become a document, with where it came from and why."""
+
+    source: str
+    location: str  # "path:line" or "path"
+    reason: str
+    raw: str = ""  # the offending content, clipped
+
+
+def expand_inputs(inputs: list[str] | str) -> list[Path]:
+    """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    paths: list[Path] = []
+    for spec in inputs:
+        p = Path(spec)
+        if any(ch in spec for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"input glob matched nothing: {spec}")
+            paths.extend(m for m in matches if m.is_file())
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"input directory has no {', '.join(SUFFIXES)} files: {spec}")
+            paths.extend(found)
+        elif p.is_file():
+            paths.append(p)
+        else:
+            raise FileNotFoundError(f"input path does not exist: {spec}")
+    for p in paths:
+        if not p.name.endswith(SUFFIXES):
+            raise ValueError(f"{p}: unsupported input type; supported suffixes: {', '.join(SUFFIXES)}")
+    return paths
+
+
+def _open_binary(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _clip(raw: bytes | str, n: int = 200) -> str:
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", errors="replace")
+    return raw[:n]
+
+
+def read_documents(
+    path: str | Path, text_field: str = "text", id_field: str | None = "id", source: str | None = None
+) -> Iterator[Document | Rejected]:
+    """Yield the documents of one file in order; problems come out as `Rejected` records.
+
+    A .txt file is one document (its path is the id). JSON lines need a string `text_field`;
+    `id_field` falls back to "path:line" when absent.
+    """
+    path = Path(path)
+    source = source or path.stem.split(".")[0]
+    name = path.name
+    if name.endswith(".parquet"):
+        yield from _read_parquet(path, text_field, id_field, source)
+        return
+    if name.endswith(".txt"):
+        try:
+            data = path.read_bytes()
+            yield Document(id=str(path), text=data.decode("utf-8"), source=source, metadata={"path": str(path)})
+        except UnicodeDecodeError as e:
+            yield Rejected(source, str(path), f"invalid UTF-8 at byte {e.start}")
+        return
+    if name.endswith(".json"):
+        yield from _read_json_array(path, text_field, id_field, source)
+        return
+    line_no = 0
+    try:
+        with _open_binary(path) as raw, io.BufferedReader(raw) as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                yield _parse_line(line, path, line_no, text_field, id_field, source)
+    except (EOFError, OSError, zlib.error) as e:
+        yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
+    except Exception as e:  # zstandard.ZstdError and friends
+        if type(e).__module__.startswith("zstandard") or "zstd" in type(e).__name__.lower():
+            yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
+        else:
+            raise
+
+
+def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Document | Rejected:
+    where = f"{path}:{line_no}"
+    try:
+        text_line = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Rejected(source, where, f"invalid UTF-8 at byte {e.start}", _clip(line))
+    try:
+        record = json.loads(text_line)
+    except json.JSONDecodeError as e:
+        return Rejected(source, where, f"malformed JSON: {e.msg} at column {e.colno}", _clip(text_line))
+    return _from_record(record, where, text_field, id_field, source, {"path": str(path), "line": line_no})
+
+
+def _from_record(record, where, text_field, id_field, source, provenance) -> Document | Rejected:
+    if not isinstance(record, dict):
+        return Rejected(source, where, f"expected a JSON object, got {type(record).__name__}", _clip(str(record)))
+    text = record.get(text_field)
+    if text is None:
+        return Rejected(source, where, f"missing field {text_field!r}", _clip(json.dumps(record)))
+    if not isinstance(text, str):
+        return Rejected(source, where, f"field {text_field!r} is {type(text).__name__}, not a string", "")
+    doc_id = record.get(id_field) if id_field else None
+    doc_id = str(doc_id) if doc_id is not None else where
+    metadata = {k: v for k, v in record.items() if k not in (text_field, id_field)}
+    metadata.update(provenance)
+    return Document(id=doc_id, text=text, source=str(record.get("source", source)), metadata=metadata)
+
+
+def _read_json_array(path: Path, text_field, id_field, source):
+    try:
+        records = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        yield Rejected(source, str(path), f"unreadable JSON file: {e}")
+        return
+    if not isinstance(records, list):
+        yield Rejected(source, str(path), "a .json input must hold a list of objects")
+        return
+    for i, record in enumerate(records):
+        yield _from_record(record, f"{path}:{i}", text_field, id_field, source, {"path": str(path), "index": i})
+
+
+def _read_parquet(path: Path, text_field, id_field, source):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:
+        yield Rejected(source, str(path), f"unreadable parquet: {e}")
+        return
+    if text_field not in table.schema_arrow.names:
+        yield Rejected(source, str(path), f"missing column {text_field!r}; columns: {table.schema_arrow.names}")
+        return
+    row = 0
+    try:
+        for batch in table.iter_batches():
+            for record in batch.to_pylist():
+                row += 1
+                provenance = {"path": str(path), "row": row}
+                yield _from_record(record, f"{path}:{row}", text_field, id_field, source, provenance)
+    except Exception as e:
+        yield Rejected(source, f"{path}:{row + 1}", f"corrupt parquet data: {e}")
+
+
+def read_hf_dataset(
+    name: str, split: str = "train", text_field: str = "text", id_field: str | None = "id", **kwargs
+) -> Iterator[Document | Rejected]:
+    """Stream documents from HF `datasets` (a hub name, or a local builder like "json" with
+    data_files=...). Needs network for hub datasets; tested on local files."""
+    import datasets
+
+    ds = datasets.load_dataset(name, split=split, streaming=True, **kwargs)
+    source = kwargs.get("data_files") and Path(str(kwargs["data_files"])).stem or name.replace("/", "_")
+    for i, record in enumerate(ds):
+        yield _from_record(record, f"{name}:{split}:{i}", text_field, id_field, source, {"dataset": name, "index": i})

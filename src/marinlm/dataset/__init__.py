@@ -1,0 +1,7 @@
+"""Token shards (`marinlm tokenize`) and the packing, mixing, resumable loader."""
+
+from marinlm.dataset.loader import DataConfig, SourceConfig, TokenLoader, build_loader, validation_batches
+from marinlm.dataset.shards import ShardError, TokenDataset
+
+__all__ = ["DataConfig", "ShardError", "SourceConfig", "TokenDataset", "TokenLoader", "build_loader",
+           "validation_batches"]

@@ -1,0 +1,289 @@
+"""Packing token datasets into training rows, mixing them, and resuming exactly.
+
+Shape legend: B rows in a batch, L sequence length.
+
+**Packing.** Each epoch of a source is a seeded permutation of its documents laid end to end,
+each as `[BOS] tokens [EOS]`. Row j of the epoch is stream positions `[j*L, j*L + L]`: the first
+L are `input_ids`, the last L are the next-token `labels`. Any row is computed directly from the
+epoch's cumulative lengths, so the loader is a pure function of (source, row index).
+
+**Boundaries.** `segment_ids` number the documents within a row, so attention and SConv stay
+inside a document. A label that belongs to a different document than its input (EOS -> next
+BOS) is masked (-100) unless `cross_document_loss` is set.
+
+**Mixture.** The global batch is assigned to sources by the Webster/Sainte-Laguë divisor rule
+(row goes to the source maximising weight / (rows_so_far + 0.5)): the counts track the weights
+within one row at every prefix and never go backwards.
+
+**State.** The state is the number of global rows consumed and the per-source counts. A data-
+parallel rank takes its contiguous slice of each global batch. Because batches are computed
+from that state alone, a restore yields exactly the batches an uninterrupted run would have,
+with any number of worker processes, and even with a different world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from marinlm.config import check
+from marinlm.dataset.shards import TokenDataset
+
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    path: str  # a `marinlm tokenize` output folder
+    weight: float = 1.0
+
+    def __post_init__(self):
+        check(self.weight > 0, "weight", f"must be positive, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    seq_len: int = 256
+    add_bos: bool = True
+    add_eos: bool = True
+    cross_document_loss: bool = False  # also predict the first token of the next document
+    seed: int = 0
+    num_workers: int = 0  # DataLoader worker processes building batches
+    verify: str = "size"  # or "full": sha256 and id-range check of every shard at start-up
+
+    def __post_init__(self):
+        check(self.seq_len > 0, "seq_len", f"must be positive, got {self.seq_len}")
+        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        check(self.verify in ("size", "full"), "verify", f"must be 'size' or 'full', got {self.verify!r}")
+
+
+class PackedSource:
+    """Rows of L+1 tokens from one token dataset, epoch after epoch."""
+
+    def __init__(self, data: TokenDataset, seq_len: int, seed: int, add_bos=True, add_eos=True,
+                 shuffle=True, keep_partial=False):
+        self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.extra = int(add_bos) + int(add_eos)
+        total = int(data.doc_len.sum()) + self.extra * data.num_docs
+        rows = (total - 1) // seq_len if not keep_partial else -(-(total - 1) // seq_len)
+        if rows <= 0:
+            raise ValueError(
+                f"{data.folder} ({data.split}): {total} tokens are fewer than one row of seq_len+1 = {seq_len + 1}"
+            )
+        self.rows_per_epoch = rows
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Document order and cumulative stream ends of an epoch (the last two are cached)."""
+        if epoch not in self._epochs:
+            n = self.data.num_docs
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._epochs[epoch] = (order, np.cumsum(self.data.doc_len[order] + self.extra))
+            while len(self._epochs) > 2:
+                self._epochs.pop(min(self._epochs))
+        return self._epochs[epoch]
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [L+1] and global document index per position [L+1] (-1 for padding)."""
+        epoch, j = divmod(index, self.rows_per_epoch)
+        order, ends = self._epoch(epoch)
+        L = self.seq_len
+        start, stop = j * L, j * L + L + 1
+        tokens = np.empty(L + 1, dtype=np.int64)
+        docs = np.full(L + 1, -1, dtype=np.int64)
+        k = int(np.searchsorted(ends, start, side="right"))
+        pos = start
+        while pos < stop and k < len(order):
+            doc = int(order[k])
+            doc_start = int(ends[k]) - (int(self.data.doc_len[doc]) + self.extra)
+            local = self._local_stream(doc)
+            lo, hi = pos - doc_start, min(stop, int(ends[k])) - doc_start
+            tokens[pos - start : pos - start + hi - lo] = local[lo:hi]
+            docs[pos - start : pos - start + hi - lo] = doc
+            pos += hi - lo
+            k += 1
+        if pos < stop:  # a padded final row (validation only)
+            tokens[pos - start :] = self.data.eos_id
+        return tokens, docs
+
+    def _local_stream(self, doc: int) -> np.ndarray:
+        parts = []
+        if self.add_bos:
+            parts.append(np.array([self.data.bos_id], dtype=np.int64))
+        parts.append(np.asarray(self.data.document(doc), dtype=np.int64))
+        if self.add_eos:
+            parts.append(np.array([self.data.eos_id], dtype=np.int64))
+        return np.concatenate(parts)
+
+    def predicted_per_doc(self, docs: np.ndarray) -> np.ndarray:
+        """How many of a document's tokens are ever predicted: all but its first stream token."""
+        return self.data.doc_len[docs] + self.extra - 1
+
+
+def build_batch(sources: list[PackedSource], rows: list[tuple[int, int]], cross_document_loss: bool) -> dict:
+    """Materialise rows [(source, row index)] into model inputs.
+
+    Returns input_ids, labels (-100 where masked), segment_ids, loss_mask [B, L], and byte_weights
+    [B, L]: UTF-8 bytes carried by each predicted token (the document's bytes spread evenly over its
+    predicted tokens), for bits-per-byte.
+    """
+    B, L = len(rows), sources[0].seq_len
+    inputs = np.empty((B, L), dtype=np.int64)
+    labels = np.empty((B, L), dtype=np.int64)
+    segments = np.empty((B, L), dtype=np.int64)
+    mask = np.empty((B, L), dtype=bool)
+    byte_weights = np.zeros((B, L), dtype=np.float32)
+    for b, (s, index) in enumerate(rows):
+        source = sources[s]
+        tokens, docs = source.row(index)
+        inputs[b], labels[b] = tokens[:L], tokens[1:]
+        # Number documents within the row (contiguous runs), for attention/SConv masking.
+        starts = np.concatenate([[True], docs[1:L] != docs[: L - 1]])
+        segments[b] = np.cumsum(starts) - 1
+        real = docs[1:] >= 0
+        mask[b] = real if cross_document_loss else real & (docs[1:] == docs[:L])
+        label_docs = np.where(mask[b], docs[1:], 0)
+        per_token = source.data.doc_bytes[label_docs] / np.maximum(source.predicted_per_doc(label_docs), 1)
+        byte_weights[b] = np.where(mask[b], per_token, 0.0)
+    labels[~mask] = IGNORE_INDEX
+    return {
+        "input_ids": torch.from_numpy(inputs),
+        "labels": torch.from_numpy(labels),
+        "segment_ids": torch.from_numpy(segments),
+        "loss_mask": torch.from_numpy(mask),
+        "byte_weights": torch.from_numpy(byte_weights),
+    }
+
+
+def webster_assign(weights: np.ndarray, counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Assign the next n rows to sources by the Webster divisor rule; returns (choices, new counts)."""
+    counts = counts.copy()
+    choices = np.zeros(n, dtype=np.int64)
+    if len(weights) == 1:
+        counts[0] += n
+        return choices, counts
+    for i in range(n):
+        s = int(np.argmax(weights / (counts + 0.5)))
+        choices[i] = s
+        counts[s] += 1
+    return choices, counts
+
+
+class _BatchDataset(torch.utils.data.Dataset):
+    """Worker side: turns a batch spec into tensors (map-style, so any worker can build any spec)."""
+
+    def __init__(self, sources, cross_document_loss):
+        self.sources, self.cross_document_loss = sources, cross_document_loss
+
+    def __getitem__(self, spec):
+        rows, state_after = spec
+        batch = build_batch(self.sources, rows, self.cross_document_loss)
+        batch["state"] = state_after
+        return batch
+
+
+class TokenLoader:
+    """Infinite training batches for one data-parallel rank.
+
+    Args:
+        sources, weights: packed sources and their mixture weights.
+        global_batch: rows per optimizer step across all ranks; must divide by world_size.
+        rank, world_size: this process's slice of every global batch.
+    """
+
+    def __init__(self, sources: list[PackedSource], weights: list[float], global_batch: int,
+                 rank: int = 0, world_size: int = 1, num_workers: int = 0, cross_document_loss: bool = False):
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+        if len({s.seq_len for s in sources}) != 1:
+            raise ValueError("all sources must pack to the same seq_len")
+        self.sources, self.weights = sources, np.asarray(weights, dtype=np.float64)
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.num_workers, self.cross_document_loss = num_workers, cross_document_loss
+        self.rows_consumed = 0
+        self.counts = np.zeros(len(sources), dtype=np.int64)
+
+    def _specs(self) -> Iterator:
+        rows_done, counts = self.rows_consumed, self.counts.copy()
+        per_rank = self.global_batch // self.world_size
+        while True:
+            choices, new_counts = webster_assign(self.weights, counts, self.global_batch)
+            index = np.empty(self.global_batch, dtype=np.int64)  # each row's index within its source
+            for s in range(len(self.sources)):
+                picked = choices == s
+                index[picked] = counts[s] + np.arange(int(picked.sum()))
+            lo = self.rank * per_rank
+            rows = [(int(choices[i]), int(index[i])) for i in range(lo, lo + per_rank)]
+            rows_done += self.global_batch
+            counts = new_counts
+            yield rows, {"rows_consumed": rows_done, "counts": counts.tolist()}
+
+    def __iter__(self) -> Iterator[dict]:
+        dataset = _BatchDataset(self.sources, self.cross_document_loss)
+        if self.num_workers == 0:
+            batches = (dataset[spec] for spec in self._specs())
+        else:
+            batches = iter(torch.utils.data.DataLoader(
+                dataset, sampler=_SpecSampler(self._specs()), batch_size=None, num_workers=self.num_workers,
+                persistent_workers=False, prefetch_factor=2,
+            ))
+        for batch in batches:
+            state = batch.pop("state")
+            self.rows_consumed, self.counts = state["rows_consumed"], np.asarray(state["counts"], dtype=np.int64)
+            yield batch
+
+    def state_dict(self) -> dict:
+        """Position after the last batch handed out (not after prefetched ones)."""
+        return {"rows_consumed": self.rows_consumed, "counts": self.counts.tolist(),
+                "rows_per_epoch": [s.rows_per_epoch for s in self.sources], "seq_len": self.sources[0].seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = [s.rows_per_epoch for s in self.sources]
+        if state["rows_per_epoch"] != expected or state["seq_len"] != self.sources[0].seq_len:
+            raise ValueError(
+                f"loader state is for sources with rows/epoch {state['rows_per_epoch']} at seq_len {state['seq_len']}, "
+                f"but this run has {expected} at seq_len {self.sources[0].seq_len}: the data changed"
+            )
+        self.rows_consumed = int(state["rows_consumed"])
+        self.counts = np.asarray(state["counts"], dtype=np.int64)
+
+
+class _SpecSampler(torch.utils.data.Sampler):
+    def __init__(self, specs):
+        self.specs = specs
+
+    def __iter__(self):
+        return self.specs
+
+
+def open_sources(config: DataConfig, split: str = "train", tokenizer_hash: str | None = None,
+                 model_vocab_size: int | None = None) -> list[PackedSource]:
+    if not config.sources:
+        raise ValueError("data.sources: give at least one tokenized dataset")
+    sources = []
+    for i, src in enumerate(config.sources):
+        data = TokenDataset(src.path, split, config.verify, tokenizer_hash, model_vocab_size)
+        sources.append(PackedSource(data, config.seq_len, config.seed + 1000 * i, config.add_bos, config.add_eos,
+                                    shuffle=split == "train", keep_partial=split != "train"))
+    return sources
+
+
+def build_loader(config: DataConfig, global_batch: int, rank: int = 0, world_size: int = 1,
+                 tokenizer_hash: str | None = None, model_vocab_size: int | None = None) -> TokenLoader:
+    sources = open_sources(config, "train", tokenizer_hash, model_vocab_size)
+    return TokenLoader(sources, [s.weight for s in config.sources], global_batch, rank, world_size,
+                       config.num_workers, config.cross_document_loss)
+
+
+def validation_batches(source: PackedSource, batch_size: int, max_rows: int | None = None,
+                       rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+    """One pass over a source in document order (padded last row); rows split across ranks."""
+    total = source.rows_per_epoch if max_rows is None else min(max_rows, source.rows_per_epoch)
+    mine = list(range(rank, total, world_size))
+    for i in range(0, len(mine), batch_size):
+        yield build_batch([source], [(0, r) for r in mine[i : i + batch_size]], cross_document_loss=False)

@@ -1,0 +1,221 @@
+"""`marinlm tokenize`: curated shards -> token shards, in parallel worker processes, resumably.
+
+Each input file is one unit of work. A worker tokenizes it with `encode_batch`, splits documents
+into train/val by a seeded hash of the document id, writes both outputs under temporary names,
+renames them, and then writes a completion marker. A rerun skips inputs whose marker matches the
+input's size and mtime; the manifest is rebuilt from the markers at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from marinlm.config import check
+from marinlm.dataset.shards import SPLITS, token_dtype
+from marinlm.utils.io import atomic_path, sha256_file, write_json_atomic
+
+
+@dataclass(kw_only=True)
+class TokenizeConfig:
+    inputs: list[str]  # curated shards or text files: files, folders, globs
+    tokenizer: str  # folder with tokenizer.json
+    output_dir: str
+    text_field: str = "text"
+    id_field: str = "id"
+    val_fraction: float = 0.01
+    seed: int = 0
+    workers: int = 0  # processes; 0 = one per core (at most one per input file)
+    batch_docs: int = 512
+
+    def __post_init__(self):
+        check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
+        check(self.batch_docs > 0, "batch_docs", f"must be positive, got {self.batch_docs}")
+
+
+def is_validation(doc_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic per-document split: hash(seed, id) as a uniform number in [0, 1)."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def _input_stamp(path: Path) -> dict:
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+class _SplitWriter:
+    """Streams one split's tokens to a temporary file beside `final`; `close(True)` renames it."""
+
+    def __init__(self, final: Path, dtype):
+        self.final, self.dtype = final, dtype
+        self.tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in close(), which also renames
+        self.ends: list[int] = []
+        self.bytes: list[int] = []
+        self.count = 0
+
+    def add(self, ids: np.ndarray, num_bytes: int) -> None:
+        self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.count += len(ids)
+        self.ends.append(self.count)
+        self.bytes.append(num_bytes)
+
+    def close(self, ok: bool) -> np.ndarray:
+        self.file.close()
+        if ok:
+            os.replace(self.tmp, self.final)
+        else:
+            self.tmp.unlink(missing_ok=True)
+        return np.asarray(list(zip(self.ends, self.bytes)), dtype=np.int64).reshape(-1, 2)
+
+
+def tokenize_file(task: dict) -> dict:
+    """Worker: tokenize one input file into train/val shards; return its completion record."""
+    from marinlm.data.readers import Document, read_documents
+    from marinlm.tokenizer import MarinTokenizer
+
+    tok = MarinTokenizer.load(task["tokenizer"])
+    dtype = token_dtype(tok.vocab_size)
+    out, name = Path(task["output_dir"]), task["name"]
+    writers = {s: _SplitWriter(out / s / f"{name}.tokens", dtype) for s in SPLITS}
+    rejected: list[dict] = []
+    docs = 0
+    ok = False
+    try:
+        batch: list[Document] = []
+
+        def flush():
+            encodings = tok.backend.encode_batch_fast([d.text for d in batch], add_special_tokens=False)
+            for doc, ids in zip(batch, encodings):
+                split = "val" if is_validation(doc.id, task["seed"], task["val_fraction"]) else "train"
+                writers[split].add(np.asarray(ids.ids, dtype=dtype), len(doc.text.encode("utf-8")))
+            batch.clear()
+
+        for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"]):
+            if isinstance(item, Document):
+                docs += 1
+                batch.append(item)
+                if len(batch) >= task["batch_docs"]:
+                    flush()
+            else:
+                rejected.append({"location": item.location, "reason": item.reason})
+        flush()
+        ok = True
+    finally:
+        indexes = {s: w.close(ok) for s, w in writers.items()}
+    record = {"name": name, "input": task["stamp"], "documents": docs, "rejected": rejected, "splits": {}}
+    for split, index in indexes.items():
+        docs_path = out / split / f"{name}.docs.npy"
+        with atomic_path(docs_path) as tmp, open(tmp, "wb") as f:
+            np.save(f, index)
+        tokens_path = out / split / f"{name}.tokens"
+        record["splits"][split] = {
+            "tokens": f"{split}/{name}.tokens",
+            "docs": f"{split}/{name}.docs.npy",
+            "num_docs": int(len(index)),
+            "num_tokens": int(index[-1, 0]) if len(index) else 0,
+            "num_bytes": int(index[:, 1].sum()) if len(index) else 0,
+            "tokens_bytes": tokens_path.stat().st_size,
+            "docs_bytes": docs_path.stat().st_size,
+            "tokens_sha256": sha256_file(tokens_path),
+            "docs_sha256": sha256_file(docs_path),
+        }
+    record["input"]["sha256"] = sha256_file(task["path"])
+    write_json_atomic(out / ".done" / f"{name}.json", record)
+    return record
+
+
+def _worker_init(threads: int) -> None:
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # tokenizers' Rust pool, read at first use
+
+
+def _marker_valid(marker: Path, stamp: dict, out: Path) -> bool:
+    if not marker.is_file():
+        return False
+    try:
+        record = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return False
+    same_input = {k: record["input"].get(k) for k in stamp} == stamp
+    files_there = all(
+        (out / s[key]).is_file() and (out / s[key]).stat().st_size == s[f"{key}_bytes"]
+        for s in record["splits"].values()
+        for key in ("tokens", "docs")
+    )
+    return same_input and files_there
+
+
+def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
+    """Run the job; returns the manifest (also written to OUTPUT_DIR/manifest.json)."""
+    from marinlm.data.readers import expand_inputs
+    from marinlm.tokenizer import MarinTokenizer
+
+    tok = MarinTokenizer.load(config.tokenizer)
+    paths = expand_inputs(config.inputs)
+    out = Path(config.output_dir)
+    for split in SPLITS:
+        (out / split).mkdir(parents=True, exist_ok=True)
+    tasks, records = [], {}
+    for i, path in enumerate(paths):
+        name = f"{i:05d}"
+        stamp = _input_stamp(path)
+        if _marker_valid(out / ".done" / f"{name}.json", stamp, out):
+            records[name] = json.loads((out / ".done" / f"{name}.json").read_text())
+            continue
+        tasks.append({
+            "path": str(path), "name": name, "stamp": stamp, "tokenizer": config.tokenizer,
+            "output_dir": str(out), "text_field": config.text_field, "id_field": config.id_field,
+            "seed": config.seed, "val_fraction": config.val_fraction, "batch_docs": config.batch_docs,
+        })
+    cores = os.cpu_count() or 1
+    workers = min(config.workers or cores, max(1, len(tasks)))
+    start = time.perf_counter()
+    total_bytes = sum(Path(t["path"]).stat().st_size for t in tasks)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
+    new_tokens = 0
+    try:
+        if workers <= 1:
+            results = map(tokenize_file, tasks)  # in-process: tokenizers' own threads use every core
+            pool = None
+        else:
+            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(max(1, cores // workers),))
+            results = pool.imap_unordered(tokenize_file, tasks)
+        for record in results:
+            records[record["name"]] = record
+            new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
+            bar.update(record["input"]["size"])
+            bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+        if pool is not None:
+            pool.close()
+            pool.join()
+    finally:
+        bar.close()
+    manifest = {
+        "format": "marinlm-tokens/1",
+        "tokenizer": {"path": str(config.tokenizer), "hash": tok.hash, "vocab_size": tok.vocab_size,
+                      "bos_id": tok.bos_id, "eos_id": tok.eos_id},
+        "dtype": token_dtype(tok.vocab_size).name,
+        "seed": config.seed,
+        "val_fraction": config.val_fraction,
+        "sources": [records[k]["input"] for k in sorted(records)],
+        "rejected": [r for k in sorted(records) for r in records[k]["rejected"]],
+        "splits": {s: [records[k]["splits"][s] for k in sorted(records)] for s in SPLITS},
+    }
+    for s in SPLITS:
+        manifest[f"{s}_tokens"] = sum(e["num_tokens"] for e in manifest["splits"][s])
+        manifest[f"{s}_docs"] = sum(e["num_docs"] for e in manifest["splits"][s])
+    manifest["seconds"] = round(time.perf_counter() - start, 2)
+    write_json_atomic(out / "manifest.json", manifest)
+    return manifest

@@ -1,0 +1,201 @@
+"""Byte-level BPE tokenizer: training with HF `tokenizers`, and the wrapper the rest of marinlm uses.
+
+The saved folder holds `tokenizer.json`, `tokenizer_config.json` (with the chat template) and
+`special_tokens_map.json`, so `transformers.AutoTokenizer.from_pretrained(folder)` loads it and
+produces the same ids. There is no normaliser: `decode(encode(x)) == x` for any Unicode string.
+
+Pre-tokenisation (a regex split, then bytes):
+- runs of CJK characters (Han, kana, Hangul) form their own pre-tokens, apart from Latin letters;
+- digits split into groups of at most 3;
+- whitespace runs keep all but their last space together, so indentation becomes a few tokens
+  and the final space attaches to the next word (GPT-4-style).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from marinlm.config import check
+from marinlm.utils.io import sha256_bytes, write_text_atomic
+
+CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
+SPLIT_PATTERN = (
+    rf"[{CJK}]+"
+    r"|(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}&&[^{CJK}]]+"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_ROLES = ("system", "user", "assistant")
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, *(f"<|{r}|>" for r in CHAT_ROLES), END_OF_TURN]
+
+# Jinja, as transformers renders it: <|bos|><|user|>\n{content}<|end|>\n ... <|assistant|>\n
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+@dataclass(kw_only=True)
+class TokenizerTrainConfig:
+    inputs: list[str] = field(default_factory=list)  # files, folders or globs: curated shards or text
+    text_field: str = "text"
+    output_dir: str = "tokenizer"
+    vocab_size: int = 32768  # the hero uses 128,256
+    min_frequency: int = 2
+    max_bytes: int = 0  # train on at most this much text (0 = all)
+
+    def __post_init__(self):
+        check(self.vocab_size >= 256 + len(SPECIAL_TOKENS), "vocab_size",
+              f"must be at least {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {self.vocab_size}")
+        check(self.min_frequency >= 1, "min_frequency", f"must be >= 1, got {self.min_frequency}")
+        check(self.max_bytes >= 0, "max_bytes", f"must be >= 0, got {self.max_bytes}")
+
+
+def new_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE(byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, length: int | None = None) -> Tokenizer:
+    """Train a byte-level BPE; every byte is in the base vocabulary, so nothing is ever unknown."""
+    tok = new_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok
+
+
+class MarinTokenizer:
+    """The tokenizer as marinlm uses it: ids, special ids, a content hash, save/load."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.backend = tokenizer
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise ValueError(f"tokenizer lacks special tokens {missing}; was it trained by marinlm?")
+        self.bos_id, self.eos_id, self.pad_id = vocab[BOS], vocab[EOS], vocab[PAD]
+        self.special_ids = {t: vocab[t] for t in SPECIAL_TOKENS}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical tokenizer.json; token shards record it."""
+        return sha256_bytes(self.backend.to_str().encode())
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The same string transformers renders from CHAT_TEMPLATE."""
+        parts = [BOS] + [f"<|{m['role']}|>\n{m['content']}{END_OF_TURN}\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+    def save(self, folder: str | Path, model_max_length: int = 4096) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(folder / "tokenizer.json", self.backend.to_str(pretty=True))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+            "chat_template": CHAT_TEMPLATE,
+            "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
+        }
+        write_text_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+                   "additional_special_tokens": config["additional_special_tokens"]}
+        write_text_atomic(folder / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> MarinTokenizer:
+        path = Path(folder) / "tokenizer.json" if Path(folder).is_dir() else Path(folder)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {folder}")
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:
+            raise ValueError(f"{path}: not a valid tokenizers file: {e}") from None
+
+
+def iter_training_texts(inputs: list[str], text_field: str, max_bytes: int) -> Iterator[str]:
+    from marinlm.data.readers import Document, expand_inputs, read_documents
+
+    seen = 0
+    for path in expand_inputs(inputs):
+        for item in read_documents(path, text_field=text_field):
+            if isinstance(item, Document):
+                yield item.text
+                seen += len(item.text.encode())
+                if max_bytes and seen >= max_bytes:
+                    return
+
+
+def train_tokenizer(config: TokenizerTrainConfig) -> tuple[MarinTokenizer, dict]:
+    """Train and save a tokenizer; returns it and a small report (bytes, seconds, vocab)."""
+    if not config.inputs:
+        raise ValueError("inputs: give at least one file, folder or glob to train on")
+    start = time.perf_counter()
+    counted = {"bytes": 0, "docs": 0}
+
+    def texts():
+        for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes):
+            counted["bytes"] += len(text.encode())
+            counted["docs"] += 1
+            yield text
+
+    tok = MarinTokenizer(train_bpe(texts(), config.vocab_size, config.min_frequency))
+    tok.save(config.output_dir)
+    report = {
+        "vocab_size": tok.vocab_size,
+        "documents": counted["docs"],
+        "bytes": counted["bytes"],
+        "seconds": round(time.perf_counter() - start, 2),
+        "hash": tok.hash,
+        "output_dir": str(config.output_dir),
+    }
+    write_text_atomic(Path(config.output_dir) / "train_report.json", json.dumps(report, indent=2) + "\n")
+    return tok, report

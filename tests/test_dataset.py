@@ -1,0 +1,236 @@
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
+from marinlm.dataset.loader import PackedSource, TokenLoader, open_sources
+from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
+from marinlm.tokenizer import MarinTokenizer, train_bpe
+
+from conftest import SAMPLE_TEXTS, write_corpus
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    MarinTokenizer(train_bpe(SAMPLE_TEXTS * 40, vocab_size=700)).save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tok_dir):
+    root = tmp_path_factory.mktemp("data")
+    texts = write_corpus(root / "corpus", num_docs=300, num_files=3)
+    with open(root / "corpus" / "part-bad.jsonl", "w") as f:
+        f.write('{"id": "ok1", "text": "fine document"}\n{not json\n{"id": "x", "body": "no text field"}\n')
+    config = TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(root / "tokens"),
+                            val_fraction=0.1, seed=3, workers=2)
+    manifest = tokenize(config, progress=False)
+    return root, texts, manifest
+
+
+def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
+    root, texts, manifest = dataset
+    tok = MarinTokenizer.load(tok_dir)
+    assert manifest["tokenizer"]["hash"] == tok.hash
+    assert manifest["train_docs"] + manifest["val_docs"] == 301  # 300 + the one good line of the bad file
+    assert len(manifest["rejected"]) == 2
+    assert {r["reason"].split(":")[0] for r in manifest["rejected"]} == {"malformed JSON", "missing field 'text'"}
+    assert all("part-bad.jsonl:" in r["location"] for r in manifest["rejected"])
+    decoded = set()
+    for split in ("train", "val"):
+        data = TokenDataset(root / "tokens", split, verify="full")
+        assert data.dtype == np.uint16
+        for i in range(data.num_docs):
+            decoded.add(tok.decode(data.document(i).tolist()))
+    assert decoded == set(texts) | {"fine document"}
+    # The split is a pure function of (seed, id): about 10% held out.
+    val = TokenDataset(root / "tokens", "val")
+    assert 10 <= val.num_docs <= 50
+    assert sum(is_validation(f"d{i}", 3, 0.1) for i in range(300)) == val.num_docs - is_validation("ok1", 3, 0.1)
+
+
+def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir):
+    root, _, manifest = dataset
+    out = root / "tokens"
+    # Simulate a crash in shard 1: its marker never got written and its output is half there.
+    (out / ".done" / "00001.json").unlink()
+    with open(out / "train" / "00001.tokens", "r+b") as f:
+        f.truncate(10)
+    before = {p: p.stat().st_mtime_ns for p in (out / "train").glob("0000[02].tokens")}
+    config = TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(out),
+                            val_fraction=0.1, seed=3, workers=1)
+    again = tokenize(config, progress=False)
+    assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_corruption_and_mismatch_are_reported_by_file(dataset, tmp_path):
+    import shutil
+
+    root, _, _ = dataset
+    copy = tmp_path / "tokens"
+    shutil.copytree(root / "tokens", copy)
+    with pytest.raises(ShardError, match="tokenizer"):
+        TokenDataset(copy, tokenizer_hash="0" * 64)
+    with pytest.raises(ShardError, match="vocab_size 100 is smaller"):
+        TokenDataset(copy, model_vocab_size=100)
+    tokens_file = copy / "train" / "00000.tokens"
+    data = bytearray(tokens_file.read_bytes())
+    data[5] ^= 0xFF
+    tokens_file.write_bytes(bytes(data))
+    TokenDataset(copy)  # same size: the cheap check passes ...
+    with pytest.raises(ShardError, match=r"00000\.tokens: sha256 differs"):
+        TokenDataset(copy, verify="full")  # ... the full check catches it
+    with open(tokens_file, "r+b") as f:
+        f.truncate(len(data) - 2)
+    with pytest.raises(ShardError, match=r"00000\.tokens: \d+ bytes on disk.*truncated"):
+        TokenDataset(copy)
+    (copy / "manifest.json").write_text("{broken")
+    with pytest.raises(ShardError, match="corrupt manifest"):
+        TokenDataset(copy)
+
+
+def reconstruct(source: PackedSource, rows: int) -> list[list[int]]:
+    """Stitch consecutive rows back into documents using segment ids and BOS/EOS."""
+    from marinlm.dataset.loader import build_batch
+
+    batch = build_batch([source], [(0, r) for r in range(rows)], cross_document_loss=False)
+    stream = torch.cat([batch["input_ids"].reshape(-1), batch["labels"][-1, -1:]]).tolist()
+    docs, current = [], []
+    for t in stream:
+        current.append(t)
+        if t == source.data.eos_id:
+            docs.append(current)
+            current = []
+    return docs
+
+
+def test_packing_boundaries_masks_and_segments(dataset):
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=64, seed=1)
+    source = open_sources(config)[0]
+    data = source.data
+    docs = reconstruct(source, source.rows_per_epoch)
+    complete = [d for d in docs if d[0] == data.bos_id]
+    for d in complete:  # every complete document is [BOS] + one stored document + [EOS]
+        assert d[-1] == data.eos_id and data.bos_id not in d[1:]
+    stored = {tuple(data.document(i).tolist()) for i in range(data.num_docs)}
+    assert {tuple(d[1:-1]) for d in complete} <= stored
+    assert len(complete) >= data.num_docs - 1  # only the epoch's tail remainder is cut
+
+    from marinlm.dataset.loader import build_batch
+
+    batch = build_batch([source], [(0, r) for r in range(10)], cross_document_loss=False)
+    ids, labels, seg, mask = batch["input_ids"], batch["labels"], batch["segment_ids"], batch["loss_mask"]
+    assert ids.shape == labels.shape == seg.shape == (10, 64)
+    assert torch.equal(ids[:, 1:][mask[:, :-1]], labels[:, :-1][mask[:, :-1]])  # labels are next tokens
+    eos = ids == data.eos_id
+    assert torch.all(labels[eos] == -100)  # never predict the next document's BOS
+    assert torch.all(~mask[eos])
+    starts = ids == data.bos_id
+    assert torch.all(seg[:, 1:][starts[:, 1:]] == seg[:, :-1][starts[:, 1:]] + 1)  # BOS opens a new segment
+    assert torch.all((seg[:, 1:] - seg[:, :-1]) >= 0)
+    crossing = build_batch([source], [(0, r) for r in range(10)], cross_document_loss=True)
+    assert torch.all(crossing["labels"] != -100)
+
+
+def collect(loader: TokenLoader, n: int) -> list[dict]:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == n:
+            return out
+    return out
+
+
+@pytest.mark.parametrize("workers_before, workers_after", [(0, 2), (2, 0)])
+def test_exact_resume_across_worker_counts(dataset, workers_before, workers_after):
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5,
+                        num_workers=workers_before)
+    reference = collect(build_loader(config, global_batch=4), 60)  # several epochs
+    loader = build_loader(config, global_batch=4)
+    first = collect(loader, 23)
+    state = json.loads(json.dumps(loader.state_dict()))  # survives a JSON round trip
+    config.num_workers = workers_after
+    resumed = build_loader(config, global_batch=4)
+    resumed.load_state_dict(state)
+    rest = collect(resumed, 37)
+    for a, b in zip(first + rest, reference):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    assert reference[0]["input_ids"].shape == (4, 256)
+    assert source_epochs(config) < 60 * 4  # the run crossed at least one epoch boundary
+
+
+def source_epochs(config) -> int:
+    return open_sources(config)[0].rows_per_epoch
+
+
+def test_ranks_partition_the_global_batch(dataset):
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=32, seed=2)
+    whole = collect(build_loader(config, global_batch=6), 5)
+    parts = [collect(build_loader(config, global_batch=6, rank=r, world_size=3), 5) for r in range(3)]
+    for step in range(5):
+        stitched = torch.cat([parts[r][step]["input_ids"] for r in range(3)])
+        assert torch.equal(stitched, whole[step]["input_ids"])  # no overlap, no gap, same order
+    with pytest.raises(ValueError, match="not divisible"):
+        build_loader(config, global_batch=6, world_size=4)
+
+
+def test_mixture_proportions_and_seeds(dataset, tmp_path, tok_dir):
+    root, _, _ = dataset
+    write_corpus(tmp_path / "other", num_docs=80, num_files=1, seed=9)
+    tokenize(TokenizeConfig(inputs=[str(tmp_path / "other")], tokenizer=str(tok_dir),
+                            output_dir=str(tmp_path / "tok2"), val_fraction=0.0), progress=False)
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"), weight=3.0),
+                                 SourceConfig(path=str(tmp_path / "tok2"), weight=1.0)], seq_len=16, seed=0)
+    loader = build_loader(config, global_batch=8)
+    collect(loader, 25)
+    counts = loader.state_dict()["counts"]
+    assert counts == [150, 50]  # exactly 3:1 over 200 rows
+    other_seed = DataConfig(sources=config.sources, seq_len=16, seed=1)
+    a = collect(build_loader(config, global_batch=8), 1)[0]["input_ids"]
+    b = collect(build_loader(other_seed, global_batch=8), 1)[0]["input_ids"]
+    assert not torch.equal(a, b)
+
+
+def test_resume_refuses_changed_data(dataset):
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=32)
+    loader = build_loader(config, global_batch=2)
+    collect(loader, 2)
+    state = loader.state_dict()
+    other = build_loader(DataConfig(sources=config.sources, seq_len=48), global_batch=2)
+    with pytest.raises(ValueError, match="the data changed"):
+        other.load_state_dict(state)
+
+
+def test_validation_pass_covers_every_token_once(dataset):
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=40)
+    source = open_sources(config, "val")[0]
+    predicted, weight = 0, 0.0
+    for batch in validation_batches(source, batch_size=3):
+        predicted += int(batch["loss_mask"].sum())
+        weight += float(batch["byte_weights"].sum())
+    data = source.data
+    assert predicted == int(data.doc_len.sum()) + data.num_docs  # each doc's tokens + EOS, nothing else
+    assert weight == pytest.approx(data.num_bytes, rel=1e-5)  # bits-per-byte denominators add up
+
+
+def test_bad_inputs_fail_fast(tmp_path, tok_dir):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        tokenize(TokenizeConfig(inputs=[str(tmp_path / "nope")], tokenizer=str(tok_dir),
+                                output_dir=str(tmp_path / "o")), progress=False)
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ShardError, match="no manifest"):
+        TokenDataset(tmp_path / "empty")

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from marinlm.tokenizer import EOS, SPECIAL_TOKENS, MarinTokenizer, TokenizerTrainConfig, train_bpe, train_tokenizer
+
+from conftest import SAMPLE_TEXTS, shared_data, stdlib_python_texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> tuple[MarinTokenizer, str]:
+    texts = SAMPLE_TEXTS * 50 + stdlib_python_texts(300_000)
+    tok = MarinTokenizer(train_bpe(texts, vocab_size=1200))
+    folder = tmp_path_factory.mktemp("tok")
+    tok.save(folder)
+    return tok, str(folder)
+
+
+unicode_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=300)
+tricky = st.sampled_from(
+    ["\t\t  \n\n   ", "🚀🔥👩‍👩‍👧", "\x00\x01\x7f\u200b", "中文English混合123456", " " * 40, "\r\n\r\n"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.one_of(unicode_text, tricky), max_size=4).map("".join))
+def test_decode_encode_round_trip(tokenizer, text):
+    tok, _ = tokenizer
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_and_chat_template_match_transformers(tokenizer):
+    transformers = pytest.importorskip("transformers")
+    tok, folder = tokenizer
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in SAMPLE_TEXTS + ["<|user|>\nhi<|end|>", "  leading spaces", "x" * 500]:
+        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+        assert hf.decode(tok.encode(text)) == text
+    assert hf.bos_token_id == tok.bos_id and hf.eos_token_id == tok.eos_id and hf.pad_token_id == tok.pad_id
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert tok.encode(EOS) == [tok.eos_id]
+    assert all(len(tok.encode(t)) == 1 for t in SPECIAL_TOKENS)
+
+
+def test_pretokenizer_splits_digits_cjk_and_indentation(tokenizer):
+    tok, _ = tokenizer
+    pieces = [tok.decode([i]) for i in tok.encode("x = 1234567 + 89\n        return 中文abc")]
+    digit_pieces = [p for p in pieces if p.strip().isdigit()]
+    assert all(len(p.strip()) <= 3 for p in digit_pieces) and "".join(digit_pieces).replace(" ", "") == "123456789"
+    assert not any(any("\u4e00" <= c <= "\u9fff" for c in p) and any(c.isascii() and c.isalpha() for c in p)
+                   for p in pieces), pieces  # no token mixes CJK and Latin letters
+    assert any(p.strip() == "" and len(p) >= 4 for p in pieces), pieces  # indentation groups
+
+
+def test_code_compresses_on_stdlib_sources(tokenizer):
+    tok, _ = tokenizer
+    held_out = stdlib_python_texts(700_000)[-5:]
+    text = "\n".join(held_out)
+    ratio = len(text.encode()) / len(tok.encode(text))
+    assert ratio > 2.5, ratio  # bytes per token on code the tokenizer did not train on
+
+
+def test_chinese_corpus_tokenizes_sensibly(tmp_path):
+    songci = json.loads(shared_data("corpus", "zh_songci300.json").read_text())
+    poems = ["".join(p["paragraphs"]) for p in songci]
+    tok = MarinTokenizer(train_bpe(poems[:250] * 3, vocab_size=2000))
+    held_out = "".join(poems[250:])
+    ids = tok.encode(held_out)
+    assert tok.decode(ids) == held_out
+    assert len(held_out.encode()) / len(ids) > 2.5  # raw bytes would be 1.0; a CJK character is 3 bytes
+    from collections import Counter
+
+    common = [c for c, _ in Counter("".join(poems[:250])).most_common(50)]
+    assert all(len(tok.encode(c)) == 1 for c in common)  # frequent characters are whole tokens
+
+
+def test_train_tokenizer_command_writes_loadable_folder(tmp_path):
+    from conftest import write_corpus
+
+    write_corpus(tmp_path / "corpus", num_docs=60)
+    config = TokenizerTrainConfig(inputs=[str(tmp_path / "corpus")], output_dir=str(tmp_path / "tok"), vocab_size=600)
+    tok, report = train_tokenizer(config)
+    assert report["documents"] == 60 and report["vocab_size"] == tok.vocab_size <= 600
+    again = MarinTokenizer.load(tmp_path / "tok")
+    assert again.hash == tok.hash
+    assert json.loads((tmp_path / "tok" / "train_report.json").read_text())["hash"] == tok.hash
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        MarinTokenizer.load(tmp_path / "nothing")
