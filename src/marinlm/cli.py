@@ -6,6 +6,7 @@ Extra `--a.b=value` arguments are config overrides.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,8 +18,10 @@ def config_class_for(path: str | Path) -> type:
     from marinlm.dataset.tokenize import TokenizeConfig
     from marinlm.model.config import MarinConfig
     from marinlm.tokenizer import TokenizerTrainConfig
+    from marinlm.train.config import TrainConfig
 
-    classes = {"model": MarinConfig, "tokenizer": TokenizerTrainConfig, "tokenize": TokenizeConfig}
+    classes = {"model": MarinConfig, "tokenizer": TokenizerTrainConfig, "tokenize": TokenizeConfig,
+               "train": TrainConfig}
     folder = Path(path).resolve().parent.name
     if folder not in classes:
         raise ValueError(f"{path}: no config class for folder {folder!r}; known: {sorted(classes)}")
@@ -50,6 +53,19 @@ def _tokenize(args, overrides) -> int:
     return 0
 
 
+def _train(args, overrides) -> int:
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.trainer import run_training
+
+    summary = run_training(_load(TrainConfig, args.config, overrides), resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        val = summary.get("validation") or {}
+        print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, final train loss "
+              f"{summary['final_loss']:.4f}" + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}"
+                                                  if val else ""))
+    return 0
+
+
 def _model_summary(args, overrides) -> int:
     from marinlm.config import load_config
     from marinlm.model.config import MarinConfig
@@ -76,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_tok = tokenizer.add_parser("train", help="train a byte-level BPE tokenizer")
     train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
     train_tok.set_defaults(func=_tokenizer_train)
+
+    train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
+    train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")
+    train.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint path")
+    train.set_defaults(func=_train)
 
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")

@@ -282,8 +282,22 @@ def build_loader(config: DataConfig, global_batch: int, rank: int = 0, world_siz
 
 def validation_batches(source: PackedSource, batch_size: int, max_rows: int | None = None,
                        rank: int = 0, world_size: int = 1) -> Iterator[dict]:
-    """One pass over a source in document order (padded last row); rows split across ranks."""
+    """One pass over a source in document order (padded last row), rows dealt across ranks.
+
+    Every rank yields the same number of batches (collectives in sharded models need that); rows
+    past a rank's share are fully masked padding.
+    """
     total = source.rows_per_epoch if max_rows is None else min(max_rows, source.rows_per_epoch)
     mine = list(range(rank, total, world_size))
-    for i in range(0, len(mine), batch_size):
-        yield build_batch([source], [(0, r) for r in mine[i : i + batch_size]], cross_document_loss=False)
+    per_rank = -(-total // world_size)
+    padding = per_rank - len(mine)
+    rows = mine + [0] * padding
+    for i in range(0, per_rank, batch_size):
+        chunk = rows[i : i + batch_size]
+        batch = build_batch([source], [(0, r) for r in chunk], cross_document_loss=False)
+        pad_from = len(mine) - i
+        if pad_from < len(chunk):
+            batch["labels"][max(pad_from, 0) :] = IGNORE_INDEX
+            batch["loss_mask"][max(pad_from, 0) :] = False
+            batch["byte_weights"][max(pad_from, 0) :] = 0.0
+        yield batch

@@ -215,7 +215,7 @@ class MarinForCausalLM(nn.Module):
     @torch.no_grad()
     def update_router_biases(self, stats: list[RouterStats]) -> None:
         """Apply one optimizer step's reduced router statistics (one entry per MoE layer)."""
-        routers = [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoE)]
+        routers = [m.router for m in self.modules() if isinstance(m, MoE)]  # layer order
         if len(stats) != len(routers):
             raise ValueError(f"expected router stats for {len(routers)} MoE layers, got {len(stats)}")
         for router, layer_stats in zip(routers, stats):

@@ -1,0 +1,135 @@
+"""Optimizers (AdamW; the hero's MuonH/AdamH/Adam) and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from marinlm.config import Choice, check
+from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz
+
+__all__ = [
+    "AdamWConfig",
+    "MarinOptimizer",
+    "MarinOptimizerConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "build_optimizer",
+    "build_scheduler",
+    "lr_multiplier",
+    "marin_param_kinds",
+    "newton_schulz",
+]
+
+
+class OptimizerConfig(Choice):
+    """Base of the optimizer variants; pick with `type:` (adamw, marin)."""
+
+
+@OptimizerConfig.register("adamw")
+@dataclass(kw_only=True)
+class AdamWConfig(OptimizerConfig):
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
+
+
+@OptimizerConfig.register("marin")
+@dataclass(kw_only=True)
+class MarinOptimizerConfig(OptimizerConfig):
+    """MuonH (matrices) + AdamH (LM head) at `lr`, Adam (embeddings, router, gates, gains, SConv)
+    at `adam_lr`. Defaults are the hero run's."""
+
+    lr: float = 0.003291
+    adam_lr: float = 0.000759
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: str = "auto"  # bfloat16 on GPU (as Marin), float32 on CPU where bf16 is emulated
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.adam_lr > 0, "adam_lr", f"must be positive, got {self.adam_lr}")
+        check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        check(self.ns_steps >= 1, "ns_steps", f"must be >= 1, got {self.ns_steps}")
+        check(self.ns_dtype in ("auto", "float32", "bfloat16"), "ns_dtype",
+              f"must be auto, float32 or bfloat16, got {self.ns_dtype!r}")
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"):
+    if isinstance(config, AdamWConfig):
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and p.requires_grad]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 and p.requires_grad]
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # fused on CPU and CUDA alike; foreach would not apply to FSDP2 DTensors on CPU either way
+        fused = not any(hasattr(p, "device_mesh") for p in decay)
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused)
+    if isinstance(config, MarinOptimizerConfig):
+        ns_dtype = config.ns_dtype
+        if ns_dtype == "auto":
+            ns_dtype = "bfloat16" if device_type == "cuda" else "float32"
+        kinds = marin_param_kinds(model)
+        groups = [{"params": [p for _, p in params], "kind": kind, "names": [n for n, _ in params]}
+                  for kind, params in kinds.items() if params]
+        return MarinOptimizer(groups, lr=config.lr, adam_lr=config.adam_lr, betas=config.betas, eps=config.eps,
+                              momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
+                              ns_dtype=getattr(torch, ns_dtype))
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Warmup then decay, as a multiplier of each group's peak lr.
+
+    kind: `linear` (the hero: linear warmup, linear decay to min_lr_ratio), `cosine`, or `wsd`
+    (warmup, stable at peak, then linear decay over the last `decay_fraction` of steps).
+    Warmup is `warmup_steps` if set, else `warmup_fraction` of the run.
+    """
+
+    kind: str = "linear"
+    warmup_fraction: float = 0.01
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.05
+    decay_fraction: float = 0.2  # wsd only
+
+    def __post_init__(self):
+        check(self.kind in ("linear", "cosine", "wsd"), "kind", f"must be linear, cosine or wsd, got {self.kind!r}")
+        check(0 <= self.warmup_fraction < 1, "warmup_fraction", f"must be in [0, 1), got {self.warmup_fraction}")
+        check(self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps",
+              f"must be >= 0, got {self.warmup_steps}")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(0 < self.decay_fraction <= 1, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+
+
+def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
+    """Multiplier for 0-based `step` of `total_steps`: ramps over warmup to 1 at step `warmup`,
+    and reaches exactly `min_lr_ratio` at the last step."""
+    warmup = config.warmup_steps if config.warmup_steps is not None else round(config.warmup_fraction * total_steps)
+    warmup = min(warmup, total_steps - 1)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    last = total_steps - 1
+    floor = config.min_lr_ratio
+    if config.kind == "wsd":
+        decay_start = max(warmup, last - round(config.decay_fraction * total_steps))
+        if step <= decay_start:
+            return 1.0
+        progress = (step - decay_start) / max(1, last - decay_start)
+        return 1.0 - (1.0 - floor) * min(progress, 1.0)
+    progress = min(1.0, (step - warmup) / max(1, last - warmup))
+    if config.kind == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - floor) * progress
+
+
+def build_scheduler(optimizer, total_steps: int, config: ScheduleConfig):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))

@@ -1,0 +1,50 @@
+"""Parallelism applied to a model built on `meta`: one file per technique, composed by `parallelize`.
+
+Order, as in torchtitan: tensor parallel, expert parallel, activation checkpointing, compile, then
+FSDP2. Tensor, expert and pipeline parallelism arrive in later issues; asking for them now is a
+clear error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from marinlm.config import check
+from marinlm.parallel.distributed import DistributedInfo, init_distributed, shutdown_distributed
+
+__all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize", "shutdown_distributed"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
+    reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on host
+    activation_checkpointing: str = "none"  # none | full (every block) | every_n
+    checkpoint_every_n: int = 2
+    compile: bool = False  # torch.compile each block (regional compilation)
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
+            check(getattr(self, name) == 1, name, "only 1 is implemented so far (TP/EP/PP land in later issues)")
+        check(self.activation_checkpointing in ("none", "full", "every_n"), "activation_checkpointing",
+              f"must be none, full or every_n, got {self.activation_checkpointing!r}")
+        check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
+    """Apply activation checkpointing, compile and (when world_size > 1) FSDP2, in that order."""
+    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.fsdp import apply_fsdp
+
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
+    if config.compile:
+        for block in model.layers:
+            block.compile()
+    if info.world_size > 1:
+        apply_fsdp(model, info, reshard_after_forward=config.reshard_after_forward, cpu_offload=config.cpu_offload)
+    return model

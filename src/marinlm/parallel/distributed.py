@@ -1,0 +1,63 @@
+"""Process-group set-up from torchrun's environment: gloo on CPU, NCCL on GPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistributedInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: object = None  # 1-D DeviceMesh over all ranks when world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistributedInfo:
+    """Start (or join) the default process group when launched by torchrun; single process otherwise.
+
+    Args:
+        device: "auto" (cuda when available), "cpu" or "cuda".
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    if world == 1:
+        return DistributedInfo(0, 1, 0, dev)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
+    return DistributedInfo(rank, world, local_rank, dev, mesh)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce when a process group exists; identity otherwise."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

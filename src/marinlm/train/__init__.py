@@ -1,0 +1,1 @@
+"""Training: the loop, checkpoints, metric sinks. Composes model, data, optim and parallel."""

@@ -1,0 +1,231 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically, loaded safely.
+
+A checkpoint is a folder `RUN/checkpoints/step-00000100/`:
+
+    __0_0.distcp, ...     model and optimizer tensors, one file per rank (DCP)
+    .metadata             DCP's index
+    trainer_state.json    step, scheduler, loader position, pending router state, counters
+    rng/rank-00000.pt     every rank's RNG state (tensors only)
+    config.yaml           the resolved run config
+    COMPLETE.json         written last: size and sha256 of every file above
+
+It is written under `step-00000100.tmp` and renamed once every rank has finished, so a killed job
+leaves at most an ignorable `.tmp` folder. A folder whose COMPLETE.json is missing or disagrees
+with the files is reported and skipped by `--resume auto`, which falls back to the previous one.
+
+Nothing executable is unpickled on load: DCP's metadata goes through an unpickler that resolves only
+DCP's own metadata classes (the `weights_only` model; torch's own weights-only unpickler cannot read
+DCP's protocol-4 pickles), non-tensor items are read with `weights_only=True`, and RNG states are
+plain tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from marinlm.parallel.distributed import barrier
+from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
+STEP_PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is incomplete, truncated or corrupt; the message names it."""
+
+
+_DCP_METADATA_CLASSES = (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only DCP's metadata classes and a few inert torch/pathlib names; anything else (a
+    function, `os.system`, ...) is refused, so a crafted .metadata cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES)
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "Path"))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except Exception as e:
+                raise CheckpointError(f"{path}: refusing or unable to read DCP metadata: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads non-tensor items with `weights_only=True`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{STEP_PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Finished-looking checkpoint folders, newest first (temporary folders excluded)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and not p.name.endswith(".tmp")]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def validate(folder: Path) -> None:
+    """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash."""
+    marker = folder / "COMPLETE.json"
+    if not marker.is_file():
+        raise CheckpointError(f"{folder}: no COMPLETE.json, the save did not finish")
+    try:
+        listing = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{marker}: unreadable completion marker: {e}") from None
+    for rel, info in listing.items():
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        if path.stat().st_size != info["size"]:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, expected {info['size']}: truncated")
+        if sha256_file(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: sha256 mismatch: corrupt")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves and restores the full training state.
+
+    Args:
+        root: the run's checkpoints folder.
+        rank, world_size: this process; rank 0 writes the shared files and renames.
+        keep_last: finished checkpoints to keep (older ones are deleted after a successful save).
+        async_save: stage tensors and write them in the background (`dcp.async_save`); the folder
+            is finalised (marker, rename) at the next save or at `finalize()`.
+    """
+
+    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep_last: int = 3,
+                 async_save: bool = False):
+        self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.keep_last, self.async_save = keep_last, async_save
+        self._pending = None  # (future, tmp_folder, final_folder)
+
+    def save(self, step: int, tensors: dict, trainer_state: dict, config_yaml: str) -> Path:
+        """Write checkpoint `step`. `tensors` is a DCP state dict (model and optimizer)."""
+        self.finalize()
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
+        if self.rank == 0:
+            write_json_atomic(tmp / "trainer_state.json", trainer_state)
+            write_text_atomic(tmp / "config.yaml", config_yaml)
+        if self.async_save:
+            future = dcp.async_save(tensors, checkpoint_id=str(tmp))
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(tensors, checkpoint_id=str(tmp))
+            self._finish(tmp, final)
+        return final
+
+    def finalize(self) -> None:
+        """Complete a pending asynchronous save (no-op otherwise)."""
+        if self._pending is not None:
+            future, tmp, final = self._pending
+            future.result()
+            self._pending = None
+            self._finish(tmp, final)
+
+    def _finish(self, tmp: Path, final: Path) -> None:
+        barrier()
+        if self.rank == 0:
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            listing = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+            write_json_atomic(tmp / "COMPLETE.json", {"files": listing, "world_size": self.world_size})
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root)[self.keep_last :]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+
+    def load(self, folder: Path, tensors: dict) -> dict:
+        """Validate `folder`, load tensors in place into `tensors`, restore this rank's RNG; return
+        the trainer state."""
+        validate(folder)
+        saved_world = json.loads((folder / "COMPLETE.json").read_text()).get("world_size", 1)
+        if saved_world != self.world_size:
+            raise CheckpointError(f"{folder}: saved with world size {saved_world}, loading with {self.world_size}")
+        try:
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{folder}: could not load tensors: {type(e).__name__}: {e}") from None
+        set_rng_state(torch.load(folder / "rng" / f"rank-{self.rank:05d}.pt", weights_only=True))
+        return json.loads((folder / "trainer_state.json").read_text())
+
+    def load_latest(self, tensors: dict) -> tuple[Path, dict] | None:
+        """Load the newest checkpoint that validates, falling back past broken ones; None if none."""
+        for folder in list_checkpoints(self.root):
+            try:
+                return folder, self.load(folder, tensors)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint: %s", e)
+                if self.rank == 0:
+                    print(f"warning: skipping unusable checkpoint: {e}", flush=True)
+        return None

@@ -1,0 +1,107 @@
+"""The run config: one dataclass per component, nested the way configs/train/*.yaml is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marinlm.config import check
+from marinlm.dataset.loader import DataConfig
+from marinlm.model.config import MarinConfig
+from marinlm.optim import MarinOptimizerConfig, OptimizerConfig, ScheduleConfig
+from marinlm.parallel import ParallelConfig
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step, all ranks together
+    micro_batch: int = 0  # sequences per forward on one rank; 0 = global_batch / world_size
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16 (autocast, fp32 master weights)
+    grad_clip: float | None = 1.0  # global-norm clipping; null = off (the hero run used none)
+    seed: int = 0
+    deterministic: bool = True  # torch.use_deterministic_algorithms: bitwise-exact resume on CPU
+    max_minutes: float = 0.0  # stop (with a checkpoint) after this much wall time; 0 = no limit
+    max_consecutive_bad_steps: int = 3  # NaN/Inf steps in a row before rolling back to a checkpoint
+    device: str = "auto"
+    init: str = "auto"  # full (every rank builds all weights, then shards), sharded (init on shards), auto
+
+    def __post_init__(self):
+        check(self.steps > 0, "steps", f"must be positive, got {self.steps}")
+        check(self.global_batch > 0, "global_batch", f"must be positive, got {self.global_batch}")
+        check(self.micro_batch >= 0, "micro_batch", f"must be >= 0, got {self.micro_batch}")
+        check(self.precision in ("auto", "fp32", "bf16"), "precision", f"must be auto, fp32 or bf16, got {self.precision!r}")
+        check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", f"must be positive or null, got {self.grad_clip}")
+        check(self.max_minutes >= 0, "max_minutes", f"must be >= 0, got {self.max_minutes}")
+        check(self.max_consecutive_bad_steps >= 1, "max_consecutive_bad_steps",
+              f"must be >= 1, got {self.max_consecutive_bad_steps}")
+        check(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        check(self.init in ("auto", "full", "sharded"), "init", f"must be auto, full or sharded, got {self.init!r}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 100  # 0 = only at the end
+    keep_last: int = 3
+    async_save: bool = False
+
+    def __post_init__(self):
+        check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    every_steps: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "marinlm"
+    wandb_mode: str = "offline"  # offline works without network; "online" to sync
+    progress: bool = True
+
+    def __post_init__(self):
+        check(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}")
+        check(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode",
+              f"must be offline, online or disabled, got {self.wandb_mode!r}")
+
+
+@dataclass(kw_only=True)
+class ValidationConfig:
+    every_steps: int = 0  # 0 = only at the end
+    max_rows: int = 64  # sequences of the held-out split per evaluation
+    batch_size: int = 8
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    start_step: int = 0
+    num_steps: int = 0  # 0 = no trace; else a torch.profiler trace of steps [start, start + num)
+
+
+@dataclass(kw_only=True)
+class EvalHookConfig:
+    """Downstream tasks run as a training hook (see marinlm.eval)."""
+
+    every_n_steps: int = 0  # 0 = off
+    tasks: list[str] = field(default_factory=list)
+    limit: int = 50
+    data_dir: str = ""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    model: MarinConfig = field(default_factory=MarinConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=MarinOptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalHookConfig = field(default_factory=EvalHookConfig)
+
+    def __post_init__(self):
+        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
+              f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.seq_len}")

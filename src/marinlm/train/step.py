@@ -1,0 +1,126 @@
+"""One optimizer step and one validation pass, with the normalisation that keeps them exact.
+
+Loss normalisation: the step's loss is the mean over every loss token of the global batch. Each
+micro-batch's mean loss is weighted by its share of the global token count (all-reduced before
+any backward), times the world size because FSDP2 averages gradients across ranks. So 1 process
+and N processes on the same global batch compute the same gradient, up to summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from marinlm.model.router import RouterStats
+from marinlm.parallel.distributed import all_reduce_
+
+
+@dataclass
+class StepResult:
+    loss: float  # cross-entropy, mean over the global batch's loss tokens
+    z_loss: float
+    aux_loss: float
+    grad_norm: float
+    tokens: int  # input tokens processed by all ranks
+    loss_tokens: int
+    skipped: bool  # NaN/Inf: the update was not applied
+    router_stats: list[RouterStats]
+
+
+def autocast_context(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _full_norm(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def reduce_router_stats(per_micro: list[list[RouterStats]]) -> list[RouterStats]:
+    """Merge micro-batches, then sum counts / average means and beta across ranks."""
+    merged = [RouterStats.merge(list(layer)) for layer in zip(*per_micro)]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        for s in merged:
+            for t in (s.load, s.dropped, s.num_tokens):
+                all_reduce_(t)
+            all_reduce_(s.z_loss).div_(world)
+            if s.beta is not None:
+                all_reduce_(s.beta).div_(world)
+    return merged
+
+
+def train_step(model, optimizer, batches: list[dict], *, device, precision: str, grad_clip: float | None,
+               world_size: int) -> StepResult:
+    """Forward/backward over the rank's micro-batches, then clip, guard and update."""
+    local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
+    global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens))).item())
+    sums = torch.zeros(3)  # ce * n, z * n, aux
+    router_stats = []
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    for i, batch in enumerate(batches):
+        if fsdp:  # reduce-scatter gradients only after the last micro-batch
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        ids = batch["input_ids"].to(device)
+        with autocast_context(device, precision):
+            out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
+        share = out.num_tokens / max(global_loss_tokens, 1)
+        loss = (out.ce_loss + out.z_loss) * share * world_size + out.aux_loss / len(batches)
+        loss.backward()
+        sums += torch.tensor([out.ce_loss.item() * out.num_tokens, out.z_loss.item() * out.num_tokens,
+                              out.aux_loss.item() / len(batches)])
+        router_stats.append([s.detach() for s in out.router_stats])
+    all_reduce_(sums)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = _full_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    loss = sums[0].item() / max(global_loss_tokens, 1)
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm.item()))
+    if not skipped:
+        if grad_clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats = reduce_router_stats(router_stats) if router_stats and router_stats[0] else []
+    if not skipped and stats:
+        # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
+        unwrap(model).update_router_biases(stats)
+    tokens = sum(b["input_ids"].numel() for b in batches) * world_size
+    return StepResult(loss, sums[1].item() / max(global_loss_tokens, 1), sums[2].item() / world_size,
+                      grad_norm.item(), tokens, global_loss_tokens, skipped, stats)
+
+
+def unwrap(model):
+    """The MarinForCausalLM inside (FSDP2 keeps the class; compile/AC wrap only blocks)."""
+    return getattr(model, "_orig_mod", model)
+
+
+def param_norm(model) -> float:
+    return _full_norm(torch.nn.utils.get_total_norm(list(model.parameters()))).item()
+
+
+@torch.no_grad()
+def validate(model, batches, *, device, precision: str) -> dict[str, float]:
+    """Mean loss per token and bits per byte over the given held-out batches (all ranks summed)."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    for batch in batches:
+        with autocast_context(device, precision):
+            out = model(batch["input_ids"].to(device), batch["segment_ids"].to(device))
+        logp = torch.log_softmax(out.logits.float(), dim=-1)
+        labels = batch["labels"].to(device)
+        mask = labels != -100
+        nll = -logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        totals += torch.tensor([float(nll[mask].double().sum()), float(mask.sum()),
+                                float(batch["byte_weights"].double().sum())], dtype=torch.float64)
+    all_reduce_(totals)
+    model.train(was_training)
+    nats, tokens, num_bytes = totals.tolist()
+    return {"val/loss": nats / max(tokens, 1), "val/bpb": nats / (math.log(2) * max(num_bytes, 1)),
+            "val/tokens": tokens}

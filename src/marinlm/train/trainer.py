@@ -1,0 +1,354 @@
+"""The training loop: `marinlm train CONFIG`, one process or under torchrun.
+
+Extras attach as hooks (`trainer.add_hook(fn, every=N)`): logging, validation, checkpoints,
+downstream evaluation. Everything a resume needs is explicit state: model and optimizer (DCP),
+scheduler, loader position, step, bad-step counter, every rank's RNG, and the router biases (a
+model buffer holding the QB beta of the previous step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from tqdm import tqdm
+
+from marinlm.config import dump_config, to_dict
+from marinlm.dataset.loader import build_loader, open_sources, validation_batches
+from marinlm.dataset.shards import TokenDataset
+from marinlm.model.summary import summarize
+from marinlm.model.transformer import MarinForCausalLM
+from marinlm.optim import build_optimizer, build_scheduler
+from marinlm.parallel import init_distributed, parallelize
+from marinlm.train.checkpoint import CheckpointManager
+from marinlm.train.config import TrainConfig
+from marinlm.train.metrics import MetricSinks
+from marinlm.train.step import StepResult, param_norm, train_step, validate
+from marinlm.utils.io import write_json_atomic
+from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, resume: str = "auto"):
+        self.config = c = config
+        self.info = init_distributed(c.train.device)
+        self.device = self.info.device
+        tune_cpu_allocator()
+        self.precision = c.train.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        torch.manual_seed(c.train.seed + self.info.rank)
+        if c.train.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
+        self.run_dir = Path(c.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.world = self.info.world_size
+        micro = c.train.micro_batch or c.train.global_batch // self.world
+        if c.train.global_batch % (micro * self.world):
+            raise ValueError(f"train.global_batch={c.train.global_batch} must be a multiple of "
+                             f"micro_batch x world_size = {micro} x {self.world}")
+        self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.world)
+
+        first = TokenDataset(c.data.sources[0].path, "train") if c.data.sources else None
+        if first is None:
+            raise ValueError("data.sources: give at least one tokenized dataset")
+        self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
+        self.loader = build_loader(c.data, c.train.global_batch, self.info.rank, self.world,
+                                   self.tokenizer_hash, c.model.vocab_size)
+        self.val_source = self._val_source()
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", self.info.rank, self.world,
+                                             c.checkpoint.keep_last, c.checkpoint.async_save)
+        self.step, self.bad_steps, self.events = 0, 0, []
+        self._last_checkpoint_step = self._last_validation_step = None
+        self.flops_per_token = summarize(c.model, c.data.seq_len).flops_per_token
+        self.peak_flops = matmul_peak_flops(torch.bfloat16 if self.precision == "bf16" else torch.float32,
+                                            self.device.type)
+        resumed_from = self._resume(resume)
+        self.sinks = None
+        if self.info.is_main:
+            self._write_run_record(resumed_from)
+            self.sinks = MetricSinks(self.run_dir, c.logging.tensorboard, c.logging.wandb, c.logging.wandb_project,
+                                     c.logging.wandb_mode, resume_step=self.step if resumed_from else None,
+                                     config=to_dict(c))
+        self.hooks: list[tuple[int, Callable]] = []
+        self.add_hook(self._log_hook, every=c.logging.every_steps)
+        if c.validation.every_steps:
+            self.add_hook(self._validation_hook, every=c.validation.every_steps)
+        if c.checkpoint.every_steps:
+            self.add_hook(lambda result: self.save_checkpoint(), every=c.checkpoint.every_steps)
+        if c.eval.every_n_steps and c.eval.tasks:
+            from marinlm.eval.hook import make_eval_hook
+
+            self.add_hook(make_eval_hook(self, c.eval), every=c.eval.every_n_steps)
+        self._last_result: StepResult | None = None
+        self._data_wait = 0.0
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        c = self.config
+        with torch.device("meta"):
+            model = MarinForCausalLM(c.model)
+        init = c.train.init
+        if init == "auto":
+            init = "full" if summarize(c.model).total < 2e9 else "sharded"
+        if init == "full":  # identical on every rank (same seed), then sharded: matches 1-process init
+            model.to_empty(device=self.device)
+            model.init_weights(seed=c.train.seed)
+            parallelize(model, c.parallel, self.info)
+        else:  # shard on meta first, then initialise each rank's shards
+            parallelize(model, c.parallel, self.info)
+            model.to_empty(device=self.device)
+            model.init_weights(seed=c.train.seed)
+        return model
+
+    def _val_source(self):
+        try:
+            return open_sources(self.config.data, "val", self.tokenizer_hash, self.config.model.vocab_size)[0]
+        except ValueError as e:
+            log.warning("no validation split: %s", e)
+            return None
+
+    def _state_tensors(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), "tokenizer_hash": self.tokenizer_hash, "world_size": self.world}
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpoints.save(self.step, self._state_tensors(), self._trainer_state(), dump_config(self.config))
+        self._last_checkpoint_step = self.step
+        self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
+        return path
+
+    def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
+        """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
+        tensors = self._state_tensors()
+        if folder is None:
+            loaded = self.checkpoints.load_latest(tensors)
+            if loaded is None:
+                return None
+        else:
+            loaded = (folder, self.checkpoints.load(folder, tensors))
+        folder, state = loaded
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.bad_steps = state["step"], state["bad_steps"]
+        self._last_checkpoint_step = self.step
+        return folder, state
+
+    def _resume(self, resume: str) -> Path | None:
+        if resume == "none":
+            return None
+        loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
+        if loaded is None:
+            return None
+        folder, state = loaded
+        if state["tokenizer_hash"] != self.tokenizer_hash:
+            raise ValueError(f"{folder}: trained with tokenizer {state['tokenizer_hash'][:12]}…, data now uses "
+                             f"{self.tokenizer_hash[:12]}…")
+        self.loader.load_state_dict(state["loader"])
+        if self.info.is_main:
+            print(f"resumed from {folder} at step {self.step}", flush=True)
+        return folder
+
+    def _rollback(self) -> None:
+        """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
+        position = self.loader.state_dict()
+        bad_from, bad_count = self.step, self.bad_steps
+        loaded = self._load_checkpoint()
+        if loaded is None:
+            raise RuntimeError(f"{bad_count} consecutive NaN/Inf steps and no checkpoint to roll back to")
+        folder, _ = loaded
+        self.loader.load_state_dict(position)  # skip the offending batches
+        self.bad_steps = 0
+        self.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
+        self._log_event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")
+
+    def _write_run_record(self, resumed_from) -> None:
+        (self.run_dir / "config.yaml").write_text(dump_config(self.config))
+        packages = {}
+        for name in ("torch", "numpy", "tokenizers", "safetensors", "marinlm", "transformers"):
+            try:
+                packages[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            commit = None
+        data = []
+        for src in self.config.data.sources:
+            manifest = Path(src.path) / "manifest.json"
+            from marinlm.utils.io import sha256_file
+
+            data.append({"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest)})
+        record = {"git_commit": commit, "packages": packages, "python": sys.version.split()[0],
+                  "platform": platform.platform(), "world_size": self.world, "device": str(self.device),
+                  "precision": self.precision, "tokenizer_hash": self.tokenizer_hash, "data": data,
+                  "command": sys.argv, "resumed_from": str(resumed_from) if resumed_from else None,
+                  "peak_flops_measured": self.peak_flops}
+        write_json_atomic(self.run_dir / "run_info.json", record)
+        tok_src = Path(json.loads((Path(self.config.data.sources[0].path) / "manifest.json").read_text())
+                       ["tokenizer"]["path"])
+        if tok_src.is_dir() and not (self.run_dir / "tokenizer").exists():
+            shutil.copytree(tok_src, self.run_dir / "tokenizer")
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def add_hook(self, fn: Callable[[StepResult], None], every: int) -> None:
+        """Call `fn(step_result)` after every `every`-th step (and after the last step)."""
+        self.hooks.append((every, fn))
+
+    def _log_event(self, message: str) -> None:
+        if self.info.is_main:
+            tqdm.write(f"[step {self.step}] {message}")
+
+    def _log_hook(self, result: StepResult) -> None:
+        norm = param_norm(self.model)  # a collective under FSDP: every rank takes part
+        if self.sinks is None:
+            return
+        r = result
+        elapsed = self._step_time
+        tokens_per_s = r.tokens / max(elapsed, 1e-9)
+        scalars = {
+            "train/loss": r.loss, "train/z_loss": r.z_loss, "train/aux_loss": r.aux_loss,
+            "train/lr": self.optimizer.param_groups[0]["lr"], "train/grad_norm": r.grad_norm,
+            "train/param_norm": norm, "perf/tokens_per_s": tokens_per_s,
+            "perf/mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
+            "perf/step_time_s": elapsed, "perf/data_wait_s": self._data_wait, "train/skipped": float(r.skipped),
+            "mem/rss_gb": psutil.Process().memory_info().rss / 1e9,
+        }
+        if self.device.type == "cuda":
+            scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        histograms = {}
+        for i, s in enumerate(r.router_stats):
+            scalars[f"router/layer_{i}/entropy"] = s.entropy.item()
+            scalars[f"router/layer_{i}/dropped_fraction"] = s.dropped_fraction.item()
+            scalars[f"router/layer_{i}/z_loss"] = s.z_loss.item()
+            load = s.load / s.load.sum().clamp_min(1)
+            scalars[f"router/layer_{i}/max_load"] = (load.max() * len(load)).item()  # 1.0 = perfectly balanced
+            if s.beta is not None:
+                scalars[f"router/layer_{i}/beta_std"] = s.beta.std().item()
+            histograms[f"router/layer_{i}/load"] = s.load.cpu().numpy()
+        self.sinks.log(self.step, scalars, histograms)
+
+    def _validation_hook(self, result: StepResult | None = None) -> dict[str, float] | None:
+        if self.val_source is None:
+            return None
+        v = self.config.validation
+        batches = validation_batches(self.val_source, v.batch_size, v.max_rows, self.info.rank, self.world)
+        metrics = validate(self.model, batches, device=self.device, precision=self.precision)
+        self._last_validation_step = self.step
+        if self.sinks is not None:
+            self.sinks.log(self.step, metrics)
+        return metrics
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        c = self.config
+        start_time = time.perf_counter()
+        batches = iter(self.loader)
+        bar = tqdm(total=c.train.steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.info.is_main and c.logging.progress), dynamic_ncols=True)
+        profiler = self._profiler()
+        stopped_early = False
+        try:
+            while self.step < c.train.steps:
+                t0 = time.perf_counter()
+                micro = [next(batches) for _ in range(self.accum)]
+                self._data_wait = time.perf_counter() - t0
+                result = train_step(self.model, self.optimizer, micro, device=self.device, precision=self.precision,
+                                    grad_clip=c.train.grad_clip, world_size=self.world)
+                self.scheduler.step()
+                self.step += 1
+                self._step_time = time.perf_counter() - t0
+                self._last_result = result
+                if result.skipped:
+                    self.bad_steps += 1
+                    self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
+                    self._log_event(f"non-finite loss/grad (loss={result.loss}); update skipped "
+                                    f"({self.bad_steps} in a row)")
+                    if self.bad_steps >= c.train.max_consecutive_bad_steps:
+                        self._rollback()
+                        bar.n = self.step
+                        continue
+                else:
+                    self.bad_steps = 0
+                for every, fn in self.hooks:
+                    if self.step % every == 0:
+                        fn(result)
+                if profiler is not None:
+                    profiler.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / self._step_time:,.0f}")
+                if c.train.max_minutes and time.perf_counter() - start_time > 60 * c.train.max_minutes:
+                    stopped_early = True
+                    self._log_event(f"time budget of {c.train.max_minutes} min reached")
+                    break
+            if self._last_checkpoint_step != self.step:
+                self.save_checkpoint()
+            self.checkpoints.finalize()
+            final_val = self._validation_hook() if self._last_validation_step != self.step else None
+        finally:
+            bar.close()
+            if profiler is not None:
+                profiler.stop()
+            if self.sinks is not None:
+                self.sinks.close()
+        summary = {"steps": self.step, "stopped_early": stopped_early, "seconds": time.perf_counter() - start_time,
+                   "final_loss": self._last_result.loss if self._last_result else None, "events": self.events,
+                   "validation": final_val}
+        if self.info.is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _profiler(self):
+        p = self.config.profile
+        if not p.num_steps or not self.info.is_main:
+            return None
+        trace_dir = self.run_dir / "profile"
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=max(0, p.start_step - self.step), warmup=0, active=p.num_steps,
+                                             repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)),
+            record_shapes=False,
+        )
+        profiler.start()
+        return profiler
+
+
+def run_training(config: TrainConfig, resume: str = "auto") -> dict:
+    """Entry point for `marinlm train` (also under torchrun)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    trainer = Trainer(config, resume)
+    try:
+        return trainer.fit()
+    finally:
+        from marinlm.parallel import shutdown_distributed
+
+        shutdown_distributed()
+
+
+__all__ = ["Trainer", "run_training"]
