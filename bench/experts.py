@@ -44,8 +44,10 @@ def main() -> None:
     weights, experts = torch.topk(torch.softmax(x.detach() @ router, -1), a.top_k, -1)
     load = torch.bincount(experts.reshape(-1), minlength=a.experts)
     flops = 3 * 2 * 3 * a.tokens * a.top_k * a.dim * a.hidden  # fwd+bwd, three matrices
-    print(f"tokens={a.tokens} experts={a.experts} top_k={a.top_k} {a.dim}->{a.hidden}; max/mean load "
-          f"{load.max().item() / load.float().mean().item():.2f}")
+    print(
+        f"tokens={a.tokens} experts={a.experts} top_k={a.top_k} {a.dim}->{a.hidden}; max/mean load "
+        f"{load.max().item() / load.float().mean().item():.2f}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         results = {}
         for impl in ("grouped_mm", "bmm", "loop"):
@@ -53,8 +55,9 @@ def main() -> None:
             module.reset_parameters()
             results[impl] = time_step(module, x, experts, weights, dtype)
         base = results["loop"]
-        line = ", ".join(f"{k} {v * 1e3:.1f} ms ({flops / v / 1e9:.0f} GFLOP/s, {base / v:.2f}x loop)"
-                         for k, v in results.items())
+        line = ", ".join(
+            f"{k} {v * 1e3:.1f} ms ({flops / v / 1e9:.0f} GFLOP/s, {base / v:.2f}x loop)" for k, v in results.items()
+        )
         print(f"{str(dtype):>15}: {line}")
 
 

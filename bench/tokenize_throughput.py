@@ -52,8 +52,12 @@ def main() -> None:
         tok.backend.encode_batch_fast(texts, add_special_tokens=False)
         fast_s = time.perf_counter() - start
 
-        config = TokenizeConfig(inputs=[str(work / f"shard-{s}.jsonl") for s in range(a.shards)],
-                                tokenizer=str(work / "tok"), output_dir=str(work / "out"), workers=a.workers)
+        config = TokenizeConfig(
+            inputs=[str(work / f"shard-{s}.jsonl") for s in range(a.shards)],
+            tokenizer=str(work / "tok"),
+            output_dir=str(work / "out"),
+            workers=a.workers,
+        )
         start = time.perf_counter()
         manifest = tokenize(config, progress=False)
         ours_s = time.perf_counter() - start
@@ -61,17 +65,24 @@ def main() -> None:
         assert ours_tokens == bare_tokens, (ours_tokens, bare_tokens)
 
         cores = os.cpu_count()
-        print(f"corpus: {len(texts)} documents, {total_bytes / 1e6:.1f} MB, {bare_tokens:,} tokens; "
-              f"{cores} cores")
-        print(f"HF tokenizers encode_batch (in memory, Rust threads on {cores} cores): "
-              f"{bare_tokens / bare_s:12,.0f} tok/s  ({bare_s:.2f} s)")
-        print(f"HF tokenizers encode_batch_fast (no offsets; what marinlm calls):     "
-              f"{bare_tokens / fast_s:12,.0f} tok/s  ({fast_s:.2f} s)")
-        print(f"marinlm tokenize ({min(a.workers, a.shards)} worker processes, jsonl in, shards out):"
-              f" {ours_tokens / ours_s:12,.0f} tok/s  ({ours_s:.2f} s)")
+        print(f"corpus: {len(texts)} documents, {total_bytes / 1e6:.1f} MB, {bare_tokens:,} tokens; {cores} cores")
+        print(
+            f"HF tokenizers encode_batch (in memory, Rust threads on {cores} cores): "
+            f"{bare_tokens / bare_s:12,.0f} tok/s  ({bare_s:.2f} s)"
+        )
+        print(
+            f"HF tokenizers encode_batch_fast (no offsets; what marinlm calls):     "
+            f"{bare_tokens / fast_s:12,.0f} tok/s  ({fast_s:.2f} s)"
+        )
+        print(
+            f"marinlm tokenize ({min(a.workers, a.shards)} worker processes, jsonl in, shards out):"
+            f" {ours_tokens / ours_s:12,.0f} tok/s  ({ours_s:.2f} s)"
+        )
         ratio = bare_s / ours_s
-        print(f"ratio: {ratio:.1%} of bare encode_batch (target >= 90%): {'met' if ratio >= 0.9 else 'MISSED'}; "
-              f"{fast_s / ours_s:.1%} of bare encode_batch_fast")
+        print(
+            f"ratio: {ratio:.1%} of bare encode_batch (target >= 90%): {'met' if ratio >= 0.9 else 'MISSED'}; "
+            f"{fast_s / ours_s:.1%} of bare encode_batch_fast"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

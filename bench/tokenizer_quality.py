@@ -48,24 +48,37 @@ def main() -> None:
         corpus.write_text("\n".join(train))
         start = time.perf_counter()
         spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(Path(tmp) / "sp"), vocab_size=a.vocab, model_type="bpe",
-            character_coverage=0.9995, byte_fallback=True, max_sentence_length=1 << 16,
-            input_sentence_size=0, num_threads=2, minloglevel=2, split_digits=True,
-            remove_extra_whitespaces=False, normalization_rule_name="identity",
+            input=str(corpus),
+            model_prefix=str(Path(tmp) / "sp"),
+            vocab_size=a.vocab,
+            model_type="bpe",
+            character_coverage=0.9995,
+            byte_fallback=True,
+            max_sentence_length=1 << 16,
+            input_sentence_size=0,
+            num_threads=2,
+            minloglevel=2,
+            split_digits=True,
+            remove_extra_whitespaces=False,
+            normalization_rule_name="identity",
         )
         sp_s = time.perf_counter() - start
         sp = spm.SentencePieceProcessor(model_file=str(Path(tmp) / "sp.model"))
 
-    print(f"trained on {train_bytes / 1e6:.1f} MB, vocab {a.vocab}: marinlm BPE {ours_s:.1f} s, "
-          f"SentencePiece BPE {sp_s:.1f} s ({sp_s / ours_s:.1f}x ours)")
+    print(
+        f"trained on {train_bytes / 1e6:.1f} MB, vocab {a.vocab}: marinlm BPE {ours_s:.1f} s, "
+        f"SentencePiece BPE {sp_s:.1f} s ({sp_s / ours_s:.1f}x ours)"
+    )
     print(f"{'held-out':<10}{'bytes':>12}{'marinlm B/tok':>16}{'sentencepiece B/tok':>22}{'ratio':>8}  round trip")
     for name, text in test.items():
         n = len(text.encode())
         ours_ids, sp_ids = ours.encode(text), sp.encode(text)
         exact = ours.decode(ours_ids) == text
         sp_exact = sp.decode(sp_ids) == text
-        print(f"{name:<10}{n:>12,}{n / len(ours_ids):>16.3f}{n / len(sp_ids):>22.3f}"
-              f"{len(sp_ids) / len(ours_ids):>8.3f}  marinlm {exact}, sentencepiece {sp_exact}")
+        print(
+            f"{name:<10}{n:>12,}{n / len(ours_ids):>16.3f}{n / len(sp_ids):>22.3f}"
+            f"{len(sp_ids) / len(ours_ids):>8.3f}  marinlm {exact}, sentencepiece {sp_exact}"
+        )
 
 
 if __name__ == "__main__":

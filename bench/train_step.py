@@ -90,13 +90,17 @@ def main() -> None:
 
     tuned = tune_cpu_allocator()  # applies to both models: they share this process
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, "
-          f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, allocator tuned: {tuned}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, "
+        f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, allocator tuned: {tuned}"
+    )
     print("both sides: same weights, same batch, AdamW(fused=True), same process")
     peaks = {dt: matmul_peak_flops(dt) for dt in (torch.float32, torch.bfloat16)}
-    print(f"measured matmul peak: fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
-          f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s")
+    print(
+        f"measured matmul peak: fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s"
+    )
 
     qwen = load_config(MarinConfig, CONFIGS / "qwen3-moe-style.yaml")
     small = load_config(MarinConfig, CONFIGS / "small.yaml")
@@ -128,8 +132,11 @@ def main() -> None:
         print(f"  marinlm / {hf_best}: {best[hf_best] / best['marinlm']:.2f}x  (target >= 1.5x)")
         if "marinlm small" in best:
             ratio = best["marinlm small"] / best["marinlm"]
-            print(f"  hero-shaped small ({summarize(small).total / 1e6:.1f}M) costs {ratio:.2f}x "
-                  f"the qwen3-style ({summarize(qwen).total / 1e6:.1f}M) step")
+            print(
+                f"  hero-shaped small ({summarize(small).total / 1e6:.1f}M) costs {ratio:.2f}x "
+                f"the qwen3-style ({summarize(qwen).total / 1e6:.1f}M) step"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -28,8 +28,14 @@ def dataset(tmp_path_factory, tok_dir):
     texts = write_corpus(root / "corpus", num_docs=300, num_files=3)
     with open(root / "corpus" / "part-bad.jsonl", "w") as f:
         f.write('{"id": "ok1", "text": "fine document"}\n{not json\n{"id": "x", "body": "no text field"}\n')
-    config = TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(root / "tokens"),
-                            val_fraction=0.1, seed=3, workers=2)
+    config = TokenizeConfig(
+        inputs=[str(root / "corpus")],
+        tokenizer=str(tok_dir),
+        output_dir=str(root / "tokens"),
+        val_fraction=0.1,
+        seed=3,
+        workers=2,
+    )
     manifest = tokenize(config, progress=False)
     return root, texts, manifest
 
@@ -63,8 +69,9 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     with open(out / "train" / "00001.tokens", "r+b") as f:
         f.truncate(10)
     before = {p: p.stat().st_mtime_ns for p in (out / "train").glob("0000[02].tokens")}
-    config = TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(out),
-                            val_fraction=0.1, seed=3, workers=1)
+    config = TokenizeConfig(
+        inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(out), val_fraction=0.1, seed=3, workers=1
+    )
     again = tokenize(config, progress=False)
     assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
@@ -153,8 +160,9 @@ def collect(loader: TokenLoader, n: int) -> list[dict]:
 @pytest.mark.parametrize("workers_before, workers_after", [(0, 2), (2, 0)])
 def test_exact_resume_across_worker_counts(dataset, workers_before, workers_after):
     root, _, _ = dataset
-    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5,
-                        num_workers=workers_before)
+    config = DataConfig(
+        sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5, num_workers=workers_before
+    )
     reference = collect(build_loader(config, global_batch=4), 60)  # several epochs
     loader = build_loader(config, global_batch=4)
     first = collect(loader, 23)
@@ -189,10 +197,23 @@ def test_ranks_partition_the_global_batch(dataset):
 def test_mixture_proportions_and_seeds(dataset, tmp_path, tok_dir):
     root, _, _ = dataset
     write_corpus(tmp_path / "other", num_docs=80, num_files=1, seed=9)
-    tokenize(TokenizeConfig(inputs=[str(tmp_path / "other")], tokenizer=str(tok_dir),
-                            output_dir=str(tmp_path / "tok2"), val_fraction=0.0), progress=False)
-    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"), weight=3.0),
-                                 SourceConfig(path=str(tmp_path / "tok2"), weight=1.0)], seq_len=16, seed=0)
+    tokenize(
+        TokenizeConfig(
+            inputs=[str(tmp_path / "other")],
+            tokenizer=str(tok_dir),
+            output_dir=str(tmp_path / "tok2"),
+            val_fraction=0.0,
+        ),
+        progress=False,
+    )
+    config = DataConfig(
+        sources=[
+            SourceConfig(path=str(root / "tokens"), weight=3.0),
+            SourceConfig(path=str(tmp_path / "tok2"), weight=1.0),
+        ],
+        seq_len=16,
+        seed=0,
+    )
     loader = build_loader(config, global_batch=8)
     collect(loader, 25)
     counts = loader.state_dict()["counts"]
@@ -229,8 +250,10 @@ def test_validation_pass_covers_every_token_once(dataset):
 
 def test_bad_inputs_fail_fast(tmp_path, tok_dir):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        tokenize(TokenizeConfig(inputs=[str(tmp_path / "nope")], tokenizer=str(tok_dir),
-                                output_dir=str(tmp_path / "o")), progress=False)
+        tokenize(
+            TokenizeConfig(inputs=[str(tmp_path / "nope")], tokenizer=str(tok_dir), output_dir=str(tmp_path / "o")),
+            progress=False,
+        )
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ShardError, match="no manifest"):
         TokenDataset(tmp_path / "empty")

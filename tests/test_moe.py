@@ -89,9 +89,7 @@ def identity_router(cls, config, num_experts, top_k):
 
 def test_qb_hand_computed_example():
     """Selection on biased logits, sigmoid weights summing to 2.5, beta and the bias replacement."""
-    s = torch.tensor(
-        [[2.0, 1.0, 0.0, -1.0], [0.5, 1.5, -0.5, 0.0], [0.0, 0.0, 3.0, 1.0], [1.0, -1.0, 0.5, 2.0]]
-    )
+    s = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 1.5, -0.5, 0.0], [0.0, 0.0, 3.0, 1.0], [1.0, -1.0, 0.5, 2.0]])
     router = identity_router(QBRouter, QBRouterConfig(weight_sum=2.5), 4, 2)
     with torch.no_grad():
         router.bias.copy_(torch.tensor([0.0, 0.0, -1.0, 0.0]))
@@ -135,8 +133,12 @@ def test_qb_balances_a_skewed_router_over_steps():
 
 def test_aux_free_bias_nudges_towards_balance():
     router = identity_router(AuxFreeRouter, AuxFreeRouterConfig(bias_update_rate=0.01), 4, 1)
-    stats = RouterStats(load=torch.tensor([10.0, 2.0, 4.0, 4.0]), z_loss=torch.tensor(0.0),
-                        dropped=torch.tensor(0.0), num_tokens=torch.tensor(20.0))
+    stats = RouterStats(
+        load=torch.tensor([10.0, 2.0, 4.0, 4.0]),
+        z_loss=torch.tensor(0.0),
+        dropped=torch.tensor(0.0),
+        num_tokens=torch.tensor(20.0),
+    )
     router.update_bias(stats)
     torch.testing.assert_close(router.bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
     routing = router(torch.tensor([[3.0, 1.0, 0.0, 0.0]]))

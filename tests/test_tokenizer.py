@@ -53,8 +53,9 @@ def test_pretokenizer_splits_digits_cjk_and_indentation(tokenizer):
     pieces = [tok.decode([i]) for i in tok.encode("x = 1234567 + 89\n        return 中文abc")]
     digit_pieces = [p for p in pieces if p.strip().isdigit()]
     assert all(len(p.strip()) <= 3 for p in digit_pieces) and "".join(digit_pieces).replace(" ", "") == "123456789"
-    assert not any(any("\u4e00" <= c <= "\u9fff" for c in p) and any(c.isascii() and c.isalpha() for c in p)
-                   for p in pieces), pieces  # no token mixes CJK and Latin letters
+    assert not any(
+        any("\u4e00" <= c <= "\u9fff" for c in p) and any(c.isascii() and c.isalpha() for c in p) for p in pieces
+    ), pieces  # no token mixes CJK and Latin letters
     assert any(p.strip() == "" and len(p) >= 4 for p in pieces), pieces  # indentation groups
 
 

@@ -20,8 +20,12 @@ def config_class_for(path: str | Path) -> type:
     from marinlm.tokenizer import TokenizerTrainConfig
     from marinlm.train.config import TrainConfig
 
-    classes = {"model": MarinConfig, "tokenizer": TokenizerTrainConfig, "tokenize": TokenizeConfig,
-               "train": TrainConfig}
+    classes = {
+        "model": MarinConfig,
+        "tokenizer": TokenizerTrainConfig,
+        "tokenize": TokenizeConfig,
+        "train": TrainConfig,
+    }
     folder = Path(path).resolve().parent.name
     if folder not in classes:
         raise ValueError(f"{path}: no config class for folder {folder!r}; known: {sorted(classes)}")
@@ -38,8 +42,10 @@ def _tokenizer_train(args, overrides) -> int:
     from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
 
     _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides))
-    print(f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
-          f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}")
+    print(
+        f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
+        f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}"
+    )
     return 0
 
 
@@ -47,9 +53,11 @@ def _tokenize(args, overrides) -> int:
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
 
     manifest = tokenize(_load(TokenizeConfig, args.config, overrides))
-    print(f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
-          f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
-          f"{len(manifest['rejected'])} rejected inputs; {manifest['seconds']} s")
+    print(
+        f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
+        f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
+        f"{len(manifest['rejected'])} rejected inputs; {manifest['seconds']} s"
+    )
     return 0
 
 
@@ -60,9 +68,11 @@ def _train(args, overrides) -> int:
     summary = run_training(_load(TrainConfig, args.config, overrides), resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         val = summary.get("validation") or {}
-        print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, final train loss "
-              f"{summary['final_loss']:.4f}" + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}"
-                                                  if val else ""))
+        print(
+            f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, final train loss "
+            f"{summary['final_loss']:.4f}"
+            + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
+        )
     return 0
 
 

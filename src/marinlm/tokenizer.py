@@ -59,8 +59,11 @@ class TokenizerTrainConfig:
     max_bytes: int = 0  # train on at most this much text (0 = all)
 
     def __post_init__(self):
-        check(self.vocab_size >= 256 + len(SPECIAL_TOKENS), "vocab_size",
-              f"must be at least {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {self.vocab_size}")
+        check(
+            self.vocab_size >= 256 + len(SPECIAL_TOKENS),
+            "vocab_size",
+            f"must be at least {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {self.vocab_size}",
+        )
         check(self.min_frequency >= 1, "min_frequency", f"must be >= 1, got {self.min_frequency}")
         check(self.max_bytes >= 0, "max_bytes", f"must be >= 0, got {self.max_bytes}")
 
@@ -146,8 +149,12 @@ class MarinTokenizer:
             "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
         }
         write_text_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-        special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-                   "additional_special_tokens": config["additional_special_tokens"]}
+        special = {
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "additional_special_tokens": config["additional_special_tokens"],
+        }
         write_text_atomic(folder / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
 
     @classmethod

@@ -3,5 +3,12 @@
 from marinlm.dataset.loader import DataConfig, SourceConfig, TokenLoader, build_loader, validation_batches
 from marinlm.dataset.shards import ShardError, TokenDataset
 
-__all__ = ["DataConfig", "ShardError", "SourceConfig", "TokenDataset", "TokenLoader", "build_loader",
-           "validation_batches"]
+__all__ = [
+    "DataConfig",
+    "ShardError",
+    "SourceConfig",
+    "TokenDataset",
+    "TokenLoader",
+    "build_loader",
+    "validation_batches",
+]

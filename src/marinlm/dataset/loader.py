@@ -64,8 +64,9 @@ class DataConfig:
 class PackedSource:
     """Rows of L+1 tokens from one token dataset, epoch after epoch."""
 
-    def __init__(self, data: TokenDataset, seq_len: int, seed: int, add_bos=True, add_eos=True,
-                 shuffle=True, keep_partial=False):
+    def __init__(
+        self, data: TokenDataset, seq_len: int, seed: int, add_bos=True, add_eos=True, shuffle=True, keep_partial=False
+    ):
         self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
         self.add_bos, self.add_eos = add_bos, add_eos
         self.extra = int(add_bos) + int(add_eos)
@@ -196,8 +197,16 @@ class TokenLoader:
         rank, world_size: this process's slice of every global batch.
     """
 
-    def __init__(self, sources: list[PackedSource], weights: list[float], global_batch: int,
-                 rank: int = 0, world_size: int = 1, num_workers: int = 0, cross_document_loss: bool = False):
+    def __init__(
+        self,
+        sources: list[PackedSource],
+        weights: list[float],
+        global_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        cross_document_loss: bool = False,
+    ):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         if len({s.seq_len for s in sources}) != 1:
@@ -228,10 +237,16 @@ class TokenLoader:
         if self.num_workers == 0:
             batches = (dataset[spec] for spec in self._specs())
         else:
-            batches = iter(torch.utils.data.DataLoader(
-                dataset, sampler=_SpecSampler(self._specs()), batch_size=None, num_workers=self.num_workers,
-                persistent_workers=False, prefetch_factor=2,
-            ))
+            batches = iter(
+                torch.utils.data.DataLoader(
+                    dataset,
+                    sampler=_SpecSampler(self._specs()),
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    persistent_workers=False,
+                    prefetch_factor=2,
+                )
+            )
         for batch in batches:
             state = batch.pop("state")
             self.rows_consumed, self.counts = state["rows_consumed"], np.asarray(state["counts"], dtype=np.int64)
@@ -239,8 +254,12 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out (not after prefetched ones)."""
-        return {"rows_consumed": self.rows_consumed, "counts": self.counts.tolist(),
-                "rows_per_epoch": [s.rows_per_epoch for s in self.sources], "seq_len": self.sources[0].seq_len}
+        return {
+            "rows_consumed": self.rows_consumed,
+            "counts": self.counts.tolist(),
+            "rows_per_epoch": [s.rows_per_epoch for s in self.sources],
+            "seq_len": self.sources[0].seq_len,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         expected = [s.rows_per_epoch for s in self.sources]
@@ -261,27 +280,51 @@ class _SpecSampler(torch.utils.data.Sampler):
         return self.specs
 
 
-def open_sources(config: DataConfig, split: str = "train", tokenizer_hash: str | None = None,
-                 model_vocab_size: int | None = None) -> list[PackedSource]:
+def open_sources(
+    config: DataConfig, split: str = "train", tokenizer_hash: str | None = None, model_vocab_size: int | None = None
+) -> list[PackedSource]:
     if not config.sources:
         raise ValueError("data.sources: give at least one tokenized dataset")
     sources = []
     for i, src in enumerate(config.sources):
         data = TokenDataset(src.path, split, config.verify, tokenizer_hash, model_vocab_size)
-        sources.append(PackedSource(data, config.seq_len, config.seed + 1000 * i, config.add_bos, config.add_eos,
-                                    shuffle=split == "train", keep_partial=split != "train"))
+        sources.append(
+            PackedSource(
+                data,
+                config.seq_len,
+                config.seed + 1000 * i,
+                config.add_bos,
+                config.add_eos,
+                shuffle=split == "train",
+                keep_partial=split != "train",
+            )
+        )
     return sources
 
 
-def build_loader(config: DataConfig, global_batch: int, rank: int = 0, world_size: int = 1,
-                 tokenizer_hash: str | None = None, model_vocab_size: int | None = None) -> TokenLoader:
+def build_loader(
+    config: DataConfig,
+    global_batch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    tokenizer_hash: str | None = None,
+    model_vocab_size: int | None = None,
+) -> TokenLoader:
     sources = open_sources(config, "train", tokenizer_hash, model_vocab_size)
-    return TokenLoader(sources, [s.weight for s in config.sources], global_batch, rank, world_size,
-                       config.num_workers, config.cross_document_loss)
+    return TokenLoader(
+        sources,
+        [s.weight for s in config.sources],
+        global_batch,
+        rank,
+        world_size,
+        config.num_workers,
+        config.cross_document_loss,
+    )
 
 
-def validation_batches(source: PackedSource, batch_size: int, max_rows: int | None = None,
-                       rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+def validation_batches(
+    source: PackedSource, batch_size: int, max_rows: int | None = None, rank: int = 0, world_size: int = 1
+) -> Iterator[dict]:
     """One pass over a source in document order (padded last row), rows dealt across ranks.
 
     Every rank yields the same number of batches (collectives in sharded models need that); rows

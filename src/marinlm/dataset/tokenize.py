@@ -174,11 +174,20 @@ def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
         if _marker_valid(out / ".done" / f"{name}.json", stamp, out):
             records[name] = json.loads((out / ".done" / f"{name}.json").read_text())
             continue
-        tasks.append({
-            "path": str(path), "name": name, "stamp": stamp, "tokenizer": config.tokenizer,
-            "output_dir": str(out), "text_field": config.text_field, "id_field": config.id_field,
-            "seed": config.seed, "val_fraction": config.val_fraction, "batch_docs": config.batch_docs,
-        })
+        tasks.append(
+            {
+                "path": str(path),
+                "name": name,
+                "stamp": stamp,
+                "tokenizer": config.tokenizer,
+                "output_dir": str(out),
+                "text_field": config.text_field,
+                "id_field": config.id_field,
+                "seed": config.seed,
+                "val_fraction": config.val_fraction,
+                "batch_docs": config.batch_docs,
+            }
+        )
     cores = os.cpu_count() or 1
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
@@ -204,8 +213,13 @@ def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
         bar.close()
     manifest = {
         "format": "marinlm-tokens/1",
-        "tokenizer": {"path": str(config.tokenizer), "hash": tok.hash, "vocab_size": tok.vocab_size,
-                      "bos_id": tok.bos_id, "eos_id": tok.eos_id},
+        "tokenizer": {
+            "path": str(config.tokenizer),
+            "hash": tok.hash,
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+        },
         "dtype": token_dtype(tok.vocab_size).name,
         "seed": config.seed,
         "val_fraction": config.val_fraction,

@@ -184,4 +184,3 @@ def apply_rope(x_BTHD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tenso
     if 2 * half == x_BTHD.shape[-1]:
         return rotated
     return torch.cat([rotated, x_BTHD[..., 2 * half :]], dim=-1)
-

@@ -132,8 +132,10 @@ class MarinForCausalLM(nn.Module):
         if not self.config.tie_embeddings:
             trunc_normal_(self.lm_head.weight, self.config.init_std)
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters") and not isinstance(
-                module, (nn.Linear, nn.Embedding)
+            if (
+                module is not self
+                and hasattr(module, "reset_parameters")
+                and not isinstance(module, (nn.Linear, nn.Embedding))
             ):
                 module.reset_parameters()
 

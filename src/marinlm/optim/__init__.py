@@ -61,8 +61,11 @@ class MarinOptimizerConfig(OptimizerConfig):
         check(self.adam_lr > 0, "adam_lr", f"must be positive, got {self.adam_lr}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(self.ns_steps >= 1, "ns_steps", f"must be >= 1, got {self.ns_steps}")
-        check(self.ns_dtype in ("auto", "float32", "bfloat16"), "ns_dtype",
-              f"must be auto, float32 or bfloat16, got {self.ns_dtype!r}")
+        check(
+            self.ns_dtype in ("auto", "float32", "bfloat16"),
+            "ns_dtype",
+            f"must be auto, float32 or bfloat16, got {self.ns_dtype!r}",
+        )
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"):
@@ -78,11 +81,22 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type
         if ns_dtype == "auto":
             ns_dtype = "bfloat16" if device_type == "cuda" else "float32"
         kinds = marin_param_kinds(model)
-        groups = [{"params": [p for _, p in params], "kind": kind, "names": [n for n, _ in params]}
-                  for kind, params in kinds.items() if params]
-        return MarinOptimizer(groups, lr=config.lr, adam_lr=config.adam_lr, betas=config.betas, eps=config.eps,
-                              momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
-                              ns_dtype=getattr(torch, ns_dtype))
+        groups = [
+            {"params": [p for _, p in params], "kind": kind, "names": [n for n, _ in params]}
+            for kind, params in kinds.items()
+            if params
+        ]
+        return MarinOptimizer(
+            groups,
+            lr=config.lr,
+            adam_lr=config.adam_lr,
+            betas=config.betas,
+            eps=config.eps,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            ns_steps=config.ns_steps,
+            ns_dtype=getattr(torch, ns_dtype),
+        )
     raise TypeError(f"unknown optimizer config {type(config).__name__}")
 
 
@@ -104,8 +118,11 @@ class ScheduleConfig:
     def __post_init__(self):
         check(self.kind in ("linear", "cosine", "wsd"), "kind", f"must be linear, cosine or wsd, got {self.kind!r}")
         check(0 <= self.warmup_fraction < 1, "warmup_fraction", f"must be in [0, 1), got {self.warmup_fraction}")
-        check(self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps",
-              f"must be >= 0, got {self.warmup_steps}")
+        check(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            "warmup_steps",
+            f"must be >= 0, got {self.warmup_steps}",
+        )
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.decay_fraction <= 1, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
 

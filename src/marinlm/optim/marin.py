@@ -73,10 +73,29 @@ class MarinOptimizer(torch.optim.Optimizer):
     scale each group's `lr` (LambdaLR), so MuonH/AdamH and Adam keep their own peaks.
     """
 
-    def __init__(self, groups: list[dict], *, lr: float, adam_lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
-        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_dtype=ns_dtype, kind="adam")
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float,
+        adam_lr: float,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        ns_dtype=torch.float32,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            kind="adam",
+        )
         for group in groups:
             if group["kind"] not in ("muonh", "adamh", "adam"):
                 raise ValueError(f"unknown parameter group kind {group['kind']!r}")

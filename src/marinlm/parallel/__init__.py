@@ -31,8 +31,11 @@ class ParallelConfig:
     def __post_init__(self):
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
             check(getattr(self, name) == 1, name, "only 1 is implemented so far (TP/EP/PP land in later issues)")
-        check(self.activation_checkpointing in ("none", "full", "every_n"), "activation_checkpointing",
-              f"must be none, full or every_n, got {self.activation_checkpointing!r}")
+        check(
+            self.activation_checkpointing in ("none", "full", "every_n"),
+            "activation_checkpointing",
+            f"must be none, full or every_n, got {self.activation_checkpointing!r}",
+        )
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
 
 

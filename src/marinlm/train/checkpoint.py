@@ -48,8 +48,14 @@ class CheckpointError(ValueError):
 
 
 _DCP_METADATA_CLASSES = (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
 )
 
 
@@ -154,8 +160,9 @@ class CheckpointManager:
             is finalised (marker, rename) at the next save or at `finalize()`.
     """
 
-    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep_last: int = 3,
-                 async_save: bool = False):
+    def __init__(
+        self, root: str | Path, rank: int = 0, world_size: int = 1, keep_last: int = 3, async_save: bool = False
+    ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.keep_last, self.async_save = keep_last, async_save
         self._pending = None  # (future, tmp_folder, final_folder)

@@ -29,11 +29,20 @@ class LoopConfig:
         check(self.steps > 0, "steps", f"must be positive, got {self.steps}")
         check(self.global_batch > 0, "global_batch", f"must be positive, got {self.global_batch}")
         check(self.micro_batch >= 0, "micro_batch", f"must be >= 0, got {self.micro_batch}")
-        check(self.precision in ("auto", "fp32", "bf16"), "precision", f"must be auto, fp32 or bf16, got {self.precision!r}")
-        check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", f"must be positive or null, got {self.grad_clip}")
+        check(
+            self.precision in ("auto", "fp32", "bf16"),
+            "precision",
+            f"must be auto, fp32 or bf16, got {self.precision!r}",
+        )
+        check(
+            self.grad_clip is None or self.grad_clip > 0, "grad_clip", f"must be positive or null, got {self.grad_clip}"
+        )
         check(self.max_minutes >= 0, "max_minutes", f"must be >= 0, got {self.max_minutes}")
-        check(self.max_consecutive_bad_steps >= 1, "max_consecutive_bad_steps",
-              f"must be >= 1, got {self.max_consecutive_bad_steps}")
+        check(
+            self.max_consecutive_bad_steps >= 1,
+            "max_consecutive_bad_steps",
+            f"must be >= 1, got {self.max_consecutive_bad_steps}",
+        )
         check(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         check(self.init in ("auto", "full", "sharded"), "init", f"must be auto, full or sharded, got {self.init!r}")
 
@@ -60,8 +69,11 @@ class LoggingConfig:
 
     def __post_init__(self):
         check(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}")
-        check(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode",
-              f"must be offline, online or disabled, got {self.wandb_mode!r}")
+        check(
+            self.wandb_mode in ("offline", "online", "disabled"),
+            "wandb_mode",
+            f"must be offline, online or disabled, got {self.wandb_mode!r}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -103,5 +115,8 @@ class TrainConfig:
     eval: EvalHookConfig = field(default_factory=EvalHookConfig)
 
     def __post_init__(self):
-        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
-              f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.seq_len}")
+        check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.seq_len}",
+        )

@@ -18,26 +18,39 @@ class MetricSinks:
     its events after k, so the logs read as one uninterrupted run.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: bool = False, wandb_project: str = "marinlm",
-                 wandb_mode: str = "offline", resume_step: int | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "marinlm",
+        wandb_mode: str = "offline",
+        resume_step: int | None = None,
+        config: dict | None = None,
+    ):
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step
+            ]
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+            self.tb = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1
+            )
         self.wandb = None
         if wandb:
             try:
                 import wandb as wandb_lib
             except ImportError:
                 raise ValueError("logging.wandb: wandb is not installed; `pip install wandb` or set it false") from None
-            self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), mode=wandb_mode, config=config,
-                                        resume="allow")
+            self.wandb = wandb_lib.init(
+                project=wandb_project, dir=str(run_dir), mode=wandb_mode, config=config, resume="allow"
+            )
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray] | None = None) -> None:
         clean = {k: (float(v) if v is not None and math.isfinite(float(v)) else None) for k, v in scalars.items()}
@@ -50,9 +63,15 @@ class MetricSinks:
             for key, values in (histograms or {}).items():
                 # a load histogram: bucket e holds expert e's share of assignments
                 self.tb.add_histogram_raw(
-                    key, min=0, max=len(values) - 1, num=float(values.sum()), sum=float((np.arange(len(values)) * values).sum()),
+                    key,
+                    min=0,
+                    max=len(values) - 1,
+                    num=float(values.sum()),
+                    sum=float((np.arange(len(values)) * values).sum()),
                     sum_squares=float((np.arange(len(values)) ** 2 * values).sum()),
-                    bucket_limits=list(np.arange(len(values)) + 0.5), bucket_counts=list(values), global_step=step,
+                    bucket_limits=list(np.arange(len(values)) + 0.5),
+                    bucket_counts=list(values),
+                    global_step=step,
                 )
         if self.wandb is not None:
             payload = {k: v for k, v in clean.items() if v is not None}

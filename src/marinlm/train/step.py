@@ -56,8 +56,9 @@ def reduce_router_stats(per_micro: list[list[RouterStats]]) -> list[RouterStats]
     return merged
 
 
-def train_step(model, optimizer, batches: list[dict], *, device, precision: str, grad_clip: float | None,
-               world_size: int) -> StepResult:
+def train_step(
+    model, optimizer, batches: list[dict], *, device, precision: str, grad_clip: float | None, world_size: int
+) -> StepResult:
     """Forward/backward over the rank's micro-batches, then clip, guard and update."""
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
     global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens))).item())
@@ -73,8 +74,13 @@ def train_step(model, optimizer, batches: list[dict], *, device, precision: str,
         share = out.num_tokens / max(global_loss_tokens, 1)
         loss = (out.ce_loss + out.z_loss) * share * world_size + out.aux_loss / len(batches)
         loss.backward()
-        sums += torch.tensor([out.ce_loss.item() * out.num_tokens, out.z_loss.item() * out.num_tokens,
-                              out.aux_loss.item() / len(batches)])
+        sums += torch.tensor(
+            [
+                out.ce_loss.item() * out.num_tokens,
+                out.z_loss.item() * out.num_tokens,
+                out.aux_loss.item() / len(batches),
+            ]
+        )
         router_stats.append([s.detach() for s in out.router_stats])
     all_reduce_(sums)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -91,8 +97,16 @@ def train_step(model, optimizer, batches: list[dict], *, device, precision: str,
         # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
         unwrap(model).update_router_biases(stats)
     tokens = sum(b["input_ids"].numel() for b in batches) * world_size
-    return StepResult(loss, sums[1].item() / max(global_loss_tokens, 1), sums[2].item() / world_size,
-                      grad_norm.item(), tokens, global_loss_tokens, skipped, stats)
+    return StepResult(
+        loss,
+        sums[1].item() / max(global_loss_tokens, 1),
+        sums[2].item() / world_size,
+        grad_norm.item(),
+        tokens,
+        global_loss_tokens,
+        skipped,
+        stats,
+    )
 
 
 def unwrap(model):
@@ -117,10 +131,15 @@ def validate(model, batches, *, device, precision: str) -> dict[str, float]:
         labels = batch["labels"].to(device)
         mask = labels != -100
         nll = -logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        totals += torch.tensor([float(nll[mask].double().sum()), float(mask.sum()),
-                                float(batch["byte_weights"].double().sum())], dtype=torch.float64)
+        totals += torch.tensor(
+            [float(nll[mask].double().sum()), float(mask.sum()), float(batch["byte_weights"].double().sum())],
+            dtype=torch.float64,
+        )
     all_reduce_(totals)
     model.train(was_training)
     nats, tokens, num_bytes = totals.tolist()
-    return {"val/loss": nats / max(tokens, 1), "val/bpb": nats / (math.log(2) * max(num_bytes, 1)),
-            "val/tokens": tokens}
+    return {
+        "val/loss": nats / max(tokens, 1),
+        "val/bpb": nats / (math.log(2) * max(num_bytes, 1)),
+        "val/tokens": tokens,
+    }

@@ -8,6 +8,7 @@ model buffer holding the QB beta of the previous step).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -59,8 +60,10 @@ class Trainer:
         self.world = self.info.world_size
         micro = c.train.micro_batch or c.train.global_batch // self.world
         if c.train.global_batch % (micro * self.world):
-            raise ValueError(f"train.global_batch={c.train.global_batch} must be a multiple of "
-                             f"micro_batch x world_size = {micro} x {self.world}")
+            raise ValueError(
+                f"train.global_batch={c.train.global_batch} must be a multiple of "
+                f"micro_batch x world_size = {micro} x {self.world}"
+            )
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.world)
 
         first = TokenDataset(c.data.sources[0].path, "train") if c.data.sources else None
@@ -70,23 +73,32 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
-        self.loader = build_loader(c.data, c.train.global_batch, self.info.rank, self.world,
-                                   self.tokenizer_hash, c.model.vocab_size)
+        self.loader = build_loader(
+            c.data, c.train.global_batch, self.info.rank, self.world, self.tokenizer_hash, c.model.vocab_size
+        )
         self.val_source = self._val_source()
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", self.info.rank, self.world,
-                                             c.checkpoint.keep_last, c.checkpoint.async_save)
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", self.info.rank, self.world, c.checkpoint.keep_last, c.checkpoint.async_save
+        )
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
         self.flops_per_token = summarize(c.model, c.data.seq_len).flops_per_token
-        self.peak_flops = matmul_peak_flops(torch.bfloat16 if self.precision == "bf16" else torch.float32,
-                                            self.device.type)
+        self.peak_flops = matmul_peak_flops(
+            torch.bfloat16 if self.precision == "bf16" else torch.float32, self.device.type
+        )
         resumed_from = self._resume(resume)
         self.sinks = None
         if self.info.is_main:
             self._write_run_record(resumed_from)
-            self.sinks = MetricSinks(self.run_dir, c.logging.tensorboard, c.logging.wandb, c.logging.wandb_project,
-                                     c.logging.wandb_mode, resume_step=self.step if resumed_from else None,
-                                     config=to_dict(c))
+            self.sinks = MetricSinks(
+                self.run_dir,
+                c.logging.tensorboard,
+                c.logging.wandb,
+                c.logging.wandb_project,
+                c.logging.wandb_mode,
+                resume_step=self.step if resumed_from else None,
+                config=to_dict(c),
+            )
         self.hooks: list[tuple[int, Callable]] = []
         self.add_hook(self._log_hook, every=c.logging.every_steps)
         if c.validation.every_steps:
@@ -131,8 +143,14 @@ class Trainer:
         return {"model": model_sd, "optim": optim_sd}
 
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader.state_dict(), "tokenizer_hash": self.tokenizer_hash, "world_size": self.world}
+        return {
+            "step": self.step,
+            "bad_steps": self.bad_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "tokenizer_hash": self.tokenizer_hash,
+            "world_size": self.world,
+        }
 
     def save_checkpoint(self) -> Path:
         path = self.checkpoints.save(self.step, self._state_tensors(), self._trainer_state(), dump_config(self.config))
@@ -164,8 +182,10 @@ class Trainer:
             return None
         folder, state = loaded
         if state["tokenizer_hash"] != self.tokenizer_hash:
-            raise ValueError(f"{folder}: trained with tokenizer {state['tokenizer_hash'][:12]}…, data now uses "
-                             f"{self.tokenizer_hash[:12]}…")
+            raise ValueError(
+                f"{folder}: trained with tokenizer {state['tokenizer_hash'][:12]}…, data now uses "
+                f"{self.tokenizer_hash[:12]}…"
+            )
         self.loader.load_state_dict(state["loader"])
         if self.info.is_main:
             print(f"resumed from {folder} at step {self.step}", flush=True)
@@ -188,13 +208,15 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(self.config))
         packages = {}
         for name in ("torch", "numpy", "tokenizers", "safetensors", "marinlm", "transformers"):
-            try:
+            with contextlib.suppress(metadata.PackageNotFoundError):
                 packages[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                pass
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
+            commit = (
+                subprocess.run(
+                    ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+                ).stdout.strip()
+                or None
+            )
         except (OSError, subprocess.TimeoutExpired):
             commit = None
         data = []
@@ -203,14 +225,24 @@ class Trainer:
             from marinlm.utils.io import sha256_file
 
             data.append({"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest)})
-        record = {"git_commit": commit, "packages": packages, "python": sys.version.split()[0],
-                  "platform": platform.platform(), "world_size": self.world, "device": str(self.device),
-                  "precision": self.precision, "tokenizer_hash": self.tokenizer_hash, "data": data,
-                  "command": sys.argv, "resumed_from": str(resumed_from) if resumed_from else None,
-                  "peak_flops_measured": self.peak_flops}
+        record = {
+            "git_commit": commit,
+            "packages": packages,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "world_size": self.world,
+            "device": str(self.device),
+            "precision": self.precision,
+            "tokenizer_hash": self.tokenizer_hash,
+            "data": data,
+            "command": sys.argv,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "peak_flops_measured": self.peak_flops,
+        }
         write_json_atomic(self.run_dir / "run_info.json", record)
-        tok_src = Path(json.loads((Path(self.config.data.sources[0].path) / "manifest.json").read_text())
-                       ["tokenizer"]["path"])
+        tok_src = Path(
+            json.loads((Path(self.config.data.sources[0].path) / "manifest.json").read_text())["tokenizer"]["path"]
+        )
         if tok_src.is_dir() and not (self.run_dir / "tokenizer").exists():
             shutil.copytree(tok_src, self.run_dir / "tokenizer")
 
@@ -232,11 +264,17 @@ class Trainer:
         elapsed = self._step_time
         tokens_per_s = r.tokens / max(elapsed, 1e-9)
         scalars = {
-            "train/loss": r.loss, "train/z_loss": r.z_loss, "train/aux_loss": r.aux_loss,
-            "train/lr": self.optimizer.param_groups[0]["lr"], "train/grad_norm": r.grad_norm,
-            "train/param_norm": norm, "perf/tokens_per_s": tokens_per_s,
+            "train/loss": r.loss,
+            "train/z_loss": r.z_loss,
+            "train/aux_loss": r.aux_loss,
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/grad_norm": r.grad_norm,
+            "train/param_norm": norm,
+            "perf/tokens_per_s": tokens_per_s,
             "perf/mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
-            "perf/step_time_s": elapsed, "perf/data_wait_s": self._data_wait, "train/skipped": float(r.skipped),
+            "perf/step_time_s": elapsed,
+            "perf/data_wait_s": self._data_wait,
+            "train/skipped": float(r.skipped),
             "mem/rss_gb": psutil.Process().memory_info().rss / 1e9,
         }
         if self.device.type == "cuda":
@@ -270,8 +308,14 @@ class Trainer:
         c = self.config
         start_time = time.perf_counter()
         batches = iter(self.loader)
-        bar = tqdm(total=c.train.steps, initial=self.step, desc="train", unit="step",
-                   disable=not (self.info.is_main and c.logging.progress), dynamic_ncols=True)
+        bar = tqdm(
+            total=c.train.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=not (self.info.is_main and c.logging.progress),
+            dynamic_ncols=True,
+        )
         profiler = self._profiler()
         stopped_early = False
         try:
@@ -279,8 +323,15 @@ class Trainer:
                 t0 = time.perf_counter()
                 micro = [next(batches) for _ in range(self.accum)]
                 self._data_wait = time.perf_counter() - t0
-                result = train_step(self.model, self.optimizer, micro, device=self.device, precision=self.precision,
-                                    grad_clip=c.train.grad_clip, world_size=self.world)
+                result = train_step(
+                    self.model,
+                    self.optimizer,
+                    micro,
+                    device=self.device,
+                    precision=self.precision,
+                    grad_clip=c.train.grad_clip,
+                    world_size=self.world,
+                )
                 self.scheduler.step()
                 self.step += 1
                 self._step_time = time.perf_counter() - t0
@@ -288,8 +339,9 @@ class Trainer:
                 if result.skipped:
                     self.bad_steps += 1
                     self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
-                    self._log_event(f"non-finite loss/grad (loss={result.loss}); update skipped "
-                                    f"({self.bad_steps} in a row)")
+                    self._log_event(
+                        f"non-finite loss/grad (loss={result.loss}); update skipped ({self.bad_steps} in a row)"
+                    )
                     if self.bad_steps >= c.train.max_consecutive_bad_steps:
                         self._rollback()
                         bar.n = self.step
@@ -317,9 +369,14 @@ class Trainer:
                 profiler.stop()
             if self.sinks is not None:
                 self.sinks.close()
-        summary = {"steps": self.step, "stopped_early": stopped_early, "seconds": time.perf_counter() - start_time,
-                   "final_loss": self._last_result.loss if self._last_result else None, "events": self.events,
-                   "validation": final_val}
+        summary = {
+            "steps": self.step,
+            "stopped_early": stopped_early,
+            "seconds": time.perf_counter() - start_time,
+            "final_loss": self._last_result.loss if self._last_result else None,
+            "events": self.events,
+            "validation": final_val,
+        }
         if self.info.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
@@ -330,8 +387,9 @@ class Trainer:
             return None
         trace_dir = self.run_dir / "profile"
         profiler = torch.profiler.profile(
-            schedule=torch.profiler.schedule(wait=max(0, p.start_step - self.step), warmup=0, active=p.num_steps,
-                                             repeat=1),
+            schedule=torch.profiler.schedule(
+                wait=max(0, p.start_step - self.step), warmup=0, active=p.num_steps, repeat=1
+            ),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)),
             record_shapes=False,
         )
