@@ -93,3 +93,43 @@ def stdlib_python_texts(limit_bytes: int = 2_000_000) -> list[str]:
         if total > limit_bytes:
             break
     return texts
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory) -> Path:
+    """A tokenized mixed corpus (train + val) with its tokenizer: the input of training tests."""
+    from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.tokenizer import MarinTokenizer, train_bpe
+
+    root = tmp_path_factory.mktemp("token_data")
+    write_corpus(root / "corpus", num_docs=400, num_files=2)
+    MarinTokenizer(train_bpe(SAMPLE_TEXTS * 40, vocab_size=700)).save(root / "tokenizer")
+    tokenize(
+        TokenizeConfig(
+            inputs=[str(root / "corpus")],
+            tokenizer=str(root / "tokenizer"),
+            output_dir=str(root / "tokens"),
+            val_fraction=0.1,
+            workers=1,
+        ),
+        progress=False,
+    )
+    return root / "tokens"
+
+
+def train_config(token_dir: Path, run_dir: Path, **overrides):
+    """A small, fast TrainConfig on the tiny model (2 layers, seq 64, batch 4)."""
+    from marinlm.config import from_dict, merge, to_dict
+    from marinlm.train.config import TrainConfig
+
+    base = {
+        "run_dir": str(run_dir),
+        "model": to_dict(tiny_config(num_layers=2, max_seq_len=64, attention={"sliding_window": 16})),
+        "data": {"sources": [{"path": str(token_dir)}], "seq_len": 64},
+        "optim": {"type": "marin", "lr": 0.02, "adam_lr": 0.003},
+        "train": {"steps": 8, "global_batch": 4, "grad_clip": 1.0},
+        "checkpoint": {"every_steps": 4, "keep_last": 3},
+        "logging": {"every_steps": 1, "progress": False, "tensorboard": True},
+        "validation": {"every_steps": 4, "max_rows": 8, "batch_size": 4},
+    }
+    return from_dict(TrainConfig, merge(base, overrides))

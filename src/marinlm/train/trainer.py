@@ -73,8 +73,9 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
+        # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
         self.loader = build_loader(
-            c.data, c.train.global_batch, self.info.rank, self.world, self.tokenizer_hash, c.model.vocab_size
+            c.data, micro * self.world, self.info.rank, self.world, self.tokenizer_hash, c.model.vocab_size
         )
         self.val_source = self._val_source()
         self.checkpoints = CheckpointManager(
@@ -82,6 +83,7 @@ class Trainer:
         )
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
+        self.last_validation: dict[str, float] | None = None
         self.flops_per_token = summarize(c.model, c.data.seq_len).flops_per_token
         self.peak_flops = matmul_peak_flops(
             torch.bfloat16 if self.precision == "bf16" else torch.float32, self.device.type
@@ -297,7 +299,7 @@ class Trainer:
         v = self.config.validation
         batches = validation_batches(self.val_source, v.batch_size, v.max_rows, self.info.rank, self.world)
         metrics = validate(self.model, batches, device=self.device, precision=self.precision)
-        self._last_validation_step = self.step
+        self._last_validation_step, self.last_validation = self.step, metrics
         if self.sinks is not None:
             self.sinks.log(self.step, metrics)
         return metrics
@@ -362,7 +364,8 @@ class Trainer:
             if self._last_checkpoint_step != self.step:
                 self.save_checkpoint()
             self.checkpoints.finalize()
-            final_val = self._validation_hook() if self._last_validation_step != self.step else None
+            if self._last_validation_step != self.step:
+                self._validation_hook()
         finally:
             bar.close()
             if profiler is not None:
@@ -375,7 +378,7 @@ class Trainer:
             "seconds": time.perf_counter() - start_time,
             "final_loss": self._last_result.loss if self._last_result else None,
             "events": self.events,
-            "validation": final_val,
+            "validation": self.last_validation,
         }
         if self.info.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)

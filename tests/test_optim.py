@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marinlm.config import ConfigError, load_config
+from marinlm.optim import (
+    MarinOptimizerConfig,
+    ScheduleConfig,
+    build_optimizer,
+    lr_multiplier,
+    marin_param_kinds,
+    newton_schulz,
+)
+
+from conftest import build, tiny_config
+
+
+def test_newton_schulz_orthogonalises_each_matrix():
+    torch.manual_seed(0)
+    g = torch.randn(3, 32, 48)  # a stack of wide matrices, e.g. per-expert
+    u = newton_schulz(g, steps=5)
+    s = torch.linalg.svdvals(u)
+    # quintic NS drives singular values into roughly [0.7, 1.2] (not exactly 1 by design)
+    assert s.min() > 0.5 and s.max() < 1.3
+    tall = newton_schulz(g.mT)
+    torch.testing.assert_close(tall, u.mT, rtol=1e-4, atol=1e-5)  # transposition-equivariant
+    single = newton_schulz(g[1])
+    torch.testing.assert_close(single, u[1], rtol=1e-4, atol=1e-5)  # per matrix, not across the stack
+
+
+def test_param_kinds_follow_the_recipe():
+    model = build(tiny_config())
+    kinds = {k: {n for n, _ in v} for k, v in marin_param_kinds(model).items()}
+    assert kinds["adamh"] == {"lm_head.weight"}
+    assert "embed.weight" in kinds["adam"]
+    assert "layers.0.mlp.router.weight" in kinds["adam"]
+    assert "layers.0.attn.gate.weight" in kinds["adam"]
+    assert "layers.0.attn.sconv_k.weight" in kinds["adam"]
+    assert "layers.0.attn_norm.0.weight" in kinds["adam"]  # RMSNorm gain
+    for name in (
+        "layers.0.attn.q_proj.weight",
+        "layers.0.mlp.experts.gate_proj",
+        "layers.0.mlp.shared.0.up_proj.weight",
+        "layers.0.mlp.latent_down.weight",
+        "layers.0.attn_norm.1.down.weight",
+    ):
+        assert name in kinds["muonh"], name
+    assert sum(len(v) for v in kinds.values()) == len(list(model.parameters()))
+
+
+def test_muonh_and_adamh_keep_every_matrix_norm():
+    torch.manual_seed(1)
+    model = build(tiny_config())
+    opt = build_optimizer(model, MarinOptimizerConfig(lr=0.05, adam_lr=0.01))
+    kinds = marin_param_kinds(model)
+    hyper = [(n, p) for k in ("muonh", "adamh") for n, p in kinds[k]]
+    before = {n: torch.linalg.vector_norm(p.detach(), dim=(-2, -1)).clone() for n, p in hyper}
+    adam_before = {n: p.detach().clone() for n, p in kinds["adam"]}
+    for _ in range(3):
+        ids = torch.randint(0, 4096, (2, 32))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in hyper:
+        after = torch.linalg.vector_norm(p.detach(), dim=(-2, -1))  # per expert for [E, in, out]
+        torch.testing.assert_close(after, before[n], rtol=1e-5, atol=1e-6, msg=n)
+        assert not torch.equal(p.detach(), hyper[0][1].detach()) or n == hyper[0][0]
+    moved = [n for n, p in kinds["adam"] if not torch.equal(p.detach(), adam_before[n])]
+    assert "embed.weight" in moved and "layers.0.mlp.router.weight" in moved
+
+
+def test_muonh_step_matches_the_formula():
+    """One MuonH step on a lone matrix, against the spec written out by hand."""
+    torch.manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(8, 12))
+    g = torch.randn(8, 12)
+    from marinlm.optim.marin import MarinOptimizer
+
+    opt = MarinOptimizer([{"params": [w], "kind": "muonh"}], lr=0.1, adam_lr=0.0, momentum=0.95, nesterov=True)
+    w0 = w.detach().clone()
+    w.grad = g.clone()
+    opt.step()
+    buf = g  # zero momentum buffer: buf = 0.95*0 + g
+    direction = g + 0.95 * buf  # Nesterov
+    u = newton_schulz(direction)
+    stepped = w0 - 0.1 * u * w0.norm() / u.norm()
+    expected = stepped * w0.norm() / stepped.norm()
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kind, checks",
+    [
+        ("linear", {0: 1 / 11, 9: 10 / 11, 10: 1.0, 99: 0.05, 55: 1 - 0.95 * 45 / 89}),
+        ("cosine", {0: 1 / 11, 10: 1.0, 99: 0.05}),
+        ("wsd", {10: 1.0, 79: 1.0, 99: 0.05}),
+    ],
+)
+def test_schedules_at_boundary_steps(kind, checks):
+    config = ScheduleConfig(kind=kind, warmup_fraction=0.1, min_lr_ratio=0.05, decay_fraction=0.2)
+    for step, value in checks.items():
+        assert lr_multiplier(step, 100, config) == pytest.approx(value), (kind, step)
+    values = [lr_multiplier(s, 100, config) for s in range(100)]
+    assert max(values) == pytest.approx(1.0) and min(values) == pytest.approx(0.05)
+    if kind == "wsd":
+        assert lr_multiplier(80, 100, config) < 1.0
+
+
+def test_hero_schedule_shape():
+    config = ScheduleConfig(kind="linear", warmup_fraction=0.01, min_lr_ratio=0.05)
+    total = 390_251
+    warmup = round(0.01 * total)
+    assert lr_multiplier(warmup, total, config) == 1.0
+    assert lr_multiplier(warmup - 1, total, config) < 1.0
+    assert lr_multiplier(total - 1, total, config) == pytest.approx(0.05)
+
+
+def test_optimizer_config_errors_name_the_key():
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["--optim.type=marin", "--optim.momentum=1.5"])
+    assert info.value.key == "optim.momentum"
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["--schedule.kind=exponential"])
+    assert info.value.key == "schedule.kind"
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["--data.seq_len=4096"])
+    assert info.value.key == "data.seq_len" and "max_seq_len" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["--parallel.tensor_parallel=2"])
+    assert info.value.key == "parallel.tensor_parallel"

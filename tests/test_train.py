@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from marinlm.config import save_config
+from marinlm.train.checkpoint import CheckpointError, CheckpointManager, list_checkpoints
+from marinlm.train.metrics import read_metrics
+from marinlm.train.trainer import Trainer, run_training
+
+from conftest import ROOT, train_config
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def cli(config_path, *extra, env=None):
+    cmd = [sys.executable, "-m", "marinlm.cli", "train", str(config_path), *extra]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.mark.slow
+def test_exact_resume_after_sigkill(token_data, tmp_path):
+    """Kill -9 mid-run, resume with --resume auto: every step's loss equals the uninterrupted run's, bitwise."""
+    steps = 12
+    for name in ("reference", "killed"):
+        config = train_config(token_data, tmp_path / name, train={"steps": steps})
+        save_config(config, tmp_path / f"{name}.yaml")
+    ref = cli(tmp_path / "reference.yaml")
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out
+    run = cli(tmp_path / "killed.yaml")
+    first_ckpt = tmp_path / "killed" / "checkpoints" / "step-00000004"
+    deadline = time.time() + 120
+    while not first_ckpt.exists() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.4)  # somewhere in steps 5-12, possibly mid-save
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = max(losses(tmp_path / "killed"))
+    assert killed_at < steps
+    resumed = cli(tmp_path / "killed.yaml", "--resume", "auto")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    assert losses(tmp_path / "killed") == losses(tmp_path / "reference")  # bitwise, every step
+    assert len(losses(tmp_path / "reference")) == steps
+    val = [r["val/loss"] for r in read_metrics(tmp_path / "killed") if "val/loss" in r]
+    assert val == [r["val/loss"] for r in read_metrics(tmp_path / "reference") if "val/loss" in r]
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys):
+    config = train_config(token_data, tmp_path / "run", train={"steps": 8})
+    run_training(config)
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-00000008", "step-00000004"]
+    shard = ckpts[0] / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (tmp_path / "run" / "checkpoints" / "step-00000012.tmp").mkdir()  # a half-written save: ignored
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume="auto")
+    assert trainer.step == 4
+    assert "sha256 mismatch" in capsys.readouterr().out
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match="truncated"):
+        CheckpointManager(tmp_path / "run" / "checkpoints").load(ckpts[0], {})
+
+
+def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):
+    config = train_config(token_data, tmp_path / "run", train={"steps": 4})
+    run_training(config)
+    folder = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    import pickle
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    from marinlm.train.checkpoint import SafeFileSystemReader
+
+    with pytest.raises(CheckpointError, match="not allowed"):
+        SafeFileSystemReader(str(folder)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path):
+    config = train_config(token_data, tmp_path / "run", train={"steps": 12, "max_consecutive_bad_steps": 2})
+    trainer = Trainer(config, resume="none")
+    poisoned = {3, 6, 7}
+
+    def poison(module, args, output):  # each listed step's batch is bad once (as a real bad batch)
+        if trainer.step + 1 in poisoned and output.ce_loss is not None:
+            output.ce_loss = output.ce_loss * float("nan")
+            poisoned.discard(trainer.step + 1)
+
+    trainer.model.register_forward_hook(poison)
+    params_before = {}
+
+    def snapshot(result):
+        if trainer.step == 2:
+            params_before.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        if trainer.step == 3:
+            for n, p in trainer.model.named_parameters():
+                assert torch.equal(p, params_before[n]), f"{n} changed on a skipped step"
+
+    trainer.add_hook(snapshot, every=1)
+    summary = trainer.fit()
+    kinds = [e["event"] for e in summary["events"]]
+    assert kinds.count("nan_skip") == 3
+    assert "rollback" in kinds
+    rollback = next(e for e in summary["events"] if e["event"] == "rollback")
+    assert rollback["step"] == 7 and rollback["to"].endswith("step-00000004")
+    assert summary["steps"] == 12 and summary["final_loss"] == pytest.approx(summary["final_loss"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_gradient_accumulation_matches_one_big_batch(token_data, tmp_path):
+    one = run_training(train_config(token_data, tmp_path / "one", train={"steps": 3}), resume="none")
+    acc = run_training(train_config(token_data, tmp_path / "acc", train={"steps": 3, "micro_batch": 1}), resume="none")
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "acc")
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=2e-5), step
+    assert one["steps"] == acc["steps"] == 3
+
+
+def test_run_outputs_and_router_state(token_data, tmp_path):
+    config = train_config(token_data, tmp_path / "run", train={"steps": 4}, profile={"start_step": 1, "num_steps": 2})
+    summary = run_training(config, resume="none")
+    record = read_metrics(tmp_path / "run")
+    keys = set().union(*record)
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/param_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "perf/data_wait_s",
+        "mem/rss_gb",
+        "router/layer_0/entropy",
+        "router/layer_0/dropped_fraction",
+        "router/layer_0/beta_std",
+        "val/loss",
+        "val/bpb",
+    ):
+        assert key in keys, key
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["packages"]["torch"].startswith("2.13") and info["data"][0]["manifest_sha256"]
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()
+    assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
+    assert list((tmp_path / "run" / "profile").rglob("*.json*"))  # the profiler trace
+    assert summary["validation"]["val/bpb"] > 0
+    # The QB bias computed at the last step is in the checkpoint, ready for the next step.
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 5}), resume="auto")
+    bias = trainer.model.layers[0].mlp.router.bias
+    assert trainer.step == 4 and bias.abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_two_processes_match_one(token_data, tmp_path):
+    """FSDP2 over 2 gloo processes vs 1 process on the same global batch: losses agree to 1e-4."""
+    for name in ("single", "fsdp"):
+        save_config(train_config(token_data, tmp_path / name, train={"steps": 4}), tmp_path / f"{name}.yaml")
+    single = cli(tmp_path / "single.yaml")
+    out, _ = single.communicate(timeout=300)
+    assert single.returncode == 0, out
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=29531",
+        "-m",
+        "marinlm.cli",
+        "train",
+        str(tmp_path / "fsdp.yaml"),
+    ]
+    fsdp = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert fsdp.returncode == 0, fsdp.stdout[-3000:] + fsdp.stderr[-3000:]
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
+    assert len(a) == len(b) == 4
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
+    ckpt = list_checkpoints(tmp_path / "fsdp" / "checkpoints")[0]
+    assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # sharded save
