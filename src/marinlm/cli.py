@@ -76,6 +76,38 @@ def _train(args, overrides) -> int:
     return 0
 
 
+def _generate(args, overrides) -> int:
+    from marinlm.model import SamplingConfig
+    from marinlm.train.inference import generate_text, load_model
+
+    loaded = load_model(args.run, device=args.device)
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    sys.stdout.write(args.prompt)
+    generate_text(loaded, args.prompt, sampling, stream=sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _data_run(args, overrides) -> int:
+    from marinlm.data.pipeline import PipelineConfig, run_pipeline
+
+    report = run_pipeline(_load(PipelineConfig, args.config, overrides))
+    for source, a in report["accounting"].items():
+        print(
+            f"{source}: {a['in']} in, {a['kept']} kept, {a['dropped']} dropped, {a['rejected']} rejected "
+            f"-> {a['output_documents']} output documents"
+        )
+    for warning in report["warnings"]:
+        print(f"warning: {warning}")
+    return 0
+
+
 def _model_summary(args, overrides) -> int:
     from marinlm.config import load_config
     from marinlm.model.config import MarinConfig
@@ -96,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--seq-len", type=int, default=None, help="sequence length for attention FLOPs")
     summary.set_defaults(func=_model_summary)
 
+    data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
+    data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")
+    data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/default.yaml")
+    data_run.set_defaults(func=_data_run)
+
     tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
         dest="tokenizer_command", required=True
     )
@@ -107,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")
     train.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint path")
     train.set_defaults(func=_train)
+
+    gen = commands.add_parser("generate", help="stream a continuation from a trained run or checkpoint")
+    gen.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu")
+    gen.set_defaults(func=_generate)
 
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")

@@ -10,15 +10,34 @@ from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".json")
+# Plain-text files are one document each (prose, markup, source code).
+TEXT_SUFFIXES = (
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".js",
+    ".ts",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".java",
+    ".go",
+    ".rs",
+    ".rb",
+    ".sh",
+    ".php",
+)
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".json", *TEXT_SUFFIXES)
 
 
 @dataclass
@@ -66,14 +85,44 @@ def expand_inputs(inputs: list[str] | str) -> list[Path]:
     return paths
 
 
-def _open_binary(path: Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.name.endswith(".zst"):
-        import zstandard
+class TruncatedStream(OSError):
+    """A compressed input ended in the middle of a frame."""
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-    return open(path, "rb")
+
+def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Lines of a (multi-frame) .zst file. Raises TruncatedStream when the file ends inside a frame,
+    which zstandard's stream reader would pass over in silence."""
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    dobj, in_frame = decompressor.decompressobj(), False
+    pending = b""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            while block:
+                pending += dobj.decompress(block)
+                in_frame = True
+                if dobj.eof:  # frame complete; whatever follows starts the next one
+                    block = dobj.unused_data
+                    dobj, in_frame = decompressor.decompressobj(), False
+                else:
+                    block = b""
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line + b"\n"
+    if pending:
+        yield pending
+    if in_frame:
+        raise TruncatedStream("zstd stream ended inside a frame")
+
+
+def _open_lines(path: Path) -> Iterator[bytes]:
+    if path.name.endswith(".zst"):
+        yield from _zstd_lines(path)
+        return
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        yield from f
 
 
 def _clip(raw: bytes | str, n: int = 200) -> str:
@@ -83,11 +132,16 @@ def _clip(raw: bytes | str, n: int = 200) -> str:
 
 
 def read_documents(
-    path: str | Path, text_field: str = "text", id_field: str | None = "id", source: str | None = None
+    path: str | Path,
+    text_field: str = "text",
+    id_field: str | None = "id",
+    source: str | None = None,
+    split_pattern: str = "",
 ) -> Iterator[Document | Rejected]:
     """Yield the documents of one file in order; problems come out as `Rejected` records.
 
-    A .txt file is one document (its path is the id). JSON lines need a string `text_field`;
+    A .txt file is one document (its path is the id), or several when `split_pattern` (a regex) is
+    given. JSON records need `text_field` to be a string or a list of strings (joined by newlines);
     `id_field` falls back to "path:line" when absent.
     """
     path = Path(path)
@@ -96,27 +150,31 @@ def read_documents(
     if name.endswith(".parquet"):
         yield from _read_parquet(path, text_field, id_field, source)
         return
-    if name.endswith(".txt"):
+    if name.endswith(TEXT_SUFFIXES):
         try:
-            data = path.read_bytes()
-            yield Document(id=str(path), text=data.decode("utf-8"), source=source, metadata={"path": str(path)})
+            text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
             yield Rejected(source, str(path), f"invalid UTF-8 at byte {e.start}")
+            return
+        if not split_pattern:
+            yield Document(id=str(path), text=text, source=source, metadata={"path": str(path)})
+            return
+        for i, part in enumerate(re.split(split_pattern, text)):
+            if part.strip():
+                yield Document(id=f"{path}#{i}", text=part, source=source, metadata={"path": str(path), "part": i})
         return
     if name.endswith(".json"):
         yield from _read_json_array(path, text_field, id_field, source)
         return
     line_no = 0
     try:
-        with _open_binary(path) as raw, io.BufferedReader(raw) as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
+        for line_no, line in enumerate(_open_lines(path), start=1):
+            if line.strip():
                 yield _parse_line(line, path, line_no, text_field, id_field, source)
     except (EOFError, OSError, zlib.error) as e:
         yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
-    except Exception as e:  # zstandard.ZstdError and friends
-        if type(e).__module__.startswith("zstandard") or "zstd" in type(e).__name__.lower():
+    except Exception as e:  # zstandard.ZstdError
+        if type(e).__module__.startswith("zstandard"):
             yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
         else:
             raise
@@ -140,7 +198,9 @@ def _from_record(record, where, text_field, id_field, source, provenance) -> Doc
         return Rejected(source, where, f"expected a JSON object, got {type(record).__name__}", _clip(str(record)))
     text = record.get(text_field)
     if text is None:
-        return Rejected(source, where, f"missing field {text_field!r}", _clip(json.dumps(record)))
+        return Rejected(source, where, f"missing field {text_field!r}", _clip(json.dumps(record, ensure_ascii=False)))
+    if isinstance(text, list) and all(isinstance(t, str) for t in text):
+        text = "\n".join(text)
     if not isinstance(text, str):
         return Rejected(source, where, f"field {text_field!r} is {type(text).__name__}, not a string", "")
     doc_id = record.get(id_field) if id_field else None

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import atomic_path, sha256_file, write_json_atomic
+from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
 
 
 @dataclass(kw_only=True)
@@ -165,6 +165,8 @@ def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
     tok = MarinTokenizer.load(config.tokenizer)
     paths = expand_inputs(config.inputs)
     out = Path(config.output_dir)
+    if out.exists():
+        remove_stale_temporaries(out)  # from a run that was killed mid-write
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
     tasks, records = [], {}

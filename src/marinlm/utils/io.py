@@ -47,3 +47,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def remove_stale_temporaries(root: str | Path) -> int:
+    """Delete `.*.tmp` files a killed job left under `root` (only one job may own `root` at a time)."""
+    removed = 0
+    for path in Path(root).rglob(".*.tmp"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed

@@ -1,0 +1,423 @@
+"""`marinlm data run PIPELINE.yaml`: raw documents -> curated, deduplicated, decontaminated shards.
+
+Three stages, each resumable through per-shard completion markers (outputs are written under a
+temporary name and renamed, markers last):
+
+1. **map** (one task per input file, in worker processes or on Ray): read, reject bad input,
+   normalise, identify language, quality filters, PII masking, decontamination; keep the surviving
+   documents plus their hashes (document, paragraphs, MinHash bands) and token counts.
+2. **reduce** (one process, hashes only): exact document dedup, fuzzy dedup (connected components
+   of LSH collisions), paragraph dedup, then the mixture plan (repeats per document).
+3. **write** (one task per input file): apply the plan and write the output shard.
+
+Everything dropped or rejected is written to a side output with its reason, and the report checks
+`documents read = kept + dropped (by reason) + rejected`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing as mp
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from marinlm.config import check
+from marinlm.data.decontam import DecontamConfig, Decontaminate, NgramIndex
+from marinlm.data.dedup import DedupConfig, minhash_bands, xxh3
+from marinlm.data.filters import QualityConfig, quality_steps
+from marinlm.data.mixture import MixtureConfig
+from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
+from marinlm.data.pii import MaskPII, PIIConfig
+from marinlm.data.readers import Document, expand_inputs, read_documents
+from marinlm.data.steps import ShardContext
+from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
+
+PARAGRAPH = re.compile(r"\n{2,}")
+
+
+@dataclass(kw_only=True)
+class SourceSpec:
+    name: str
+    inputs: list[str]
+    text_field: str = "text"
+    id_field: str = "id"
+    split_pattern: str = ""  # regex splitting .txt files into documents ("" = one document per file)
+    weight: float = 1.0  # mixture weight
+    tokens: int = 0  # explicit mixture budget in tokens (overrides the weight)
+
+    def __post_init__(self):
+        check(bool(self.name) and "/" not in self.name, "name", f"must be a plain name, got {self.name!r}")
+        check(bool(self.inputs), "inputs", "give at least one file, folder or glob")
+        check(self.weight > 0, "weight", f"must be positive, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    format: str = "jsonl.zst"  # or parquet
+
+    def __post_init__(self):
+        check(self.format in ("jsonl.zst", "parquet"), "format", f"must be jsonl.zst or parquet, got {self.format!r}")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    sources: list[SourceSpec] = field(default_factory=list)
+    output_dir: str = "runs/curated"
+    workers: int = 0  # local processes; 0 = one per core
+    executor: str = "local"  # local (multiprocessing) or ray
+    ray_address: str = ""  # "" = start Ray on this machine; "auto" or host:port to join a cluster
+    min_doc_chars: int = 1
+    max_doc_bytes: int = 2_000_000  # bigger documents are rejected (and counted), not processed
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    langid: LangIdConfig = field(default_factory=LangIdConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    pii: PIIConfig = field(default_factory=PIIConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    progress: bool = True
+
+    def __post_init__(self):
+        check(self.executor in ("local", "ray"), "executor", f"must be local or ray, got {self.executor!r}")
+        check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
+        names = [s.name for s in self.sources]
+        check(len(set(names)) == len(names), "sources", f"source names must be unique, got {names}")
+
+
+# --- record I/O ---------------------------------------------------------------------------------
+
+
+def doc_record(doc: Document) -> dict:
+    return {"id": doc.id, "text": doc.text, "source": doc.source, "metadata": doc.metadata}
+
+
+def write_records(path: Path, records: list[dict], fmt: str) -> None:
+    with atomic_path(path) as tmp:
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.table(
+                {
+                    "id": [r["id"] for r in records],
+                    "text": [r["text"] for r in records],
+                    "source": [r["source"] for r in records],
+                    "metadata": [json.dumps(r["metadata"], ensure_ascii=False) for r in records],
+                }
+            )
+            pq.write_table(table, tmp)
+        else:
+            import zstandard
+
+            with open(tmp, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw) as z:
+                for r in records:
+                    z.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def read_records(path: Path) -> list[dict]:
+    import zstandard
+
+    with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as z:
+        return [json.loads(line) for line in io.TextIOWrapper(z, encoding="utf-8") if line.strip()]
+
+
+# --- stage 1: map -------------------------------------------------------------------------------
+
+_STEPS_CACHE: dict[str, list] = {}
+
+
+def _build_steps(config: PipelineConfig, work: Path) -> list:
+    key = json.dumps(str(work))
+    if key not in _STEPS_CACHE:
+        steps = []
+        if config.normalize.enabled:
+            steps.append(Normalize(config.normalize))
+        if config.langid.enabled:
+            steps.append(LanguageId(config.langid))
+        steps += quality_steps(config.quality)
+        if config.pii.enabled:
+            steps.append(MaskPII(config.pii))
+        if config.decontam.enabled and config.decontam.eval_paths:
+            steps.append(Decontaminate(config.decontam, NgramIndex.load(work / "decontam_index.npz")))
+        _STEPS_CACHE[key] = steps
+    return _STEPS_CACHE[key]
+
+
+def _read(task: dict, config: PipelineConfig, ctx: ShardContext, rejected_file):
+    stats = ctx.stats["read"]
+    source = task["source"]
+    for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"], source, task["split"]):
+        stats.docs_in[source] += 1
+        if isinstance(item, Document):
+            size = len(item.text.encode("utf-8"))
+            stats.bytes_in[source] += size
+            reason = None
+            if len(item.text.strip()) < config.min_doc_chars:
+                reason = "empty document"
+            elif size > config.max_doc_bytes:
+                reason = f"document too large ({size} bytes > max_doc_bytes {config.max_doc_bytes})"
+            if reason is None:
+                item.source = source
+                stats.docs_out[source] += 1
+                stats.bytes_out[source] += size
+                yield item
+                continue
+            location = f"{item.metadata.get('path')}:{item.metadata.get('line', item.metadata.get('row', ''))}"
+            record = {"location": location, "reason": reason, "id": item.id}
+        else:
+            record = {"location": item.location, "reason": item.reason, "raw": item.raw}
+        stats.dropped[source]["rejected: " + record["reason"].split(" (")[0].split(":")[0]] += 1
+        rejected_file.write(json.dumps({"source": source, **record}, ensure_ascii=False) + "\n")
+
+
+def _token_counter(config: PipelineConfig):
+    if config.mixture.tokenizer:
+        from marinlm.tokenizer import MarinTokenizer
+
+        tok = MarinTokenizer.load(config.mixture.tokenizer)
+        return lambda texts: [len(ids) for ids in tok.encode_batch(texts)]
+    bpt = config.mixture.bytes_per_token
+    return lambda texts: [max(1, round(len(t.encode("utf-8")) / bpt)) for t in texts]
+
+
+def run_map(task: dict) -> dict:
+    """Stage 1 on one input file. Returns the shard's stats (also written next to its outputs)."""
+    from marinlm.config import from_dict
+
+    config = from_dict(PipelineConfig, task["config"])
+    out, work, shard = Path(config.output_dir), Path(task["work"]), task["shard"]
+    ctx = ShardContext(shard, out / "dropped")
+    (out / "rejected").mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "rejected" / f"{shard}.jsonl") as rejected_tmp, open(rejected_tmp, "w") as rejected:
+        docs = _read(task, config, ctx, rejected)
+        for step in _build_steps(config, work):
+            docs = step(docs, ctx)
+        kept = list(docs)
+    ctx.close()
+    texts = [d.text for d in kept]
+    count_tokens = _token_counter(config)
+    tokens = np.asarray(count_tokens(texts), dtype=np.int64) if kept else np.zeros(0, np.int64)
+    para_doc, para_idx, para_hash, para_tokens, para_ok = [], [], [], [], []
+    skip_langs = set(config.dedup.paragraph_skip_languages)
+    for i, doc in enumerate(kept):
+        paragraphs = PARAGRAPH.split(doc.text)
+        eligible = doc.metadata.get("language") not in skip_langs
+        per_byte = tokens[i] / max(1, len(doc.text.encode("utf-8")))
+        for j, p in enumerate(paragraphs):
+            para_doc.append(i)
+            para_idx.append(j)
+            para_tokens.append(round(len(p.encode("utf-8")) * per_byte))
+            para_ok.append(eligible and len(p.split()) >= config.dedup.min_paragraph_words)
+        para_hash += paragraphs
+    arrays = {
+        "doc_hash": xxh3(texts) if kept else np.zeros(0, np.uint64),
+        "bands": minhash_bands(texts, config.dedup) if config.dedup.fuzzy else np.zeros((len(kept), 0), np.uint64),
+        "tokens": tokens,
+        "para_doc": np.asarray(para_doc, dtype=np.int64),
+        "para_idx": np.asarray(para_idx, dtype=np.int64),
+        "para_hash": xxh3(para_hash) if para_hash else np.zeros(0, np.uint64),
+        "para_tokens": np.asarray(para_tokens, dtype=np.int64),
+        "para_ok": np.asarray(para_ok, dtype=bool),
+    }
+    write_records(work / "stage1" / f"{shard}.docs.jsonl.zst", [doc_record(d) for d in kept], "jsonl.zst")
+    with atomic_path(work / "stage1" / f"{shard}.index.npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    order = ["read"] + [step.name for step in _build_steps(config, work)]
+    result = {
+        "shard": shard,
+        "source": task["source"],
+        "docs": len(kept),
+        "ids": [d.id for d in kept],
+        "stats": {name: ctx.stats[name].to_dict() for name in order},
+    }
+    write_json_atomic(work / "stage1" / f"{shard}.done.json", result)
+    return result
+
+
+# --- stage 3: write -----------------------------------------------------------------------------
+
+
+def run_write(task: dict) -> dict:
+    """Stage 3 on one shard: apply the plan, write the output shard, report what happened."""
+    from marinlm.config import from_dict
+    from marinlm.data.reduce import ACTION_REASON, KEEP
+
+    config = from_dict(PipelineConfig, task["config"])
+    out, work, shard = Path(config.output_dir), Path(task["work"]), task["shard"]
+    plan = np.load(work / "stage2" / f"{shard}.plan.npz")
+    records = read_records(work / "stage1" / f"{shard}.docs.jsonl.zst")
+    removal: dict[int, set[int]] = {}
+    for d, p in plan["para_remove"]:
+        removal.setdefault(int(d), set()).add(int(p))
+    ctx = ShardContext(shard, out / "dropped")
+    output = []
+    for i, r in enumerate(records):
+        doc = Document(id=r["id"], text=r["text"], source=r["source"], metadata=r["metadata"])
+        action = int(plan["action"][i])
+        if action != KEEP:
+            detail = {"keeper": int(plan["keeper"][i]), "cluster_size": int(plan["cluster_size"][i])}
+            ctx.drop("dedup", doc, ACTION_REASON[action], detail)
+            continue
+        if i in removal:
+            doc.text = "\n\n".join(p for j, p in enumerate(PARAGRAPH.split(doc.text)) if j not in removal[i])
+        for k in range(int(plan["repeats"][i])):
+            record = doc_record(doc)
+            if k:
+                record["id"] = f"{doc.id}#repeat{k}"
+            output.append(record)
+    ctx.close()
+    suffix = "parquet" if config.output.format == "parquet" else "jsonl.zst"
+    path = out / "shards" / f"{shard}.{suffix}"
+    write_records(path, output, config.output.format)
+    by_source: dict[str, dict[str, int]] = {}
+    for r in output:
+        s = by_source.setdefault(r["source"], {"docs": 0, "bytes": 0})
+        s["docs"] += 1
+        s["bytes"] += len(r["text"].encode("utf-8"))
+    result = {
+        "shard": shard,
+        "path": str(path.relative_to(out)),
+        "docs": len(output),
+        "by_source": by_source,
+        "bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+        "dropped": {s: dict(r) for s, r in ctx.stats["dedup"].dropped.items()},
+    }
+    write_json_atomic(work / "stage3" / f"{shard}.done.json", result)
+    return result
+
+
+# --- orchestration ------------------------------------------------------------------------------
+
+
+def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
+    from marinlm.config import to_dict
+
+    if not config.sources:
+        raise ValueError("sources: give at least one source with inputs")
+    tasks = []
+    for spec in config.sources:
+        for path in expand_inputs(spec.inputs):  # a missing path fails here, before any work
+            tasks.append(
+                {
+                    "shard": f"{len(tasks):05d}",
+                    "source": spec.name,
+                    "path": str(path),
+                    "text_field": spec.text_field,
+                    "id_field": spec.id_field,
+                    "split": spec.split_pattern,
+                    "config": to_dict(config),
+                    "work": str(work),
+                }
+            )
+    return tasks
+
+
+def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of) -> list[dict]:
+    """Run `fn` over `tasks` locally (processes) or on Ray; progress counts documents."""
+    results = []
+    bar = tqdm(total=None, desc=desc, unit="doc", disable=not config.progress, dynamic_ncols=True)
+    try:
+        if not tasks:
+            return results
+        if config.executor == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(
+                    address=config.ray_address or None,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    num_cpus=None if config.ray_address else (config.workers or os.cpu_count()),
+                )
+            remote = ray.remote(fn)
+            pending = [remote.remote(t) for t in tasks]
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                result = ray.get(done[0])
+                results.append(result)
+                bar.update(unit_of(result))
+        else:
+            workers = min(config.workers or os.cpu_count() or 1, len(tasks))
+            if workers <= 1:
+                iterator = map(fn, tasks)
+            else:
+                pool = mp.get_context("spawn").Pool(workers)
+                iterator = pool.imap_unordered(fn, tasks)
+            for result in iterator:
+                results.append(result)
+                bar.update(unit_of(result))
+            if workers > 1:
+                pool.close()
+                pool.join()
+    finally:
+        bar.close()
+    return sorted(results, key=lambda r: r["shard"])
+
+
+def _done(path: Path) -> dict | None:
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
+def run_pipeline(config: PipelineConfig) -> dict:
+    """Run (or resume) the pipeline; returns the report (also written as report.json/.md/.png)."""
+    from marinlm.data.reduce import reduce
+    from marinlm.data.report import write_report
+
+    start = time.perf_counter()
+    out = Path(config.output_dir)
+    work = out / ".work"
+    if out.exists():
+        remove_stale_temporaries(out)  # from a run that was killed mid-write
+    for sub in ("stage1", "stage2", "stage3"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(config, work)
+    index_path = work / "decontam_index.npz"
+    if config.decontam.enabled and config.decontam.eval_paths and not index_path.exists():
+        index = NgramIndex.build(config.decontam.eval_paths, config.decontam.ngram, config.decontam.min_words)
+        with atomic_path(index_path) as tmp, open(tmp, "wb") as f:
+            index.save(f)
+
+    todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
+    _run_tasks(run_map, todo, config, "curate: filter", lambda r: r["docs"])
+    stage1 = [_done(work / "stage1" / f"{t['shard']}.done.json") for t in tasks]
+
+    summary_path = work / "stage2.done.json"
+    summary = _done(summary_path)
+    if summary is None:
+        summary = reduce(work, stage1, config)
+        write_json_atomic(summary_path, summary)
+
+    todo = [t for t in tasks if _done(work / "stage3" / f"{t['shard']}.done.json") is None]
+    _run_tasks(run_write, todo, config, "curate: write", lambda r: r["docs"])
+    stage3 = [_done(work / "stage3" / f"{t['shard']}.done.json") for t in tasks]
+
+    manifest = {
+        "format": config.output.format,
+        "shards": [
+            {
+                "path": s["path"],
+                "docs": s["docs"],
+                "bytes": s["bytes"],
+                "sha256": s["sha256"],
+                "by_source": s["by_source"],
+            }
+            for s in stage3
+        ],
+        "docs": sum(s["docs"] for s in stage3),
+    }
+    write_json_atomic(out / "manifest.json", manifest)
+    return write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start)

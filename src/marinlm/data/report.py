@@ -1,0 +1,214 @@
+"""The curation report: what happened to every document, as JSON, markdown and an attrition chart."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from marinlm.utils.io import write_json_atomic, write_text_atomic
+
+
+class AccountingError(RuntimeError):
+    """Documents went missing: read != kept + dropped + rejected."""
+
+
+def _merge(stage1: list[dict]) -> tuple[list[str], dict]:
+    """Sum per-shard step stats; return step names in pipeline order and the merged stats."""
+    order: list[str] = []
+    merged: dict[str, dict] = {}
+    for shard in stage1:
+        for step, stats in shard["stats"].items():
+            if step not in order:
+                order.append(step)
+            m = merged.setdefault(
+                step,
+                {
+                    "docs_in": defaultdict(int),
+                    "bytes_in": defaultdict(int),
+                    "docs_out": defaultdict(int),
+                    "bytes_out": defaultdict(int),
+                    "dropped": defaultdict(lambda: defaultdict(int)),
+                    "counters": defaultdict(int),
+                },
+            )
+            for key in ("docs_in", "bytes_in", "docs_out", "bytes_out"):
+                for source, v in stats[key].items():
+                    m[key][source] += v
+            for source, reasons in stats["dropped"].items():
+                for reason, v in reasons.items():
+                    m["dropped"][source][reason] += v
+            for key, v in stats["counters"].items():
+                m["counters"][key] += v
+    return order, merged
+
+
+def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: float) -> dict:
+    order, merged = _merge(stage1)
+    sources = [s.name for s in config.sources]
+    steps = []
+    for name in order:
+        m = merged[name]
+        steps.append(
+            {
+                "step": name,
+                "by_source": {
+                    s: {
+                        "docs_in": m["docs_in"].get(s, 0),
+                        "docs_out": m["docs_out"].get(s, 0),
+                        "bytes_in": m["bytes_in"].get(s, 0),
+                        "bytes_out": m["bytes_out"].get(s, 0),
+                        "dropped": dict(m["dropped"].get(s, {})),
+                    }
+                    for s in sources
+                },
+                "counters": dict(m["counters"]),
+            }
+        )
+    dedup_dropped: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for shard in stage3:
+        for source, reasons in shard["dropped"].items():
+            for reason, v in reasons.items():
+                dedup_dropped[source][reason] += v
+    after_filters = {s: sum(sh["docs"] for sh in stage1 if sh["source"] == s) for s in sources}
+    kept = {s: after_filters[s] - sum(dedup_dropped[s].values()) for s in sources}
+    steps.append(
+        {
+            "step": "dedup",
+            "by_source": {
+                s: {"docs_in": after_filters[s], "docs_out": kept[s], "dropped": dict(dedup_dropped[s])}
+                for s in sources
+            },
+            "counters": {
+                "exact_duplicates": summary["exact_duplicates"],
+                "fuzzy_duplicates": summary["fuzzy_duplicates"],
+                "paragraphs_removed": summary["paragraphs_removed"],
+            },
+        }
+    )
+    emitted = defaultdict(int)
+    out_bytes = defaultdict(int)
+    for shard in stage3:
+        for source, v in shard["by_source"].items():
+            emitted[source] += v["docs"]
+            out_bytes[source] += v["bytes"]
+
+    accounting, problems = {}, []
+    for s in sources:
+        read = next(st for st in steps if st["step"] == "read")["by_source"][s]
+        rejected = sum(v for r, v in read["dropped"].items())
+        dropped = sum(sum(st["by_source"][s]["dropped"].values()) for st in steps if st["step"] != "read")
+        accounting[s] = {
+            "in": read["docs_in"],
+            "kept": kept[s],
+            "dropped": dropped,
+            "rejected": rejected,
+            "output_documents": emitted[s],
+            "output_bytes": out_bytes[s],
+        }
+        if read["docs_in"] != kept[s] + dropped + rejected:
+            problems.append(f"{s}: in {read['docs_in']} != kept {kept[s]} + dropped {dropped} + rejected {rejected}")
+
+    warnings = []
+    for s, loss in summary["fuzzy_by_source"].items():
+        if loss["fraction"] > config.dedup.warn_source_loss:
+            warnings.append(
+                f"fuzzy dedup removed {loss['fraction']:.0%} of source '{s}' ({loss['removed']} of "
+                f"{loss['documents']} documents): templated text may be over-merged; check "
+                f"dropped/dedup/ before trusting it"
+            )
+    report = {
+        "seconds": round(seconds, 2),
+        "sources": sources,
+        "accounting": accounting,
+        "steps": steps,
+        "dedup": summary,
+        "warnings": warnings,
+        "shards": len(tasks),
+    }
+    write_json_atomic(out / "report.json", report)
+    write_text_atomic(out / "report.md", _markdown(report))
+    _chart(out / "report.png", steps, sources)
+    if problems:
+        raise AccountingError("document accounting does not add up: " + "; ".join(problems))
+    return report
+
+
+def _markdown(report: dict) -> str:
+    lines = ["# Curation report", "", f"{report['shards']} input shards in {report['seconds']} s.", ""]
+    for w in report["warnings"]:
+        lines.append(f"> **Warning:** {w}")
+    lines += [
+        "",
+        "## Accounting (documents)",
+        "",
+        "| source | in | kept | dropped | rejected | output docs | output MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s, a in report["accounting"].items():
+        lines.append(
+            f"| {s} | {a['in']} | {a['kept']} | {a['dropped']} | {a['rejected']} | "
+            f"{a['output_documents']} | {a['output_bytes'] / 1e6:.2f} |"
+        )
+    lines += [
+        "",
+        "Invariant: in = kept + dropped + rejected (checked).",
+        "",
+        "## Steps",
+        "",
+        "| step | source | docs in | docs out | dropped by reason |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
+    for st in report["steps"]:
+        for s, b in st["by_source"].items():
+            reasons = ", ".join(f"{r}: {v}" for r, v in sorted(b["dropped"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {st['step']} | {s} | {b['docs_in']} | {b['docs_out']} | {reasons} |")
+        if st["counters"]:
+            counters = ", ".join(f"{k}: {v}" for k, v in st["counters"].items())
+            lines.append(f"| {st['step']} | *counters* | | | {counters} |")
+    lines += [
+        "",
+        "## Fuzzy dedup by source",
+        "",
+        "| source | documents | removed | share | clusters (size: count) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for s, f in report["dedup"]["fuzzy_by_source"].items():
+        sizes = ", ".join(f"{k}: {v}" for k, v in f["clusters_by_size"].items()) or "-"
+        lines.append(f"| {s} | {f['documents']} | {f['removed']} | {f['fraction']:.1%} | {sizes} |")
+    if report["dedup"]["mixture"]:
+        lines += [
+            "",
+            "## Mixture",
+            "",
+            "| source | available tokens | target | achieved | documents emitted |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for s, m in report["dedup"]["mixture"].items():
+            lines.append(
+                f"| {s} | {m['available_tokens']} | {m['target_tokens']} | {m['achieved_tokens']} | "
+                f"{m['emitted_documents']} |"
+            )
+    lines += ["", "![attrition](report.png)", ""]
+    return "\n".join(lines)
+
+
+def _chart(path: Path, steps: list[dict], sources: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [st["step"] for st in steps]
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4))
+    for s in sources:
+        start = max(1, steps[0]["by_source"][s]["docs_in"])
+        remaining = [100.0] + [100.0 * st["by_source"][s]["docs_out"] / start for st in steps]
+        ax.plot(["input"] + names, remaining, marker="o", label=f"{s} ({start} docs)")
+    ax.set_ylabel("documents remaining (% of input)")
+    ax.set_ylim(0, 105)
+    ax.set_title("Attrition by step")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

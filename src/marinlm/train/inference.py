@@ -1,0 +1,80 @@
+"""Load a trained model (and its tokenizer) from a run folder or a checkpoint, for generation and eval."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from marinlm.config import load_config
+from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
+from marinlm.tokenizer import MarinTokenizer
+from marinlm.train.checkpoint import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, list_checkpoints, validate
+from marinlm.train.config import TrainConfig
+
+
+@dataclass
+class LoadedModel:
+    model: MarinForCausalLM
+    tokenizer: MarinTokenizer
+    config: TrainConfig
+    checkpoint: Path
+    tokenizer_hash: str
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder as given, or the newest valid one of a run folder."""
+    path = Path(path)
+    if (path / "COMPLETE.json").exists() or path.name.startswith("step-"):
+        return path
+    candidates = list_checkpoints(path / "checkpoints")
+    for folder in candidates:
+        try:
+            validate(folder)
+            return folder
+        except CheckpointError as e:
+            print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
+    raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
+
+
+def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
+    """Build the model of a run on `device` and load the model tensors of its checkpoint."""
+    folder = resolve_checkpoint(path)
+    validate(folder)
+    config = load_config(TrainConfig, folder / "config.yaml")
+    with torch.device("meta"):
+        model = MarinForCausalLM(config.model)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)  # every tensor is overwritten by the load below
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+    model.load_state_dict(state["model"])
+    model.eval()
+    run_dir = folder.parent.parent
+    tokenizer = MarinTokenizer.load(run_dir / "tokenizer")
+    return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
+
+
+def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, stream=None) -> str:
+    """Generate a continuation of `prompt`; write text to `stream` as tokens arrive."""
+    tok = loaded.tokenizer
+    ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]], device=next(loaded.model.parameters()).device)
+    generated: list[int] = []
+    shown = ""
+    for token in stream_generate(loaded.model, ids, sampling, eos_token_id=tok.eos_id):
+        if int(token[0]) == tok.eos_id:
+            break
+        generated.append(int(token[0]))
+        text = tok.decode(generated)
+        if stream is not None and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            stream.write(text[len(shown) :])
+            stream.flush()
+            shown = text
+    text = tok.decode(generated)
+    if stream is not None and len(text) > len(shown):
+        stream.write(text[len(shown) :])
+        stream.flush()
+    return text

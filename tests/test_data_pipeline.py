@@ -1,0 +1,359 @@
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marinlm.config import ConfigError, from_dict, load_config, save_config
+from marinlm.data.pipeline import PipelineConfig, read_records, run_pipeline
+from marinlm.data.readers import Document, Rejected, read_documents, read_hf_dataset
+
+from conftest import ROOT, SHARED_DATA, shared_data
+
+_RNG = random.Random(1234)
+# Pseudo-words: distinct documents share few character 5-grams, as real distinct documents do.
+WORDS = ["".join(_RNG.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_RNG.randint(3, 9))) for _ in range(3000)]
+
+
+def synthetic_docs(n: int, seed: int, words: int = 150) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Record {seed}-{i}. " + " ".join(rng.choice(WORDS) for _ in range(words)) + "." for i in range(n)]
+
+
+def near_duplicate(text: str, rng: random.Random, edits: int = 3) -> str:
+    words = text.split()
+    for _ in range(edits):
+        words[rng.randrange(2, len(words))] = rng.choice(WORDS)
+    return " ".join(words)
+
+
+def write_jsonl(path: Path, texts: list[str], prefix: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": f"{prefix}{i}", "text": t}) + "\n")
+
+
+def bare_config(out: Path, sources: list[dict], **overrides) -> PipelineConfig:
+    """Only the steps a test is about: filters off unless turned on."""
+    base = {
+        "output_dir": str(out),
+        "workers": 1,
+        "progress": False,
+        "sources": sources,
+        "langid": {"enabled": False},
+        "pii": {"enabled": False},
+        "decontam": {"enabled": False},
+        "quality": {
+            "gopher_quality": {"enabled": False},
+            "gopher_repetition": {"enabled": False},
+            "c4": {"enabled": False},
+            "fineweb": {"enabled": False},
+        },
+    }
+    from marinlm.config import merge
+
+    return from_dict(PipelineConfig, merge(base, overrides))
+
+
+def test_dedup_finds_planted_duplicates(tmp_path):
+    rng = random.Random(0)
+    originals = synthetic_docs(300, seed=1)
+    exact = [originals[i] for i in range(0, 40)]
+    near = [near_duplicate(originals[i], rng) for i in range(40, 80)]
+    write_jsonl(tmp_path / "in" / "a.jsonl", originals[:150], "a")
+    write_jsonl(tmp_path / "in" / "b.jsonl", originals[150:] + exact + near, "b")
+    report = run_pipeline(
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], dedup={"paragraphs": False})
+    )
+    dropped = [json.loads(line) for line in (tmp_path / "out" / "dropped" / "dedup" / "00001.jsonl").open()]
+    found = {d["id"] for d in dropped}
+    planted = {f"b{150 + i}" for i in range(80)}
+    recall = len(found & planted) / len(planted)
+    precision = len(found & planted) / max(1, len(found))
+    assert recall >= 0.95 and precision == 1.0, (recall, precision)
+    reasons = {d["id"]: d["reason"] for d in dropped}
+    assert all(reasons[f"b{150 + i}"] == "exact_duplicate" for i in range(40))
+    assert report["dedup"]["fuzzy_duplicates"] >= 38
+    assert report["accounting"]["web"] == {**report["accounting"]["web"], "in": 380, "kept": 380 - len(found)}
+
+
+def test_fuzzy_dedup_over_merging_is_reported(tmp_path):
+    template = "Dear customer, your order number {} has shipped and will arrive soon. " * 6
+    write_jsonl(tmp_path / "in" / "t.jsonl", [template.replace("{}", str(i)) for i in range(50)], "t")
+    write_jsonl(tmp_path / "in2" / "u.jsonl", synthetic_docs(50, seed=2), "u")
+    report = run_pipeline(
+        bare_config(
+            tmp_path / "out",
+            [
+                {"name": "templated", "inputs": [str(tmp_path / "in")]},
+                {"name": "prose", "inputs": [str(tmp_path / "in2")]},
+            ],
+        )
+    )
+    loss = report["dedup"]["fuzzy_by_source"]["templated"]
+    assert loss["fraction"] > 0.9 and loss["clusters_by_size"]
+    assert any("templated" in w and "over-merged" in w for w in report["warnings"])
+    assert report["dedup"]["fuzzy_by_source"]["prose"]["removed"] == 0
+    assert "Warning" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_paragraph_dedup_removes_repeated_boilerplate(tmp_path):
+    boiler = "Subscribe to our newsletter for weekly updates about gardening and home repair."
+    docs = [f"{t}\n\n{boiler}" for t in synthetic_docs(5, seed=3)]
+    write_jsonl(tmp_path / "in" / "p.jsonl", docs, "p")
+    report = run_pipeline(
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], dedup={"fuzzy": False})
+    )
+    out = read_records(tmp_path / "out" / "shards" / "00000.jsonl.zst")
+    assert sum(boiler in r["text"] for r in out) == 1 and len(out) == 5
+    assert report["dedup"]["paragraphs_removed"] == 4
+
+
+def test_decontamination_finds_planted_benchmark_passages(tmp_path):
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    lambada = [" ".join(synthetic_docs(1, seed=10 + i, words=40)) for i in range(5)]
+    write_jsonl(evals / "lambada.jsonl", lambada, "l")
+    with open(evals / "arc.jsonl", "w") as f:
+        f.write(
+            json.dumps(
+                {
+                    "query": "Question: Which gas do plants absorb from the air to make food?",
+                    "choices": ["oxygen", "carbon dioxide"],
+                    "gold": 1,
+                }
+            )
+            + "\n"
+        )
+    clean = synthetic_docs(10, seed=99)
+    planted = [
+        clean[0] + " " + lambada[2] + " " + clean[1],
+        "Homework help: which gas do plants absorb from the air to make food? Carbon dioxide.",
+        clean[2].upper() + " " + lambada[4].upper(),
+    ]  # case does not hide it
+    write_jsonl(tmp_path / "in" / "c.jsonl", clean[3:] + planted, "c")
+    src = [{"name": "web", "inputs": [str(tmp_path / "in")]}]
+    report = run_pipeline(bare_config(tmp_path / "drop", src, decontam={"enabled": True, "eval_paths": [str(evals)]}))
+    step = next(s for s in report["steps"] if s["step"] == "decontaminate")
+    assert step["counters"] == {"contaminated_lambada": 2, "contaminated_arc": 1}
+    assert report["accounting"]["web"]["kept"] == 7
+    spans = run_pipeline(
+        bare_config(
+            tmp_path / "span", src, decontam={"enabled": True, "eval_paths": [str(evals)], "mode": "remove_span"}
+        )
+    )
+    out = {r["id"]: r["text"] for r in read_records(tmp_path / "span" / "shards" / "00000.jsonl.zst")}
+    assert lambada[2].split()[10] not in out["c7"].split()[160:] and clean[0][:50] in out["c7"]
+    assert spans["accounting"]["web"]["kept"] == 10
+
+
+def test_bad_input_is_rejected_by_file_and_line(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    good = synthetic_docs(3, seed=4)
+    (raw / "mixed.jsonl").write_bytes(
+        (json.dumps({"id": "g0", "text": good[0]}) + "\n").encode()
+        + b'{"id": "broken", "text": "unterminated\n'
+        + b'{"id": "bad-utf8", "text": "\xff\xfe"}\n'
+        + (json.dumps({"id": "no-text", "body": "x"}) + "\n").encode()
+        + (json.dumps({"id": "num", "text": 42}) + "\n").encode()
+        + (json.dumps({"id": "empty", "text": "   "}) + "\n").encode()
+        + (json.dumps({"id": "huge", "text": "word " * 3000}) + "\n").encode()
+    )
+    payload = "".join(json.dumps({"id": f"z{i}", "text": t}) + "\n" for i, t in enumerate(good)).encode()
+    (raw / "cut.jsonl.gz").write_bytes(gzip.compress(payload)[:-30])
+    import zstandard
+
+    (raw / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(payload * 50)[:-40])
+    report = run_pipeline(
+        bare_config(
+            tmp_path / "out",
+            [{"name": "raw", "inputs": [str(raw)]}],
+            max_doc_bytes=10_000,
+            dedup={"exact": False, "fuzzy": False},
+        )
+    )
+    rejected = [json.loads(line) for p in sorted((tmp_path / "out" / "rejected").glob("*.jsonl")) for line in p.open()]
+    reasons = " | ".join(f"{r['location']} {r['reason']}" for r in rejected)
+    for expected in (
+        "mixed.jsonl:2 malformed JSON",
+        "mixed.jsonl:3 invalid UTF-8",
+        "mixed.jsonl:4 missing field",
+        "mixed.jsonl:5 field 'text' is int",
+        "empty document",
+        "document too large",
+        "cut.jsonl.gz",
+        "cut.jsonl.zst",
+    ):
+        assert expected in reasons, (expected, reasons)
+    a = report["accounting"]["raw"]
+    assert a["in"] == a["kept"] + a["dropped"] + a["rejected"]
+    assert a["rejected"] == len(rejected) == 8
+
+
+def test_missing_input_and_bad_config_fail_fast(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_pipeline(bare_config(tmp_path / "o", [{"name": "x", "inputs": [str(tmp_path / "nope.jsonl")]}]))
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, None, ["--dedup.num_bands=27"])
+    assert info.value.key == "dedup.num_bands"
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, None, ["--decontam.mode=mask"])
+    assert info.value.key == "decontam.mode"
+
+
+def test_mixture_meets_token_budgets(tmp_path):
+    write_jsonl(tmp_path / "a" / "a.jsonl", synthetic_docs(40, seed=5), "a")
+    write_jsonl(tmp_path / "b" / "b.jsonl", synthetic_docs(10, seed=6), "b")
+    report = run_pipeline(
+        bare_config(
+            tmp_path / "out",
+            [
+                {"name": "big", "inputs": [str(tmp_path / "a")], "weight": 1.0},
+                {"name": "small", "inputs": [str(tmp_path / "b")], "weight": 1.0},
+            ],
+            mixture={"enabled": True, "total_tokens": 10_000, "bytes_per_token": 4.0},
+            dedup={"fuzzy": False},
+        )
+    )
+    mix = report["dedup"]["mixture"]
+    per_doc = mix["small"]["available_tokens"] / mix["small"]["documents"]
+    for source in ("big", "small"):
+        assert mix[source]["target_tokens"] == 5_000
+        assert 0 <= mix[source]["achieved_tokens"] - 5_000 < 1.5 * per_doc  # overshoot under one document
+    assert mix["small"]["emitted_documents"] > 10  # up-sampled: repeats
+    assert mix["big"]["emitted_documents"] < 40  # down-sampled
+    out = read_records(tmp_path / "out" / "shards" / "00001.jsonl.zst")
+    assert any("#repeat" in r["id"] for r in out)
+
+
+def _run_cli(config_path: Path):
+    return subprocess.Popen(
+        [sys.executable, "-m", "marinlm.cli", "data", "run", str(config_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_resume_after_kill_gives_identical_output(tmp_path):
+    for i in range(6):
+        write_jsonl(tmp_path / "in" / f"part{i}.jsonl", synthetic_docs(150, seed=20 + i, words=400), f"p{i}-")
+    configs = {}
+    for name in ("reference", "killed"):
+        configs[name] = tmp_path / f"{name}.yaml"
+        save_config(
+            bare_config(
+                tmp_path / name,
+                [{"name": "web", "inputs": [str(tmp_path / "in")]}],
+                langid={"enabled": True},
+                workers=1,
+            ),
+            configs[name],
+        )
+    ref = _run_cli(configs["reference"])
+    assert ref.wait(timeout=300) == 0, ref.stdout.read()
+    run = _run_cli(configs["killed"])
+    marker_dir = tmp_path / "killed" / ".work" / "stage1"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(marker_dir.glob("*.done.json")) and run.poll() is None:
+        time.sleep(0.02)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL, "finished before the kill"
+    done_before = len(list(marker_dir.glob("*.done.json")))
+    assert 1 <= done_before < 6
+    resumed = _run_cli(configs["killed"])
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+    a = json.loads((tmp_path / "reference" / "manifest.json").read_text())
+    b = json.loads((tmp_path / "killed" / "manifest.json").read_text())
+    assert a["shards"] == b["shards"]  # same files, same sha256
+    assert not list((tmp_path / "killed").rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_ray_executor_matches_local(tmp_path):
+    pytest.importorskip("ray")
+    for i in range(3):
+        write_jsonl(tmp_path / "in" / f"p{i}.jsonl", synthetic_docs(30, seed=40 + i), f"r{i}-")
+    src = [{"name": "web", "inputs": [str(tmp_path / "in")]}]
+    local = run_pipeline(bare_config(tmp_path / "local", src, workers=2))
+    try:
+        ray_report = run_pipeline(bare_config(tmp_path / "ray", src, executor="ray", workers=2))
+    finally:
+        import ray
+
+        ray.shutdown()
+    a = json.loads((tmp_path / "local" / "manifest.json").read_text())
+    b = json.loads((tmp_path / "ray" / "manifest.json").read_text())
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+    assert local["accounting"] == ray_report["accounting"]
+
+
+def test_parquet_in_and_out_and_hf_datasets_reader(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = synthetic_docs(5, seed=7)
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(5)], "content": texts}), tmp_path / "in.parquet")
+    items = list(read_documents(tmp_path / "in.parquet", text_field="content"))
+    assert [d.text for d in items] == texts and all(isinstance(d, Document) for d in items)
+    assert isinstance(next(read_documents(tmp_path / "in.parquet", text_field="body")), Rejected)
+    run_pipeline(
+        bare_config(
+            tmp_path / "out",
+            [{"name": "pq", "inputs": [str(tmp_path / "in.parquet")], "text_field": "content"}],
+            output={"format": "parquet"},
+        )
+    )
+    table = pq.read_table(tmp_path / "out" / "shards" / "00000.parquet")
+    assert table.column("text").to_pylist() == texts
+    write_jsonl(tmp_path / "hf" / "d.jsonl", texts, "h")
+    pytest.importorskip("datasets")
+    docs = list(read_hf_dataset("json", data_files=str(tmp_path / "hf" / "d.jsonl")))
+    assert [d.text for d in docs] == texts and docs[0].id == "h0"
+
+
+@pytest.mark.slow
+def test_real_corpora_english_chinese_code(tmp_path):
+    shared_data("corpus", "wikitext2_valid.txt")
+    import sysconfig
+
+    config = load_config(
+        PipelineConfig,
+        ROOT / "configs" / "data" / "shared-corpus.yaml",
+        [
+            f"--output_dir={tmp_path / 'out'}",
+            "--progress=false",
+            "--workers=2",
+            f"--decontam.eval_paths=[{SHARED_DATA / 'eval'}]",
+        ],
+    )
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    config.sources = [s for s in config.sources if s.name != "shakespeare"]
+    for s in config.sources:
+        s.inputs = [str(SHARED_DATA / "corpus" / Path(p).name) for p in s.inputs]
+    from marinlm.data.pipeline import SourceSpec
+
+    config.sources.append(SourceSpec(name="python", inputs=[str(stdlib / "json"), str(stdlib / "http")]))
+    report = run_pipeline(config)
+    acc = report["accounting"]
+    assert acc["songci"]["kept"] >= 0.9 * acc["songci"]["in"]  # Chinese is not judged by English rules
+    assert acc["python"]["kept"] >= 0.8 * acc["python"]["in"]  # neither is code
+    wiki_quality = next(s for s in report["steps"] if s["step"] == "gopher_quality")["by_source"]["wikitext"]
+    assert wiki_quality["dropped"]  # but English prose is, with reasons
+    out = [r for p in sorted((tmp_path / "out" / "shards").glob("*.zst")) for r in read_records(p)]
+    langs = {r["metadata"]["language"] for r in out}
+    assert {"en", "zh", "code"} <= langs
+    assert os.path.getsize(tmp_path / "out" / "report.png") > 1000
