@@ -15,6 +15,7 @@ from marinlm.config import ConfigError
 
 def config_class_for(path: str | Path) -> type:
     """The config class a shipped YAML file holds, from its folder under configs/."""
+    from marinlm.data.pipeline import PipelineConfig
     from marinlm.dataset.tokenize import TokenizeConfig
     from marinlm.model.config import MarinConfig
     from marinlm.tokenizer import TokenizerTrainConfig
@@ -24,6 +25,7 @@ def config_class_for(path: str | Path) -> type:
         "model": MarinConfig,
         "tokenizer": TokenizerTrainConfig,
         "tokenize": TokenizeConfig,
+        "data": PipelineConfig,
         "train": TrainConfig,
     }
     folder = Path(path).resolve().parent.name
