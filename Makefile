@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench,ray]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench,ray,eval]"
 	touch $(STAMP)
 
 install: $(STAMP)

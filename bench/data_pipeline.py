@@ -50,8 +50,12 @@ def documents(n: int) -> list[str]:
 
 
 def ours_filters(texts: list[str]) -> tuple[float, set[str]]:
-    steps = [GopherRepetition(GopherRepetitionConfig(), []), GopherQuality(GopherQualityConfig(), []),
-             C4Lines(C4Config(), []), C4Document(C4Config(), [])]
+    steps = [
+        GopherRepetition(GopherRepetitionConfig(), []),
+        GopherQuality(GopherQualityConfig(), []),
+        C4Lines(C4Config(), []),
+        C4Document(C4Config(), []),
+    ]
     ctx = ShardContext("bench")
     docs = (Document(id=str(i), text=t, source="bench", metadata={"language": "en"}) for i, t in enumerate(texts))
     start = time.perf_counter()
@@ -90,8 +94,9 @@ def datatrove_minhash(texts: list[str]) -> float:
 
     out = tempfile.mkdtemp(prefix="dt-minhash-")
     try:
-        step = MinhashDedupSignature(output_folder=out, config=MinhashConfig(n_grams=5, num_buckets=26,
-                                                                             hashes_per_bucket=11))
+        step = MinhashDedupSignature(
+            output_folder=out, config=MinhashConfig(n_grams=5, num_buckets=26, hashes_per_bucket=11)
+        )
         docs = [DTDocument(text=t, id=str(i)) for i, t in enumerate(texts)]
         start = time.perf_counter()
         step.run(iter(docs), rank=0, world_size=1)  # a sink: it writes its signature files
@@ -114,9 +119,11 @@ def main() -> None:
     print(f"filter chain  marinlm   {len(texts) / t_ours:9.1f} docs/s  (kept {len(kept_ours)})")
     print(f"filter chain  datatrove {len(texts) / t_dt:9.1f} docs/s  (kept {len(kept_dt)})")
     agree = 1 - len(kept_ours ^ kept_dt) / len(texts)
-    print(f"  keep/drop decisions agree on {agree:.1%} of documents. Known difference: Gopher's 80%-alphabetic-"
-          f"words rule; datatrove splits words with spaCy, so punctuation tokens count as words ('Speak, speak.' "
-          f"is 50% alphabetic), marinlm splits on whitespace as the Gopher paper describes.")
+    print(
+        f"  keep/drop decisions agree on {agree:.1%} of documents. Known difference: Gopher's 80%-alphabetic-"
+        f"words rule; datatrove splits words with spaCy, so punctuation tokens count as words ('Speak, speak.' "
+        f"is 50% alphabetic), marinlm splits on whitespace as the Gopher paper describes."
+    )
     ratio = t_dt / t_ours
     print(f"filter chain ratio: {ratio:.1f}x (target >= 2x): {'met' if ratio >= 2 else 'MISSED'}")
     m_dt = datatrove_minhash(texts)
@@ -124,8 +131,10 @@ def main() -> None:
     print(f"minhash       datatrove {len(texts) / m_dt:9.1f} docs/s  (word 5-grams, 26 x 11 hashes)")
     ratio = m_dt / m_ours
     print(f"minhash ratio: {ratio:.1f}x (target >= 2x): {'met' if ratio >= 2 else 'MISSED'}")
-    print(f"peak RSS: {rss_ours:.0f} MB after the marinlm runs, "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB after datatrove (with spaCy)")
+    print(
+        f"peak RSS: {rss_ours:.0f} MB after the marinlm runs, "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB after datatrove (with spaCy)"
+    )
 
 
 if __name__ == "__main__":

@@ -110,6 +110,33 @@ def _data_run(args, overrides) -> int:
     return 0
 
 
+def _quickstart(args, overrides) -> int:
+    from marinlm.quickstart import run_quickstart
+
+    run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed)
+    return 0
+
+
+def _eval(args, overrides) -> int:
+    from marinlm.eval.runner import EvalOptions, markdown_table, run_eval
+    from marinlm.train.inference import load_model
+
+    options = EvalOptions(
+        tasks=args.tasks,
+        data_dir=args.data_dir,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        predictions=args.predictions,
+    )
+    loaded = load_model(args.run, device=args.device)
+    output = args.output or (loaded.checkpoint / "eval.json")
+    report = run_eval(loaded, options, output)
+    print(markdown_table(report))
+    print(f"results: {output}")
+    return 0
+
+
 def _model_summary(args, overrides) -> int:
     from marinlm.config import load_config
     from marinlm.model.config import MarinConfig
@@ -129,6 +156,36 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
     summary.add_argument("--seq-len", type=int, default=None, help="sequence length for attention FLOPs")
     summary.set_defaults(func=_model_summary)
+
+    ev = commands.add_parser("eval", help="score a run or checkpoint on downstream tasks / perplexity")
+    ev.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
+    ev.add_argument(
+        "--tasks",
+        nargs="+",
+        required=True,
+        help="hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH",
+    )
+    ev.add_argument("--data-dir", default="", help="folder with the task files (default: ../shared/data/eval)")
+    ev.add_argument("--limit", type=int, default=None, help="score a deterministic subset of N items per task")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")
+    ev.add_argument("--predictions", action="store_true", help="also write per-item predictions")
+    ev.add_argument("--output", default=None, help="results JSON (default: CHECKPOINT/eval.json)")
+    ev.add_argument("--device", default="cpu")
+    ev.set_defaults(func=_eval)
+
+    quick = commands.add_parser("quickstart", help="the whole recipe end to end on this machine (~10 min)")
+    quick.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="your own files/folders/globs instead of the "
+        "built-in corpus (Python's standard library sources and documentation topics)",
+    )
+    quick.add_argument("--minutes", type=float, default=10.0, help="total time budget")
+    quick.add_argument("--run-dir", default="runs/quickstart")
+    quick.add_argument("--seed", type=int, default=0)
+    quick.set_defaults(func=_quickstart)
 
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
     data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")

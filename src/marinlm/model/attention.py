@@ -58,6 +58,24 @@ class LayerCache:
         self.doc_BS = torch.cat([self.doc_BS, doc_BT], dim=1)
         self.pos_BS = torch.cat([self.pos_BS, pos_BT], dim=1)
 
+    def select(self, rows: torch.Tensor) -> LayerCache:
+        """A cache holding the given batch rows (repeats allowed): one context, many continuations."""
+
+        def conv(state):
+            return None if state is None else ConvState(state.x_BKC[rows], state.doc_BK[rows])
+
+        return LayerCache(
+            self.k_BKSD[rows],
+            self.v_BKSD[rows],
+            self.doc_BS[rows],
+            self.pos_BS[rows],
+            self.window,
+            conv(self.conv_k),
+            conv(self.conv_v),
+            conv(self.conv_attn),
+            conv(self.conv_mlp),
+        )
+
     def trim(self) -> None:
         if self.window is not None and self.k_BKSD.shape[2] > self.window:
             self.k_BKSD = self.k_BKSD[:, :, -self.window :]

@@ -104,7 +104,7 @@ class Trainer:
         self.hooks: list[tuple[int, Callable]] = []
         self.add_hook(self._log_hook, every=c.logging.every_steps)
         if c.validation.every_steps:
-            self.add_hook(self._validation_hook, every=c.validation.every_steps)
+            self.add_hook(self.validate, every=c.validation.every_steps)
         if c.checkpoint.every_steps:
             self.add_hook(lambda result: self.save_checkpoint(), every=c.checkpoint.every_steps)
         if c.eval.every_n_steps and c.eval.tasks:
@@ -293,7 +293,8 @@ class Trainer:
             histograms[f"router/layer_{i}/load"] = s.load.cpu().numpy()
         self.sinks.log(self.step, scalars, histograms)
 
-    def _validation_hook(self, result: StepResult | None = None) -> dict[str, float] | None:
+    def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
+        """Loss and bits per byte on the held-out split (also a hook); logged at the current step."""
         if self.val_source is None:
             return None
         v = self.config.validation
@@ -365,7 +366,7 @@ class Trainer:
                 self.save_checkpoint()
             self.checkpoints.finalize()
             if self._last_validation_step != self.step:
-                self._validation_hook()
+                self.validate()
         finally:
             bar.close()
             if profiler is not None:

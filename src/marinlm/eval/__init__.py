@@ -1,0 +1,1 @@
+"""Evaluation: perplexity / bits per byte and downstream tasks scored as lm-evaluation-harness does."""

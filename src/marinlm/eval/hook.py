@@ -1,0 +1,45 @@
+"""Downstream evaluation as a training hook: `eval.every_n_steps`, `eval.tasks`, `eval.limit`."""
+
+from __future__ import annotations
+
+from marinlm.eval.runner import EvalOptions, run_eval
+
+
+class _Live:
+    """What run_eval needs from a loaded model, taken from the running trainer."""
+
+    def __init__(self, trainer):
+        from marinlm.tokenizer import MarinTokenizer
+        from marinlm.train.step import unwrap
+
+        self.model = unwrap(trainer.model)
+        self.tokenizer = MarinTokenizer.load(trainer.run_dir / "tokenizer")
+        self.config = trainer.config
+        self.checkpoint = f"{trainer.run_dir} (live, step {trainer.step})"
+        self.tokenizer_hash = trainer.tokenizer_hash
+
+
+def make_eval_hook(trainer, config):
+    """Every N steps: score the tasks on rank 0's model and log `eval/<task>/<metric>`."""
+    options = EvalOptions(tasks=list(config.tasks), data_dir=config.data_dir, limit=config.limit)
+
+    def hook(result=None):
+        if trainer.world > 1:
+            raise ValueError(
+                "eval.every_n_steps: in-training evaluation runs on one process; "
+                "evaluate a checkpoint with `marinlm eval` for sharded runs"
+            )
+        was_training = trainer.model.training
+        report = run_eval(_Live(trainer), options, val_source=trainer.val_source)
+        trainer.model.train(was_training)
+        if trainer.sinks is not None:
+            scalars = {
+                f"eval/{task}/{name}": value
+                for task, metrics in report["results"].items()
+                for name, value in metrics.items()
+                if isinstance(value, float)
+            }
+            trainer.sinks.log(trainer.step, scalars)
+        return report
+
+    return hook

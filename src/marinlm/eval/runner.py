@@ -1,0 +1,174 @@
+"""`marinlm eval RUN_OR_CKPT --tasks ...`: run tasks, write results JSON + a markdown table.
+
+Task specs: the names in `marinlm.eval.tasks` (hellaswag, arc_easy, arc_challenge, piqa,
+winogrande, lambada_openai, mmlu), `bpb:PATH` for bits per byte of a text file (or .jsonl with a
+"text" field) with rolling windows, and `val` for the run's held-out token split.
+Every task file is read and validated before any scoring starts, and results are written once,
+atomically, at the end: a bad file fails the run instead of producing partial results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from marinlm.eval.lm import Scorer
+from marinlm.eval.tasks import MMLU, TaskDataError, score, subset, task_registry
+from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"
+
+
+@dataclass(kw_only=True)
+class EvalOptions:
+    tasks: list[str]
+    data_dir: str = ""
+    limit: int | None = None
+    batch_size: int = 32
+    num_fewshot: int = 0
+    predictions: bool = False
+
+
+def _data_dir(options: EvalOptions) -> Path:
+    path = Path(options.data_dir) if options.data_dir else DEFAULT_DATA_DIR
+    return path
+
+
+def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
+    """Load and validate every requested task up front."""
+    registry = task_registry(options.num_fewshot)
+    prepared = []
+    for spec in options.tasks:
+        if spec == "val":
+            prepared.append((spec, None, []))
+        elif spec.startswith("bpb:"):
+            path = Path(spec[4:])
+            if not path.is_file():
+                raise TaskDataError(f"{path}: text file for bits-per-byte not found")
+            if path.suffix == ".jsonl":
+                texts = []
+                for n, line in enumerate(path.read_text().splitlines(), start=1):
+                    try:
+                        texts.append(json.loads(line)["text"])
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise TaskDataError(f"{path}:{n}: expected a JSON object with a 'text' string") from None
+            else:
+                texts = [path.read_text()]
+            prepared.append((spec, path, texts[: options.limit] if options.limit else texts))
+        elif spec in registry:
+            task = registry[spec]
+            items = task.load(_data_dir(options))
+            if isinstance(task, MMLU) and options.limit:  # the harness limits each subject
+                by_subject: dict[str, list] = {}
+                for item in items:
+                    by_subject.setdefault(item.meta["subject"], []).append(item)
+                items = [i for group in by_subject.values() for i in subset(group, options.limit)]
+            else:
+                items = subset(items, options.limit)
+            prepared.append((spec, task, items))
+        else:
+            raise TaskDataError(f"unknown task {spec!r}; known: {sorted(registry)}, 'val', 'bpb:PATH'")
+    return prepared
+
+
+def run_eval(loaded, options: EvalOptions, output: str | Path | None = None, val_source=None) -> dict:
+    """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given."""
+    prepared = prepare(options)
+    scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size)
+    results, predictions, files = {}, {}, {}
+    start = time.perf_counter()
+    for spec, task, items in prepared:
+        t0 = time.perf_counter()
+        if spec == "val":
+            results[spec] = _val_metrics(loaded, val_source, options.batch_size)
+        elif spec.startswith("bpb:"):
+            ll = scorer.loglikelihood_rolling(items)
+            total = sum(x for x, _ in ll)
+            tokens = sum(n for _, n in ll)
+            num_bytes = sum(len(t.encode("utf-8")) for t in items)
+            results[spec] = {
+                "bits_per_byte": -total / (math.log(2) * num_bytes),
+                "token_perplexity": math.exp(-total / max(tokens, 1)),
+                "tokens": tokens,
+                "bytes": num_bytes,
+            }
+            files[str(task)] = sha256_file(task)
+        else:
+            flat = [r for item in items for r in item.requests]
+            lls = scorer.loglikelihood(flat)
+            grouped, k = [], 0
+            for item in items:
+                grouped.append(lls[k : k + len(item.requests)])
+                k += len(item.requests)
+            metrics, preds = score(task, items, grouped)
+            metrics["n"] = len(items)
+            results[spec] = metrics
+            if options.predictions:
+                predictions[spec] = preds
+            data_dir = _data_dir(options)
+            for rel in task.files:
+                path = data_dir / rel
+                if path.is_file():
+                    files[str(path)] = sha256_file(path)
+                elif path.is_dir():
+                    for f in sorted(path.glob("*.csv")):
+                        files[str(f)] = sha256_file(f)
+        results[spec]["seconds"] = round(time.perf_counter() - t0, 2)
+    report = {
+        "results": results,
+        "config": {
+            "checkpoint": str(loaded.checkpoint),
+            "tokenizer_hash": loaded.tokenizer_hash,
+            "limit": options.limit,
+            "num_fewshot": options.num_fewshot,
+            "batch_size": options.batch_size,
+            "data_dir": str(_data_dir(options)),
+            "task_file_sha256": files,
+            "seconds": round(time.perf_counter() - start, 2),
+        },
+    }
+    if options.predictions:
+        report["predictions"] = predictions
+    if output is not None:
+        output = Path(output)
+        write_json_atomic(output, report)
+        write_text_atomic(output.with_suffix(".md"), markdown_table(report))
+    return report
+
+
+def _val_metrics(loaded, val_source, batch_size: int) -> dict:
+
+    from marinlm.dataset.loader import open_sources, validation_batches
+    from marinlm.train.step import validate
+
+    if val_source is None:
+        val_source = open_sources(loaded.config.data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
+    device = next(loaded.model.parameters()).device
+    metrics = validate(
+        loaded.model,
+        validation_batches(val_source, batch_size),
+        device=device,
+        precision="fp32" if device.type == "cpu" else "bf16",
+    )
+    return {"loss": metrics["val/loss"], "bits_per_byte": metrics["val/bpb"], "tokens": metrics["val/tokens"]}
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| task | metric | value | stderr | n |", "| --- | --- | ---: | ---: | ---: |"]
+    for task, metrics in report["results"].items():
+        for name, value in metrics.items():
+            if name.endswith("_stderr") or name in ("n", "seconds", "subjects") or not isinstance(value, float):
+                continue
+            stderr = metrics.get(f"{name}_stderr")
+            se = f"{stderr:.4f}" if isinstance(stderr, float) and math.isfinite(stderr) else ""
+            lines.append(f"| {task} | {name} | {value:.4f} | {se} | {metrics.get('n', '')} |")
+    c = report["config"]
+    lines += [
+        "",
+        f"Checkpoint `{c['checkpoint']}`, tokenizer `{c['tokenizer_hash'][:12]}`, limit {c['limit']}, "
+        f"{c['num_fewshot']}-shot, {c['seconds']} s.",
+    ]
+    return "\n".join(lines) + "\n"

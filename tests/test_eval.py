@@ -1,0 +1,263 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from marinlm.eval.lm import Request, Scorer
+from marinlm.eval.runner import EvalOptions, prepare, run_eval
+from marinlm.eval.tasks import MMLU, Item, Lambada, TaskDataError, score, task_registry
+from marinlm.tokenizer import MarinTokenizer, train_bpe
+from marinlm.train.inference import LoadedModel
+
+from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, train_config
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> LoadedModel:
+    tok = MarinTokenizer(train_bpe(SAMPLE_TEXTS * 30, vocab_size=600))
+    model = build(tiny_config(attention={"sliding_window": 8}), seed=3).eval()
+    return LoadedModel(model, tok, None, Path("memory"), tok.hash)
+
+
+def reference_loglikelihood(loaded, scorer, context, continuation):
+    """One full forward over [BOS] context continuation, no cache, no batching."""
+    ctx, cont = scorer.encode_pair(context, continuation)
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(loaded.model(ids).logits[0].float(), -1)
+    rows = logp[len(ctx) - 1 : len(ctx) + len(cont) - 1]
+    target = torch.tensor(cont)
+    return float(rows.gather(-1, target.unsqueeze(-1)).sum()), bool((rows.argmax(-1) == target).all())
+
+
+REQUESTS = [
+    Request("The quick brown fox", " jumps over the lazy dog."),
+    Request("The quick brown fox", " sleeps."),
+    Request("The quick brown fox", " and a much longer ending that runs on for a while, doesn't it"),
+    Request("def fibonacci(n):\n    ", "return n"),
+    Request("天下大势，", "分久必合"),
+    Request("Question: what is 2+2?\nAnswer:", " 4"),
+    Request("x" * 300, " y"),  # longer than the window and than max_length after truncation
+]
+
+
+@pytest.mark.parametrize("batch_size, share", [(32, True), (3, True), (1, False)])
+def test_loglikelihood_matches_brute_force(loaded, batch_size, share):
+    scorer = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=batch_size, share_context=share)
+    got = scorer.loglikelihood(REQUESTS)
+    for req, (ll, greedy) in zip(REQUESTS, got):
+        ref_ll, ref_greedy = reference_loglikelihood(loaded, scorer, req.context, req.continuation)
+        assert ll == pytest.approx(ref_ll, abs=2e-3, rel=1e-4), req
+        assert greedy == ref_greedy
+    assert all(ll < 0 for ll, _ in got)
+
+
+def test_encode_pair_moves_trailing_space_to_continuation(loaded):
+    scorer = Scorer(loaded.model, loaded.tokenizer)
+    ctx, cont = scorer.encode_pair("Answer: ", "yes")
+    assert loaded.tokenizer.decode(ctx[1:]) == "Answer:" and loaded.tokenizer.decode(cont) == " yes"
+    assert ctx[0] == loaded.tokenizer.bos_id
+
+
+def test_rolling_loglikelihood_windows(loaded):
+    text = " ".join(SAMPLE_TEXTS)
+    ids = loaded.tokenizer.encode(text)
+    L = 16
+    ((total, count),) = Scorer(loaded.model, loaded.tokenizer, max_length=L, batch_size=4).loglikelihood_rolling([text])
+    assert count == len(ids)
+    stream = [loaded.tokenizer.bos_id, *ids]
+    expected = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids), L):  # disjoint windows, each predicting up to L tokens
+            end = min(len(ids), start + L)
+            inp = stream[max(0, end - L) : end]
+            logp = torch.log_softmax(loaded.model(torch.tensor([inp])).logits[0].float(), -1)
+            n = end - start
+            expected += float(logp[len(inp) - n :].gather(-1, torch.tensor(ids[start:end]).unsqueeze(-1)).sum())
+    assert total == pytest.approx(expected, rel=1e-5)
+
+
+def test_scoring_on_hand_made_items():
+    task = task_registry()["hellaswag"]
+    items = [
+        Item([Request("c", " a"), Request("c", " bbbbbbbb")], gold=1, choice_lengths=[1, 8]),
+        Item([Request("c", " a"), Request("c", " b")], gold=0, choice_lengths=[1, 1]),
+    ]
+    # item 1: raw argmax picks 0 (-2 > -4), per-character picks 1 (-0.5 > -2): acc 0, acc_norm 1
+    results = [[(-2.0, False), (-4.0, False)], [(-1.0, True), (-3.0, False)]]
+    metrics, preds = score(task, items, results)
+    assert metrics["acc"] == 0.5 and metrics["acc_norm"] == 1.0
+    assert metrics["acc_stderr"] == pytest.approx(0.5)
+    assert [p["pred"] for p in preds] == [0, 0] and [p["pred_norm"] for p in preds] == [1, 0]
+    lam_metrics, _ = score(Lambada(), [Item([Request("a", " b")])] * 2, [[(-1.0, True)], [(-3.0, False)]])
+    assert lam_metrics["acc"] == 0.5 and lam_metrics["perplexity"] == pytest.approx(math.exp(2.0))
+    mmlu_items = [
+        Item([Request("q", f" {l}") for l in "ABCD"], g, [1] * 4, {"subject": s})
+        for g, s in ((0, "a"), (1, "a"), (2, "a"), (3, "b"))
+    ]
+    mmlu_res = [[(-1.0, 0), (-2.0, 0), (-3.0, 0), (-4.0, 0)]] * 4  # always picks A
+    m, _ = score(MMLU(), mmlu_items, mmlu_res)
+    assert m["acc_micro"] == 0.25 and m["acc_macro"] == pytest.approx((1 / 3 + 0) / 2)
+    assert m["subjects"] == {"a": {"acc": pytest.approx(1 / 3), "n": 3}, "b": {"acc": 0.0, "n": 1}}
+
+
+def write_tasks(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "arc_easy.jsonl").write_text(
+        json.dumps({"query": "Question: Which is a mammal?", "choices": ["whale", "shark"], "gold": 0}) + "\n"
+    )
+    (folder / "piqa_valid.jsonl").write_text(json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "lick"}) + "\n")
+    (folder / "piqa_valid_labels.lst").write_text("0\n")
+    (folder / "winogrande.jsonl").write_text(
+        json.dumps(
+            {
+                "context_options": ["Tom helped Bob because Tom", "Tom helped Bob because Bob"],
+                "continuation": "needed help.",
+                "gold": 1,
+            }
+        )
+        + "\n"
+    )
+    (folder / "lambada_openai_test.jsonl").write_text(json.dumps({"text": "the cat sat on the mat"}) + "\n")
+    (folder / "hellaswag_val.jsonl").write_text(
+        json.dumps(
+            {"ctx": "A man opens a door. he", "endings": ["walks in.", "eats it.", "flies.", "sings."], "label": 0}
+        )
+        + "\n"
+    )
+    for split in ("dev", "test"):
+        (folder / "mmlu" / split).mkdir(parents=True, exist_ok=True)
+        (folder / "mmlu" / split / f"astronomy_{split}.csv").write_text(
+            '"What orbits Earth?",Moon,Sun,Mars,Venus,A\n"Hottest planet?",Mars,Venus,Earth,Pluto,B\n'
+        )
+
+
+def test_prompt_formats_follow_the_harness(tmp_path):
+    write_tasks(tmp_path)
+    reg = task_registry(num_fewshot=1)
+    arc = reg["arc_easy"].load(tmp_path)[0]
+    assert arc.requests[0] == Request("Question: Which is a mammal?\nAnswer:", " whale")
+    piqa = reg["piqa"].load(tmp_path)[0]
+    assert piqa.requests[1] == Request("Question: Open a jar\nAnswer:", " lick") and piqa.gold == 0
+    wino = reg["winogrande"].load(tmp_path)[0]
+    assert wino.requests[1] == Request("Tom helped Bob because Bob", " needed help.")
+    lam = reg["lambada_openai"].load(tmp_path)[0]
+    assert lam.requests == [Request("the cat sat on the", " mat")]
+    mmlu = reg["mmlu"].load(tmp_path)
+    assert mmlu[0].requests[0].context == (
+        "The following are multiple choice questions (with answers) about astronomy.\n\n"
+        "What orbits Earth?\nA. Moon\nB. Sun\nC. Mars\nD. Venus\nAnswer: A\n\n"
+        "What orbits Earth?\nA. Moon\nB. Sun\nC. Mars\nD. Venus\nAnswer:"
+    )
+    assert [r.continuation for r in mmlu[1].requests] == [" A", " B", " C", " D"] and mmlu[1].gold == 1
+
+
+def test_bad_task_input_fails_before_scoring(tmp_path, loaded):
+    write_tasks(tmp_path)
+    (tmp_path / "hellaswag_val.jsonl").write_text('{"ctx": "x", "endings": ["a", "b"], "label": 5}\n')
+    with pytest.raises(TaskDataError, match=r"hellaswag_val.jsonl:1: label 5 is not a valid index"):
+        prepare(EvalOptions(tasks=["arc_easy", "hellaswag"], data_dir=str(tmp_path)))
+    (tmp_path / "arc_easy.jsonl").write_text('{"query": "Q", "gold": 0}\n')
+    with pytest.raises(TaskDataError, match=r"arc_easy.jsonl:1: missing field 'choices'"):
+        prepare(EvalOptions(tasks=["arc_easy"], data_dir=str(tmp_path)))
+    with pytest.raises(TaskDataError, match="unknown task 'squad'"):
+        prepare(EvalOptions(tasks=["squad"], data_dir=str(tmp_path)))
+    out = tmp_path / "results.json"
+    with pytest.raises(TaskDataError):
+        run_eval(loaded, EvalOptions(tasks=["piqa", "arc_easy"], data_dir=str(tmp_path)), out)
+    assert not out.exists()  # no partial results presented as complete
+
+
+def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
+    write_tasks(tmp_path)
+    (tmp_path / "text.txt").write_text(" ".join(SAMPLE_TEXTS) * 3)
+    tasks = ["hellaswag", "arc_easy", "piqa", "winogrande", "lambada_openai", "mmlu", f"bpb:{tmp_path / 'text.txt'}"]
+    report = run_eval(loaded, EvalOptions(tasks=tasks, data_dir=str(tmp_path), predictions=True), tmp_path / "r.json")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["results"]) == set(tasks)
+    assert saved["config"]["tokenizer_hash"] == loaded.tokenizer_hash
+    assert any(k.endswith("hellaswag_val.jsonl") for k in saved["config"]["task_file_sha256"])
+    assert 0 < saved["results"][tasks[-1]]["bits_per_byte"] < 20
+    assert len(saved["predictions"]["mmlu"]) == 2
+    assert "| hellaswag | acc |" in (tmp_path / "r.md").read_text()
+    assert report["results"]["lambada_openai"]["perplexity"] > 1
+
+
+def test_limit_is_a_deterministic_subset(tmp_path):
+    rows = [{"ctx": f"c{i}", "endings": ["a", "b"], "label": 0} for i in range(50)]
+    (tmp_path / "hellaswag_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = prepare(EvalOptions(tasks=["hellaswag"], data_dir=str(tmp_path), limit=7))[0][2]
+    b = prepare(EvalOptions(tasks=["hellaswag"], data_dir=str(tmp_path), limit=7))[0][2]
+    assert [i.requests[0].context for i in a] == [i.requests[0].context for i in b]
+    assert len(a) == 7 and [i.requests[0].context for i in a] != [f"c{i}" for i in range(7)]
+
+
+def test_lm_eval_adapter(tmp_path, loaded):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from marinlm.eval.harness import MarinHarnessLM
+
+    lm = MarinHarnessLM(pretrained="", loaded=loaded)
+    reqs = [Instance("loglikelihood", {}, (r.context, r.continuation), i) for i, r in enumerate(REQUESTS[:4])]
+    scorer = Scorer(loaded.model, loaded.tokenizer)
+    ours = lm.loglikelihood(reqs)
+    ref = scorer.loglikelihood(REQUESTS[:4])
+    assert [g for _, g in ours] == [g for _, g in ref]
+    assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in ref])
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("some text here",), 0)])
+    assert rolling[0] < 0
+    gen = lm.generate_until([Instance("generate_until", {}, ("The quick", {"until": ["\n"], "max_gen_toks": 5}), 0)])
+    assert isinstance(gen[0], str) and "\n" not in gen[0]
+    # A local task through lm_eval itself (offline: a json dataset on disk).
+    data = tmp_path / "toy.jsonl"
+    data.write_text(
+        "".join(json.dumps({"q": f"Is {i} even?", "choices": ["yes", "no"], "gold": i % 2}) + "\n" for i in range(6))
+    )
+    (tmp_path / "toy.yaml").write_text(
+        "task: marinlm_toy\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(data) + "\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["marinlm_toy"], task_manager=TaskManager(include_path=str(tmp_path))
+    )
+    assert 0.0 <= results["results"]["marinlm_toy"]["acc,none"] <= 1.0
+
+
+def test_eval_hook_logs_during_training(token_data, tmp_path):
+    from marinlm.train.metrics import read_metrics
+    from marinlm.train.trainer import run_training
+
+    write_tasks(tmp_path / "tasks")
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 4},
+        eval={"every_n_steps": 2, "tasks": ["arc_easy", "piqa"], "limit": 5, "data_dir": str(tmp_path / "tasks")},
+    )
+    run_training(config, resume="none")
+    logged = [r for r in read_metrics(tmp_path / "run") if "eval/arc_easy/acc" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+
+
+@pytest.mark.slow
+def test_real_task_files_parse_and_score(loaded):
+    data_dir = shared_data("eval")
+    options = EvalOptions(
+        tasks=["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_openai", "mmlu"],
+        data_dir=str(data_dir),
+        limit=2,
+        batch_size=16,
+    )
+    report = run_eval(loaded, options)
+    counts = {t: report["results"][t]["n"] for t in options.tasks}
+    assert counts["mmlu"] == 2 * 57 and all(counts[t] == 2 for t in options.tasks if t != "mmlu")
+    full = prepare(EvalOptions(tasks=["hellaswag", "piqa", "lambada_openai"], data_dir=str(data_dir)))
+    assert [len(items) for _, _, items in full] == [10042, 1838, 5153]
