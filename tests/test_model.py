@@ -187,7 +187,7 @@ def test_loss_terms_and_ignore_index():
     torch.testing.assert_close(out.z_loss, z)
     torch.testing.assert_close(out.loss, ce + z)
     assert out.num_tokens == 16
-    assert math.isclose(out.ce_loss.item(), math.log(config.vocab_size), rel_tol=0.02)
+    assert math.isclose(out.ce_loss.item(), math.log(config.vocab_size), rel_tol=0.1)  # near uniform at init
 
 
 @pytest.mark.parametrize(

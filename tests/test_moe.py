@@ -90,7 +90,7 @@ def identity_router(cls, config, num_experts, top_k):
 def test_qb_hand_computed_example():
     """Selection on biased logits, sigmoid weights summing to 2.5, beta and the bias replacement."""
     s = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 1.5, -0.5, 0.0], [0.0, 0.0, 3.0, 1.0], [1.0, -1.0, 0.5, 2.0]])
-    router = identity_router(QBRouter, QBRouterConfig(weight_sum=2.5), 4, 2)
+    router = identity_router(QBRouter, QBRouterConfig(weight_sum=2.5, estimator="topk"), 4, 2)
     with torch.no_grad():
         router.bias.copy_(torch.tensor([0.0, 0.0, -1.0, 0.0]))
     routing = router(s)
@@ -107,6 +107,25 @@ def test_qb_hand_computed_example():
     # A replacement, not an accumulation: the same stats give the same bias again.
     router.update_bias(routing.stats)
     torch.testing.assert_close(router.bias, torch.tensor([-0.25, -0.25, 0.25, 0.25]))
+
+
+def test_qb_histogram_beta_is_the_global_quantile_and_split_invariant():
+    torch.manual_seed(5)
+    E, k, N = 8, 2, 4000
+    router = QBRouter(QBRouterConfig(estimator="histogram", hist_bins=10_000, hist_range=8.0), 16, E, k, 0.3)
+    router.reset_parameters()
+    x = torch.randn(N, 16)
+    whole = router(x).stats
+    halves = RouterStats.merge([router(x[: N // 2]).stats, router(x[N // 2 :]).stats])
+    assert torch.equal(whole.hist, halves.hist)  # counts add: the estimate ignores how the batch was split
+    exact_router = QBRouter(QBRouterConfig(estimator="topk"), 16, E, k, 0.3)
+    exact_router.load_state_dict(router.state_dict())
+    exact = exact_router(x).stats.beta  # the N*k/E-th largest margin over the whole batch
+    estimate = router.beta_from_histogram(whole.hist, N)
+    width = 2 * 8.0 / 10_000
+    assert (estimate - exact).abs().max() <= 2 * width
+    router.update_bias(halves)
+    torch.testing.assert_close(router.bias, -halves.beta + halves.beta.mean())
 
 
 def test_qb_balances_a_skewed_router_over_steps():
@@ -166,10 +185,11 @@ def test_router_stats_merge_and_model_update():
     stats = [model(ids[:1]).router_stats, model(ids[1:]).router_stats]
     merged = [RouterStats.merge([a, b]) for a, b in zip(*stats)]
     assert merged[0].load.sum() == 2 * 64 * config.moe.top_k
-    torch.testing.assert_close(merged[0].beta, (stats[0][0].beta + stats[1][0].beta) / 2)
+    torch.testing.assert_close(merged[0].hist, stats[0][0].hist + stats[1][0].hist)  # histogram estimator
     assert 0 < merged[0].entropy <= math.log(config.moe.num_experts) + 1e-6
     model.update_router_biases(merged)
     bias = model.layers[0].mlp.router.bias
+    assert merged[0].beta is not None  # computed from the summed histogram at update time
     torch.testing.assert_close(bias, -merged[0].beta + merged[0].beta.mean())
     assert "layers.0.mlp.router.bias" in model.state_dict()
     with pytest.raises(ValueError, match="MoE layers"):

@@ -87,9 +87,18 @@ class QBRouterConfig(RouterConfig):
     """Marin's quantile balancing: sigmoid weights, bias replaced each step by -beta + mean(beta)."""
 
     weight_sum: float = 2.5  # selected sigmoid weights are renormalised to sum to this
+    # How beta, the (1 - k/E) upper quantile of each expert's margins, is estimated:
+    # "histogram" counts margins in fixed bins; counts add up over micro-batches and ranks, so the
+    #   estimate is of the whole global batch and does not depend on how it was split (the hero run);
+    # "topk" takes each forward's N*k/E-th largest margin and averages (the spec's cheaper estimate).
+    estimator: Literal["histogram", "topk"] = "histogram"
+    hist_bins: int = 10_000
+    hist_range: float = 32.0  # bins cover margins in [-range, range]; outliers land in the end bins
 
     def __post_init__(self):
         check(self.weight_sum > 0, "weight_sum", f"must be positive, got {self.weight_sum}")
+        check(self.hist_bins >= 2, "hist_bins", f"must be >= 2, got {self.hist_bins}")
+        check(self.hist_range > 0, "hist_range", f"must be positive, got {self.hist_range}")
 
 
 @RouterConfig.register("aux_free")

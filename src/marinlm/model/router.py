@@ -34,6 +34,7 @@ class RouterStats:
     dropped: torch.Tensor  # scalar float
     num_tokens: torch.Tensor  # scalar float
     beta: torch.Tensor | None = None  # [E]
+    hist: torch.Tensor | None = None  # [E, bins] QB margin counts (histogram estimator)
 
     @property
     def entropy(self) -> torch.Tensor:
@@ -55,6 +56,7 @@ class RouterStats:
             dropped=sum(s.dropped for s in stats),
             num_tokens=sum(s.num_tokens for s in stats),
             beta=None if stats[0].beta is None else sum(s.beta for s in stats) / n,
+            hist=None if stats[0].hist is None else sum(s.hist for s in stats),
         )
 
     def detach(self) -> RouterStats:
@@ -116,6 +118,7 @@ class QBRouter(Router):
     def __init__(self, config: QBRouterConfig, d_in, num_experts, top_k, init_std):
         super().__init__(d_in, num_experts, top_k, init_std)
         self.weight_sum = config.weight_sum
+        self.estimator, self.bins, self.range = config.estimator, config.hist_bins, config.hist_range
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         s_NE = self.logits(x_ND)
@@ -125,8 +128,32 @@ class QBRouter(Router):
         alpha_N1 = top_vals[:, self.top_k :]
         weights_NK = torch.sigmoid(torch.gather(s_NE, 1, experts_NK))
         weights_NK = weights_NK * (self.weight_sum / (weights_NK.sum(-1, keepdim=True) + 1e-9))
-        beta_E = self.estimate_beta(s_NE.detach() - alpha_N1)
-        return Routing(experts_NK, weights_NK, None, self._stats(s_NE, experts_NK, beta_E))
+        margins_NE = s_NE.detach() - alpha_N1
+        if self.estimator == "histogram":
+            stats = self._stats(s_NE, experts_NK)
+            stats.hist = self.margin_histogram(margins_NE)
+        else:
+            stats = self._stats(s_NE, experts_NK, self.estimate_beta(margins_NE))
+        return Routing(experts_NK, weights_NK, None, stats)
+
+    def margin_histogram(self, margins_NE: torch.Tensor) -> torch.Tensor:
+        """Per-expert counts of margins in `bins` equal bins over [-range, range] ([E, bins], fp32)."""
+        E, bins = self.num_experts, self.bins
+        width = 2 * self.range / bins
+        index = ((margins_NE + self.range) / width).floor().long().clamp_(0, bins - 1)
+        flat = (index + torch.arange(E, device=index.device) * bins).reshape(-1)
+        return torch.bincount(flat, minlength=E * bins).float().view(E, bins)
+
+    def beta_from_histogram(self, hist_EB: torch.Tensor, num_tokens: float) -> torch.Tensor:
+        """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin."""
+        width = 2 * self.range / self.bins
+        target = num_tokens * self.top_k / self.num_experts  # margins at or above beta, per expert
+        from_top = hist_EB.flip(-1).cumsum(-1).flip(-1)  # [E, B]: count of margins in bins >= b
+        b = ((from_top >= target).sum(-1) - 1).clamp(0, self.bins - 1)
+        above = from_top.gather(1, b.unsqueeze(1)).squeeze(1)
+        inside = hist_EB.gather(1, b.unsqueeze(1)).squeeze(1)
+        lower_edge = -self.range + b.float() * width
+        return lower_edge + width * (above - target) / inside.clamp_min(1.0)
 
     def estimate_beta(self, margins_NE: torch.Tensor) -> torch.Tensor:
         """Per expert, the `N*k/E`-th largest margin: the (1 - k/E) upper quantile over these tokens."""
@@ -135,6 +162,8 @@ class QBRouter(Router):
 
     @torch.no_grad()
     def update_bias(self, stats: RouterStats) -> None:
+        if stats.hist is not None:
+            stats.beta = self.beta_from_histogram(stats.hist, float(stats.num_tokens))
         self.bias.copy_(-stats.beta + stats.beta.mean())
 
 

@@ -53,6 +53,8 @@ def reduce_router_stats(per_micro: list[list[RouterStats]]) -> list[RouterStats]
             all_reduce_(s.z_loss).div_(world)
             if s.beta is not None:
                 all_reduce_(s.beta).div_(world)
+            if s.hist is not None:
+                all_reduce_(s.hist)
     return merged
 
 
