@@ -261,3 +261,34 @@ def test_real_task_files_parse_and_score(loaded):
     assert counts["mmlu"] == 2 * 57 and all(counts[t] == 2 for t in options.tasks if t != "mmlu")
     full = prepare(EvalOptions(tasks=["hellaswag", "piqa", "lambada_openai"], data_dir=str(data_dir)))
     assert [len(items) for _, _, items in full] == [10042, 1838, 5153]
+
+
+def test_task_rows_from_hf_datasets_on_local_files(tmp_path):
+    pytest.importorskip("datasets")
+    write_tasks(tmp_path / "local")
+    rows = tmp_path / "arc_rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"query": f"Question: q{i}?", "choices": ["a", "b"], "gold": i % 2}) + "\n" for i in range(3)
+        )
+    )
+    options = EvalOptions(
+        tasks=["arc_easy", "piqa"],
+        data_dir=str(tmp_path / "local"),
+        hf_datasets={"arc_easy.jsonl": f"json:{rows}:train"},
+    )
+    prepared = prepare(options)
+    arc_items = prepared[0][2]
+    assert [i.requests[0].context for i in arc_items] == [f"Question: q{i}?\nAnswer:" for i in range(3)]
+    assert [i.gold for i in arc_items] == [0, 1, 0]
+    assert len(prepared[1][2]) == 1  # piqa still from the local file
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "Q", "gold": 0}) + "\n")
+    with pytest.raises(TaskDataError, match=r"missing field 'choices'"):
+        prepare(
+            EvalOptions(
+                tasks=["arc_easy"],
+                data_dir=str(tmp_path / "local"),
+                hf_datasets={"arc_easy.jsonl": f"json:{bad}:train"},
+            )
+        )

@@ -1,6 +1,6 @@
 """The `marinlm` command line. Thin: every command calls an importable function.
 
-Extra `--a.b=value` arguments are config overrides.
+Extra `--a.b=value` (or `--a.b value`) arguments are config overrides, e.g. `--workers 4`.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def _eval(args, overrides) -> int:
         batch_size=args.batch_size,
         num_fewshot=args.num_fewshot,
         predictions=args.predictions,
+        hf_datasets=dict(spec.split("=", 1) for spec in args.hf),
     )
     loaded = load_model(args.run, device=args.device)
     output = args.output or (loaded.checkpoint / "eval.json")
@@ -170,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")
     ev.add_argument("--predictions", action="store_true", help="also write per-item predictions")
+    ev.add_argument(
+        "--hf",
+        nargs="*",
+        default=[],
+        metavar="FILE=NAME[:CONFIG]:SPLIT",
+        help="read a task file from HF datasets, e.g. hellaswag_val.jsonl=org/hellaswag-marinlm:validation",
+    )
     ev.add_argument("--output", default=None, help="results JSON (default: CHECKPOINT/eval.json)")
     ev.add_argument("--device", default="cpu")
     ev.set_defaults(func=_eval)
@@ -224,9 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --a.b=value)")
+    if rest and not rest[0].startswith("--"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)} (config overrides look like --a.b=value)")
     try:
         return args.func(args, rest)
     except ConfigError as e:

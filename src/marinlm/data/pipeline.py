@@ -259,8 +259,11 @@ def run_write(task: dict) -> dict:
         removal.setdefault(int(d), set()).add(int(p))
     ctx = ShardContext(shard, out / "dropped")
     output = []
+    in_bytes: dict[str, int] = {}
+    kept_bytes: dict[str, int] = {}
     for i, r in enumerate(records):
         doc = Document(id=r["id"], text=r["text"], source=r["source"], metadata=r["metadata"])
+        in_bytes[doc.source] = in_bytes.get(doc.source, 0) + len(doc.text.encode("utf-8"))
         action = int(plan["action"][i])
         if action != KEEP:
             detail = {"keeper": int(plan["keeper"][i]), "cluster_size": int(plan["cluster_size"][i])}
@@ -268,6 +271,7 @@ def run_write(task: dict) -> dict:
             continue
         if i in removal:
             doc.text = "\n\n".join(p for j, p in enumerate(PARAGRAPH.split(doc.text)) if j not in removal[i])
+        kept_bytes[doc.source] = kept_bytes.get(doc.source, 0) + len(doc.text.encode("utf-8"))
         for k in range(int(plan["repeats"][i])):
             record = doc_record(doc)
             if k:
@@ -290,6 +294,8 @@ def run_write(task: dict) -> dict:
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
         "dropped": {s: dict(r) for s, r in ctx.stats["dedup"].dropped.items()},
+        "bytes_in": in_bytes,
+        "bytes_kept": kept_bytes,
     }
     write_json_atomic(work / "stage3" / f"{shard}.done.json", result)
     return result

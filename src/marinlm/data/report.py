@@ -71,11 +71,19 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
                 dedup_dropped[source][reason] += v
     after_filters = {s: sum(sh["docs"] for sh in stage1 if sh["source"] == s) for s in sources}
     kept = {s: after_filters[s] - sum(dedup_dropped[s].values()) for s in sources}
+    bytes_in = {s: sum(sh["bytes_in"].get(s, 0) for sh in stage3) for s in sources}
+    bytes_kept = {s: sum(sh["bytes_kept"].get(s, 0) for sh in stage3) for s in sources}
     steps.append(
         {
             "step": "dedup",
             "by_source": {
-                s: {"docs_in": after_filters[s], "docs_out": kept[s], "dropped": dict(dedup_dropped[s])}
+                s: {
+                    "docs_in": after_filters[s],
+                    "docs_out": kept[s],
+                    "bytes_in": bytes_in[s],
+                    "bytes_out": bytes_kept[s],
+                    "dropped": dict(dedup_dropped[s]),
+                }
                 for s in sources
             },
             "counters": {
@@ -155,16 +163,19 @@ def _markdown(report: dict) -> str:
         "",
         "## Steps",
         "",
-        "| step | source | docs in | docs out | dropped by reason |",
-        "| --- | --- | ---: | ---: | --- |",
+        "| step | source | docs in | docs out | MB in | MB out | dropped by reason |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for st in report["steps"]:
         for s, b in st["by_source"].items():
             reasons = ", ".join(f"{r}: {v}" for r, v in sorted(b["dropped"].items(), key=lambda kv: -kv[1]))
-            lines.append(f"| {st['step']} | {s} | {b['docs_in']} | {b['docs_out']} | {reasons} |")
+            mb_in, mb_out = b.get("bytes_in", 0) / 1e6, b.get("bytes_out", 0) / 1e6
+            lines.append(
+                f"| {st['step']} | {s} | {b['docs_in']} | {b['docs_out']} | {mb_in:.2f} | {mb_out:.2f} | {reasons} |"
+            )
         if st["counters"]:
             counters = ", ".join(f"{k}: {v}" for k, v in st["counters"].items())
-            lines.append(f"| {st['step']} | *counters* | | | {counters} |")
+            lines.append(f"| {st['step']} | *counters* | | | | | {counters} |")
     lines += [
         "",
         "## Fuzzy dedup by source",

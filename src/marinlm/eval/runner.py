@@ -30,6 +30,7 @@ class EvalOptions:
     batch_size: int = 32
     num_fewshot: int = 0
     predictions: bool = False
+    hf_datasets: dict[str, str] | None = None  # task file name -> HF datasets "NAME[:CONFIG]:SPLIT"
 
 
 def _data_dir(options: EvalOptions) -> Path:
@@ -39,6 +40,10 @@ def _data_dir(options: EvalOptions) -> Path:
 
 def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
     """Load and validate every requested task up front."""
+    from marinlm.eval import tasks as task_module
+
+    task_module.HF_SOURCES.clear()
+    task_module.HF_SOURCES.update(options.hf_datasets or {})
     registry = task_registry(options.num_fewshot)
     prepared = []
     for spec in options.tasks:

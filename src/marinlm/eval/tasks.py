@@ -43,23 +43,50 @@ class Item:
     meta: dict = field(default_factory=dict)
 
 
+# Task files may come from HF `datasets` instead of disk: {file name: "NAME[:CONFIG]:SPLIT"}, where
+# the rows carry the same fields as the local file (for the "json"/"csv"/"parquet" builders, CONFIG
+# is the data file). Set by the runner from EvalOptions.hf_datasets.
+HF_SOURCES: dict[str, str] = {}
+
+
+def _hf_rows(spec: str, name: str) -> list[dict]:
+    import datasets
+
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise TaskDataError(f"hf source for {name}: expected NAME[:CONFIG]:SPLIT, got {spec!r}")
+    dataset, config, split = parts if len(parts) == 3 else (parts[0], None, parts[1])
+    if dataset in ("json", "csv", "parquet"):
+        ds = datasets.load_dataset(dataset, data_files=config, split=split)
+    else:
+        ds = datasets.load_dataset(dataset, config, split=split)
+    return [dict(row) for row in ds]
+
+
 def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
-    if not path.is_file():
+    if path.name in HF_SOURCES:
+        raw = [
+            (f"{HF_SOURCES[path.name]}[{i}]", row) for i, row in enumerate(_hf_rows(HF_SOURCES[path.name], path.name))
+        ]
+    elif not path.is_file():
         raise TaskDataError(f"{path}: task file not found (point --data-dir at the evaluation data)")
+    else:
+        raw = []
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                raw.append((f"{path}:{n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskDataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
+    for where, row in raw:
         for key, tp in required.items():
             if key not in row:
-                raise TaskDataError(f"{path}:{n}: missing field {key!r}")
+                raise TaskDataError(f"{where}: missing field {key!r}")
             if not isinstance(row[key], tp):
-                raise TaskDataError(f"{path}:{n}: field {key!r} should be {tp.__name__}, got {type(row[key]).__name__}")
-        row["_where"] = f"{path}:{n}"
+                raise TaskDataError(f"{where}: field {key!r} should be {tp.__name__}, got {type(row[key]).__name__}")
+        row["_where"] = where
         rows.append(row)
     return rows
 
