@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -207,3 +208,78 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
     ckpt = list_checkpoints(tmp_path / "fsdp" / "checkpoints")[0]
     assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # sharded save
+
+
+@pytest.mark.parametrize("mode", ["full", "every_n"])
+def test_activation_checkpointing_gives_the_same_losses(token_data, tmp_path, mode):
+    base = run_training(train_config(token_data, tmp_path / "none", train={"steps": 2}), resume="none")
+    ac = run_training(
+        train_config(
+            token_data,
+            tmp_path / mode,
+            train={"steps": 2},
+            parallel={"activation_checkpointing": mode, "checkpoint_every_n": 2},
+        ),
+        resume="none",
+    )
+    a, b = losses(tmp_path / "none"), losses(tmp_path / mode)
+    assert a == pytest.approx(b, rel=1e-5) and base["steps"] == ac["steps"]
+
+
+def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 2, "precision": "bf16"},
+        checkpoint={"every_steps": 1, "async_save": True},
+        logging={"wandb": True, "wandb_mode": "offline"},
+    )
+    summary = run_training(config, resume="none")
+    assert all(math.isfinite(v) for v in losses(tmp_path / "run").values())
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002", "step-00000001"]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert summary["steps"] == 2
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train(token_data, tmp_path):
+    run_training(train_config(token_data, tmp_path / "eager", train={"steps": 2}), resume="none")
+    run_training(
+        train_config(token_data, tmp_path / "compiled", train={"steps": 2}, parallel={"compile": True}), resume="none"
+    )
+    assert losses(tmp_path / "eager") == pytest.approx(losses(tmp_path / "compiled"), rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_options_zero2_sharded_init(token_data, tmp_path):
+    """ZeRO-2-like resharding, init on shards and activation checkpointing, under 2 gloo processes.
+
+    (CPU offload needs a GPU: on CPU it is refused with the key named.)"""
+    with pytest.raises(ValueError, match="parallel.cpu_offload"):
+        Trainer(train_config(token_data, tmp_path / "off", parallel={"cpu_offload": True}), resume="none")
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 3, "init": "sharded"},
+        parallel={"reshard_after_forward": False, "activation_checkpointing": "full"},
+    )
+    save_config(config, tmp_path / "run.yaml")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=29533",
+        "-m",
+        "marinlm.cli",
+        "train",
+        str(tmp_path / "run.yaml"),
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    values = losses(tmp_path / "run")
+    assert len(values) == 3 and all(math.isfinite(v) for v in values.values())
+    assert values[3] < values[1]

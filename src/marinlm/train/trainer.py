@@ -48,6 +48,11 @@ class Trainer:
         self.config = c = config
         self.info = init_distributed(c.train.device)
         self.device = self.info.device
+        if c.parallel.cpu_offload and self.device.type != "cuda":
+            raise ValueError(
+                "parallel.cpu_offload: offloads from GPU to pinned host memory; a CPU run already "
+                "keeps everything in host memory, set it false"
+            )
         tune_cpu_allocator()
         self.precision = c.train.precision
         if self.precision == "auto":
