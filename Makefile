@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint quickstart bench clean
+.PHONY: install test lint quickstart clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "pip==26.3"
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench,ray,eval]"
 	touch $(STAMP)
 

@@ -40,7 +40,7 @@ class ParallelConfig:
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
-    """Apply activation checkpointing, compile and (when world_size > 1) FSDP2, in that order."""
+    """Apply activation checkpointing, compile and (under torchrun) FSDP2, in that order."""
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
     from marinlm.parallel.fsdp import apply_fsdp
 
@@ -48,6 +48,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo)
     if config.compile:
         for block in model.layers:
             block.compile()
-    if info.world_size > 1:
+    if info.mesh is not None:  # launched by torchrun (any number of ranks)
         apply_fsdp(model, info, reshard_after_forward=config.reshard_after_forward, cpu_offload=config.cpu_offload)
     return model

@@ -36,8 +36,8 @@ def init_distributed(device: str = "auto") -> DistributedInfo:
     dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
-    if world == 1:
-        return DistributedInfo(0, 1, 0, dev)
+    if world == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # plain process; under torchrun even 1 rank
+        return DistributedInfo(0, 1, 0, dev)  # gets a process group, so its FSDP/NCCL paths run
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
