@@ -205,3 +205,16 @@ def test_training_mode_reports_capacity_drops():
     assert all(0 < s.dropped_fraction < 1 for s in stats)
     model.eval()
     assert all(s.dropped == 0 for s in model(ids).router_stats)
+
+
+def test_incremental_merge_equals_merging_all():
+    torch.manual_seed(6)
+    router = QBRouter(QBRouterConfig(estimator="topk"), 8, 4, 1, 0.3)
+    router.reset_parameters()
+    parts = [router(torch.randn(32, 8)).stats for _ in range(3)]
+    running = parts[0]
+    for i, s in enumerate(parts[1:], start=1):
+        running = RouterStats.merge([running, s], [i, 1])
+    whole = RouterStats.merge(parts)
+    for name in ("load", "z_loss", "dropped", "num_tokens", "beta"):
+        torch.testing.assert_close(getattr(running, name), getattr(whole, name))

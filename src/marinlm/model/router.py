@@ -47,15 +47,17 @@ class RouterStats:
         return self.dropped / self.load.sum().clamp_min(1.0)
 
     @staticmethod
-    def merge(stats: list[RouterStats]) -> RouterStats:
-        """Combine micro-batches: sum counts, average the per-forward means and beta."""
-        n = len(stats)
+    def merge(stats: list[RouterStats], weights: list[float] | None = None) -> RouterStats:
+        """Combine micro-batches: sum counts, average the per-forward means and beta (weighted by
+        `weights`, e.g. how many forwards an already-merged entry stands for)."""
+        w = weights or [1.0] * len(stats)
+        total = sum(w)
         return RouterStats(
             load=sum(s.load for s in stats),
-            z_loss=sum(s.z_loss for s in stats) / n,
+            z_loss=sum(wi * s.z_loss for wi, s in zip(w, stats)) / total,
             dropped=sum(s.dropped for s in stats),
             num_tokens=sum(s.num_tokens for s in stats),
-            beta=None if stats[0].beta is None else sum(s.beta for s in stats) / n,
+            beta=None if stats[0].beta is None else sum(wi * s.beta for wi, s in zip(w, stats)) / total,
             hist=None if stats[0].hist is None else sum(s.hist for s in stats),
         )
 

@@ -42,9 +42,8 @@ def _full_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def reduce_router_stats(per_micro: list[list[RouterStats]]) -> list[RouterStats]:
-    """Merge micro-batches, then sum counts / average means and beta across ranks."""
-    merged = [RouterStats.merge(list(layer)) for layer in zip(*per_micro)]
+def reduce_router_stats(merged: list[RouterStats]) -> list[RouterStats]:
+    """Sum counts (and QB histograms) / average means and beta across ranks, in place."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         for s in merged:
@@ -65,7 +64,8 @@ def train_step(
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
     global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens))).item())
     sums = torch.zeros(3)  # ce * n, z * n, aux
-    router_stats = []
+    # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
+    router_stats: list[RouterStats] = []
     fsdp = hasattr(model, "set_requires_gradient_sync")
     for i, batch in enumerate(batches):
         if fsdp:  # reduce-scatter gradients only after the last micro-batch
@@ -83,7 +83,8 @@ def train_step(
                 out.aux_loss.item() / len(batches),
             ]
         )
-        router_stats.append([s.detach() for s in out.router_stats])
+        fresh = [s.detach() for s in out.router_stats]
+        router_stats = fresh if i == 0 else [RouterStats.merge([a, b], [i, 1]) for a, b in zip(router_stats, fresh)]
     all_reduce_(sums)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = _full_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
@@ -94,7 +95,7 @@ def train_step(
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stats = reduce_router_stats(router_stats) if router_stats and router_stats[0] else []
+    stats = reduce_router_stats(router_stats) if router_stats else []
     if not skipped and stats:
         # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
         unwrap(model).update_router_biases(stats)
