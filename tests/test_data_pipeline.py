@@ -357,3 +357,14 @@ def test_real_corpora_english_chinese_code(tmp_path):
     langs = {r["metadata"]["language"] for r in out}
     assert {"en", "zh", "code"} <= langs
     assert os.path.getsize(tmp_path / "out" / "report.png") > 1000
+
+
+def test_provenance_never_overwrites_record_fields(tmp_path):
+    from marinlm.data.normalize import LangIdConfig, LanguageId
+
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "x = compute(1)\nprint('done')", "path": "pkg/tool.py"}) + "\n")
+    doc = next(read_documents(path))
+    assert doc.metadata["path"] == "pkg/tool.py"  # the record's own field
+    assert doc.metadata["file"] == str(path) and doc.metadata["line"] == 1  # where it came from
+    assert LanguageId(LangIdConfig()).decide(doc) is None and doc.metadata["language"] == "code"

@@ -106,7 +106,7 @@ class LanguageId(Filter):
 
     def decide(self, doc):
         c = self.config
-        path = str(doc.metadata.get("path", ""))
+        path = str(doc.metadata.get("path") or doc.metadata.get("file", ""))  # a record's own path, else its file
         if path.endswith(CODE_SUFFIXES) or looks_like_code(doc.text[:20000], c.code_threshold):
             lang, prob = "code", 1.0
         else:

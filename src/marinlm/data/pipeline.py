@@ -170,7 +170,7 @@ def _read(task: dict, config: PipelineConfig, ctx: ShardContext, rejected_file):
                 stats.bytes_out[source] += size
                 yield item
                 continue
-            location = f"{item.metadata.get('path')}:{item.metadata.get('line', item.metadata.get('row', ''))}"
+            location = f"{item.metadata.get('file')}:{item.metadata.get('line', item.metadata.get('row', ''))}"
             record = {"location": location, "reason": reason, "id": item.id}
         else:
             record = {"location": item.location, "reason": item.reason, "raw": item.raw}

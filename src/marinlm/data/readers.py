@@ -157,11 +157,11 @@ def read_documents(
             yield Rejected(source, str(path), f"invalid UTF-8 at byte {e.start}")
             return
         if not split_pattern:
-            yield Document(id=str(path), text=text, source=source, metadata={"path": str(path)})
+            yield Document(id=str(path), text=text, source=source, metadata={"file": str(path)})
             return
         for i, part in enumerate(re.split(split_pattern, text)):
             if part.strip():
-                yield Document(id=f"{path}#{i}", text=part, source=source, metadata={"path": str(path), "part": i})
+                yield Document(id=f"{path}#{i}", text=part, source=source, metadata={"file": str(path), "part": i})
         return
     if name.endswith(".json"):
         yield from _read_json_array(path, text_field, id_field, source)
@@ -190,7 +190,7 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
         record = json.loads(text_line)
     except json.JSONDecodeError as e:
         return Rejected(source, where, f"malformed JSON: {e.msg} at column {e.colno}", _clip(text_line))
-    return _from_record(record, where, text_field, id_field, source, {"path": str(path), "line": line_no})
+    return _from_record(record, where, text_field, id_field, source, {"file": str(path), "line": line_no})
 
 
 def _from_record(record, where, text_field, id_field, source, provenance) -> Document | Rejected:
@@ -206,7 +206,7 @@ def _from_record(record, where, text_field, id_field, source, provenance) -> Doc
     doc_id = record.get(id_field) if id_field else None
     doc_id = str(doc_id) if doc_id is not None else where
     metadata = {k: v for k, v in record.items() if k not in (text_field, id_field)}
-    metadata.update(provenance)
+    metadata.update(provenance)  # provenance keys (file, line/row/index) never reuse a record's own field names
     return Document(id=doc_id, text=text, source=str(record.get("source", source)), metadata=metadata)
 
 
@@ -220,7 +220,7 @@ def _read_json_array(path: Path, text_field, id_field, source):
         yield Rejected(source, str(path), "a .json input must hold a list of objects")
         return
     for i, record in enumerate(records):
-        yield _from_record(record, f"{path}:{i}", text_field, id_field, source, {"path": str(path), "index": i})
+        yield _from_record(record, f"{path}:{i}", text_field, id_field, source, {"file": str(path), "index": i})
 
 
 def _read_parquet(path: Path, text_field, id_field, source):
@@ -239,7 +239,7 @@ def _read_parquet(path: Path, text_field, id_field, source):
         for batch in table.iter_batches():
             for record in batch.to_pylist():
                 row += 1
-                provenance = {"path": str(path), "row": row}
+                provenance = {"file": str(path), "row": row}
                 yield _from_record(record, f"{path}:{row}", text_field, id_field, source, provenance)
     except Exception as e:
         yield Rejected(source, f"{path}:{row + 1}", f"corrupt parquet data: {e}")
