@@ -31,8 +31,11 @@ def words_of(text: str) -> list[str]:
     return _WORDS.findall(text)
 
 
-class _LanguageScoped(Filter):
-    languages: list[str] = ["en"]
+class _LanguageScoped:
+    """A step with its config `c` that applies only to documents in `languages` (all if empty)."""
+
+    def __init__(self, config, languages: list[str]):
+        self.c, self.languages = config, languages
 
     def applies_to(self, doc) -> bool:
         return not self.languages or language_of(doc) in self.languages
@@ -52,11 +55,8 @@ class GopherQualityConfig:
     min_stop_words: int = 2
 
 
-class GopherQuality(_LanguageScoped):
+class GopherQuality(_LanguageScoped, Filter):
     name = "gopher_quality"
-
-    def __init__(self, config: GopherQualityConfig, languages: list[str]):
-        self.c, self.languages = config, languages
 
     def decide(self, doc):
         c, text = self.c, doc.text
@@ -116,13 +116,10 @@ def _duplicates(items: list[str]) -> tuple[int, int]:
     return count, chars
 
 
-class GopherRepetition(_LanguageScoped):
+class GopherRepetition(_LanguageScoped, Filter):
     """Duplicate lines/paragraphs and repeated n-grams, as fractions of the document's characters."""
 
     name = "gopher_repetition"
-
-    def __init__(self, config: GopherRepetitionConfig, languages: list[str]):
-        self.c, self.languages = config, languages
 
     def decide(self, doc):
         c, text = self.c, doc.text
@@ -196,17 +193,11 @@ _TERMINAL = (".", "?", "!", '"', "'")
 _POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 
 
-class C4Lines(Transform):
+class C4Lines(_LanguageScoped, Transform):
     """C4's line rules: keep lines that end in terminal punctuation, have enough words, no giant
     word, no 'javascript' and no cookie/terms boilerplate. Counts removed lines."""
 
     name = "c4_lines"
-
-    def __init__(self, config: C4Config, languages: list[str]):
-        self.c, self.languages = config, languages
-
-    def applies_to(self, doc) -> bool:
-        return not self.languages or language_of(doc) in self.languages
 
     def apply(self, doc, ctx):
         c = self.c
@@ -234,13 +225,10 @@ class C4Lines(Transform):
         return "\n".join(kept)
 
 
-class C4Document(_LanguageScoped):
+class C4Document(_LanguageScoped, Filter):
     """C4's document rules: drop pages with lorem ipsum, a curly bracket, or too few sentences."""
 
     name = "c4_document"
-
-    def __init__(self, config: C4Config, languages: list[str]):
-        self.c, self.languages = config, languages
 
     def decide(self, doc):
         c, text = self.c, doc.text
@@ -263,11 +251,8 @@ class FineWebConfig:
     max_newline_ratio: float = 0.3
 
 
-class FineWebQuality(_LanguageScoped):
+class FineWebQuality(_LanguageScoped, Filter):
     name = "fineweb_quality"
-
-    def __init__(self, config: FineWebConfig, languages: list[str]):
-        self.c, self.languages = config, languages
 
     def decide(self, doc):
         c, text = self.c, doc.text
