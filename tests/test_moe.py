@@ -79,6 +79,25 @@ def test_grouped_mm_rejects_unaligned_widths_clearly():
     module(torch.randn(3, 6), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
 
 
+def test_cpu_autocast_dtype_follows_torch_policy_per_kernel():
+    """Under CPU bf16 autocast, `grouped_mm` experts stay fp32 (as torch leaves `_grouped_mm`),
+    while the `bmm` and `loop` kernels are cast like any autocast matmul."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probe = torch._grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 8), offs=torch.tensor([2, 4], dtype=torch.int32))
+    assert probe.dtype == torch.float32, "torch's CPU autocast now casts _grouped_mm: revisit compute_dtype"
+    torch.manual_seed(0)
+    x, experts, weights = torch.randn(20, 8), torch.randint(0, 4, (20, 2)), torch.rand(20, 2)
+    for impl, dtype in [("grouped_mm", torch.float32), ("bmm", torch.bfloat16), ("loop", torch.bfloat16)]:
+        module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
+        module.reset_parameters()
+        want, _ = module(x, experts, weights)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, _ = module(x, experts, weights)
+        assert got.dtype == dtype, impl
+        tol = 0 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
 def identity_router(cls, config, num_experts, top_k):
     router = cls(config, num_experts, num_experts, top_k, 0.02)
     with torch.no_grad():
