@@ -69,42 +69,47 @@ def qwen3_moe_hf_config(config: MarinConfig):
     )
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
-    check_qwen3_compatible(config)
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["final_norm.weight"]}
-    out["lm_head.weight"] = state["lm_head.weight"]
+def _direct_names(config: MarinConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) for every tensor that maps one to one; the experts are handled apart."""
+    pairs = [("embed.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight")]
+    pairs.append(("lm_head.weight", "lm_head.weight"))
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{hf}self_attn.{name}.weight"] = state[f"{ours}attn.{name}.weight"]
-        out[f"{hf}self_attn.q_norm.weight"] = state[f"{ours}attn.q_norm_weight"]
-        out[f"{hf}self_attn.k_norm.weight"] = state[f"{ours}attn.k_norm_weight"]
-        out[f"{hf}input_layernorm.weight"] = state[f"{ours}attn_norm.weight"]
-        out[f"{hf}post_attention_layernorm.weight"] = state[f"{ours}mlp_norm.weight"]
-        out[f"{hf}mlp.gate.weight"] = state[f"{ours}mlp.router.weight"]
-        gate, up = state[f"{ours}mlp.experts.gate_proj"], state[f"{ours}mlp.experts.up_proj"]
-        out[f"{hf}mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=2).transpose(1, 2).contiguous()
-        out[f"{hf}mlp.experts.down_proj"] = state[f"{ours}mlp.experts.down_proj"].transpose(1, 2).contiguous()
+        pairs += [
+            (f"{ours}attn.{n}.weight", f"{hf}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        pairs += [
+            (f"{ours}attn.q_norm_weight", f"{hf}self_attn.q_norm.weight"),
+            (f"{ours}attn.k_norm_weight", f"{hf}self_attn.k_norm.weight"),
+            (f"{ours}attn_norm.weight", f"{hf}input_layernorm.weight"),
+            (f"{ours}mlp_norm.weight", f"{hf}post_attention_layernorm.weight"),
+            (f"{ours}mlp.router.weight", f"{hf}mlp.gate.weight"),
+        ]
+    return pairs
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
+    check_qwen3_compatible(config)
+    out = {hf: state[ours] for ours, hf in _direct_names(config)}
+    for i in range(config.num_layers):
+        ours, hf = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+        gate_up = torch.cat([state[f"{ours}gate_proj"], state[f"{ours}up_proj"]], dim=2)  # [E, D, 2F]
+        out[f"{hf}gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+        out[f"{hf}down_proj"] = state[f"{ours}down_proj"].transpose(1, 2).contiguous()
     return out
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
     check_qwen3_compatible(config)
+    hf_state = dict(hf_state)
+    hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])  # tied checkpoints
+    out = {ours: hf_state[hf] for ours, hf in _direct_names(config)}
     F = config.moe.expert_dim
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
-    out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
     for i in range(config.num_layers):
-        ours, h = f"layers.{i}.", f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{ours}attn.{name}.weight"] = hf[f"{h}self_attn.{name}.weight"]
-        out[f"{ours}attn.q_norm_weight"] = hf[f"{h}self_attn.q_norm.weight"]
-        out[f"{ours}attn.k_norm_weight"] = hf[f"{h}self_attn.k_norm.weight"]
-        out[f"{ours}attn_norm.weight"] = hf[f"{h}input_layernorm.weight"]
-        out[f"{ours}mlp_norm.weight"] = hf[f"{h}post_attention_layernorm.weight"]
-        out[f"{ours}mlp.router.weight"] = hf[f"{h}mlp.gate.weight"]
-        out[f"{ours}mlp.router.bias"] = torch.zeros(config.moe.num_experts)
-        gate_up = hf[f"{h}mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, D, 2F]
-        out[f"{ours}mlp.experts.gate_proj"] = gate_up[..., :F].contiguous()
-        out[f"{ours}mlp.experts.up_proj"] = gate_up[..., F:].contiguous()
-        out[f"{ours}mlp.experts.down_proj"] = hf[f"{h}mlp.experts.down_proj"].transpose(1, 2).contiguous()
+        ours, hf = f"layers.{i}.mlp.", f"model.layers.{i}.mlp.experts."
+        out[f"{ours}router.bias"] = torch.zeros(config.moe.num_experts)
+        gate_up = hf_state[f"{hf}gate_up_proj"].transpose(1, 2)  # [E, D, 2F]
+        out[f"{ours}experts.gate_proj"] = gate_up[..., :F].contiguous()
+        out[f"{ours}experts.up_proj"] = gate_up[..., F:].contiguous()
+        out[f"{ours}experts.down_proj"] = hf_state[f"{hf}down_proj"].transpose(1, 2).contiguous()
     return out
