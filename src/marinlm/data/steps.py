@@ -68,17 +68,19 @@ class ShardContext:
     def counted(self, step: str, docs: Iterator[Document]) -> Iterator[Document]:
         """Count documents flowing out of `step`."""
         stats = self.stats[step]
-        for doc in docs:
-            stats.docs_out[doc.source] += 1
-            stats.bytes_out[doc.source] += len(doc.text.encode("utf-8"))
-            yield doc
+        return _tally(docs, stats.docs_out, stats.bytes_out)
 
     def entering(self, step: str, docs: Iterator[Document]) -> Iterator[Document]:
+        """Count documents flowing into `step`."""
         stats = self.stats[step]
-        for doc in docs:
-            stats.docs_in[doc.source] += 1
-            stats.bytes_in[doc.source] += len(doc.text.encode("utf-8"))
-            yield doc
+        return _tally(docs, stats.docs_in, stats.bytes_in)
+
+
+def _tally(docs: Iterator[Document], n_docs: dict[str, int], n_bytes: dict[str, int]) -> Iterator[Document]:
+    for doc in docs:
+        n_docs[doc.source] += 1
+        n_bytes[doc.source] += len(doc.text.encode("utf-8"))
+        yield doc
 
 
 class Step:
