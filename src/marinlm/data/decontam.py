@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from marinlm.config import check
-from marinlm.data.steps import Filter
+from marinlm.data.steps import Step
 
 _WORD = re.compile(r"\w+")
 _BASE = np.uint64(1_000_003)
@@ -159,7 +159,9 @@ class NgramIndex:
         return spans, names
 
 
-class Decontaminate(Filter):
+class Decontaminate(Step):
+    """Drop a contaminated document, or cut its matched spans (mode `cut`)."""
+
     name = "decontaminate"
 
     def __init__(self, config: DecontamConfig, index: NgramIndex):

@@ -9,6 +9,7 @@ what it changed.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,14 +84,14 @@ def _tally(docs: Iterator[Document], n_docs: dict[str, int], n_bytes: dict[str, 
         yield doc
 
 
-class Step:
+class Step(ABC):
     name = "step"
 
     def applies_to(self, doc: Document) -> bool:
         return True
 
-    def run(self, docs: Iterator[Document], ctx: ShardContext) -> Iterator[Document]:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, docs: Iterator[Document], ctx: ShardContext) -> Iterator[Document]: ...
 
     def __call__(self, docs: Iterator[Document], ctx: ShardContext) -> Iterator[Document]:
         return ctx.counted(self.name, self.run(ctx.entering(self.name, docs), ctx))
@@ -99,8 +100,8 @@ class Step:
 class Filter(Step):
     """Keep or drop; subclasses implement `decide` (None = keep, else the drop reason)."""
 
-    def decide(self, doc: Document) -> str | None:
-        raise NotImplementedError
+    @abstractmethod
+    def decide(self, doc: Document) -> str | None: ...
 
     def run(self, docs, ctx):
         for doc in docs:
@@ -114,8 +115,8 @@ class Filter(Step):
 class Transform(Step):
     """Rewrite documents; `apply` returns the new text (or None to drop as `emptied`)."""
 
-    def apply(self, doc: Document, ctx: ShardContext) -> str | None:
-        raise NotImplementedError
+    @abstractmethod
+    def apply(self, doc: Document, ctx: ShardContext) -> str | None: ...
 
     def run(self, docs, ctx):
         for doc in docs:

@@ -21,6 +21,7 @@ import csv
 import json
 import math
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,13 +102,13 @@ def multiple_choice(context: str, choices: list[str], gold: int) -> Item:
     return Item([Request(context, " " + c) for c in choices], gold, [len(c) for c in choices])
 
 
-class Task:
+class Task(ABC):
     name = ""
     files: tuple[str, ...] = ()
     kind = "multiple_choice"
 
-    def load(self, data_dir: Path) -> list[Item]:
-        raise NotImplementedError
+    @abstractmethod
+    def load(self, data_dir: Path) -> list[Item]: ...
 
 
 class HellaSwag(Task):
