@@ -27,6 +27,8 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,15 @@ from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
+
+
+@contextmanager
+def quiet_single_process():
+    """Silence DCP's warning that it runs in one process: without a process group that is the
+    intended mode here (a single-process run, or inference), not a mistake to report."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 class CheckpointError(ValueError):
@@ -182,10 +193,12 @@ class CheckpointManager:
             write_json_atomic(tmp / "trainer_state.json", trainer_state)
             write_text_atomic(tmp / "config.yaml", config_yaml)
         if self.async_save:
-            future = dcp.async_save(tensors, checkpoint_id=str(tmp))
+            with quiet_single_process():
+                future = dcp.async_save(tensors, checkpoint_id=str(tmp))
             self._pending = (future, tmp, final)
         else:
-            dcp.save(tensors, checkpoint_id=str(tmp))
+            with quiet_single_process():
+                dcp.save(tensors, checkpoint_id=str(tmp))
             self._finish(tmp, final)
         return final
 
@@ -218,7 +231,8 @@ class CheckpointManager:
         if saved_world != self.world_size:
             raise CheckpointError(f"{folder}: saved with world size {saved_world}, loading with {self.world_size}")
         try:
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+            with quiet_single_process():
+                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
         except CheckpointError:
             raise
         except Exception as e:

@@ -12,7 +12,14 @@ import torch.distributed.checkpoint as dcp
 from marinlm.config import load_config
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, list_checkpoints, validate
+from marinlm.train.checkpoint import (
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    list_checkpoints,
+    quiet_single_process,
+    validate,
+)
 from marinlm.train.config import TrainConfig
 
 
@@ -50,7 +57,8 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     model.to_empty(device=device)
     model.init_weights(seed=0)  # every tensor is overwritten by the load below
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+    with quiet_single_process():
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
     model.load_state_dict(state["model"])
     model.eval()
     run_dir = folder.parent.parent
