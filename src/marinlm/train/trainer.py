@@ -395,10 +395,10 @@ class Trainer:
         if not p.num_steps or not self.info.is_main:
             return None
         trace_dir = self.run_dir / "profile"
+        gap = max(0, p.start_step - self.step)
+        warmup = min(gap, 1)  # the step before the window warms the profiler up, when there is one
         profiler = torch.profiler.profile(
-            schedule=torch.profiler.schedule(
-                wait=max(0, p.start_step - self.step), warmup=0, active=p.num_steps, repeat=1
-            ),
+            schedule=torch.profiler.schedule(wait=gap - warmup, warmup=warmup, active=p.num_steps, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)),
             record_shapes=False,
         )
