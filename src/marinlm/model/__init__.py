@@ -11,8 +11,9 @@ from marinlm.model.config import (
     SoftmaxTopKRouterConfig,
 )
 from marinlm.model.generate import SamplingConfig, generate, stream_generate
+from marinlm.model.loss import IGNORE_INDEX
 from marinlm.model.router import RouterStats
-from marinlm.model.transformer import IGNORE_INDEX, CausalLMOutput, MarinForCausalLM
+from marinlm.model.transformer import CausalLMOutput, MarinForCausalLM
 
 __all__ = [
     "IGNORE_INDEX",

@@ -17,16 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.attention import Attention, LayerCache, attention_mask
 from marinlm.model.config import MarinConfig
 from marinlm.model.layers import GatedNorm, RMSNorm, SConv, SwiGLU, doc_ids_and_positions, trunc_normal_
+from marinlm.model.loss import chunked_loss, reference_loss
 from marinlm.model.moe import MoE
 from marinlm.model.router import RouterStats
-
-IGNORE_INDEX = -100
 
 
 def _norm(config: MarinConfig) -> nn.Module:
@@ -90,10 +88,13 @@ class Block(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    """`loss` = ce_loss + z_loss + aux_loss, each a mean over tokens whose label is not ignored."""
+    """`loss` = lm_loss + aux_loss, with lm_loss = ce_loss + z_loss, each a mean over tokens whose
+    label is not ignored. On the fused training path (see model/loss.py) only `lm_loss` and
+    `loss` carry gradients; `ce_loss` and `z_loss` are values for logging."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -158,7 +159,9 @@ class MarinForCausalLM(nn.Module):
                 id, and positions restart at 0 in each document. None = one document per row.
             labels: [B, T] next-token targets aligned with `input_ids` (labels[t] is the token
                 after position t), IGNORE_INDEX (-100) where no loss is taken.
-            return_logits: set False to skip keeping the [B, T, V] logits.
+            return_logits: set False to skip keeping the [B, T, V] logits. With labels, grad
+                enabled and `config.loss_chunk_tokens > 0`, the LM head and loss are then fused
+                and chunked, and the logits never exist as a whole (model/loss.py).
             caches, doc_ids, positions: incremental decoding state, used by `generate`.
         """
         B, T = input_ids.shape
@@ -190,29 +193,23 @@ class MarinForCausalLM(nn.Module):
                 if routing.aux_loss is not None:
                     aux_losses.append(routing.aux_loss)
         h_BTD = self.final_norm(x_BTD)
-        logits_BTV = self.lm_head(h_BTD)
-        out = CausalLMOutput(logits=logits_BTV if return_logits else None, router_stats=stats)
-        if labels is not None:
-            self._loss(out, logits_BTV, labels, aux_losses)
+        out = CausalLMOutput(logits=None, router_stats=stats)
+        z_weight, chunk = self.config.z_loss_weight, self.config.loss_chunk_tokens
+        if labels is not None and not return_logits and chunk > 0:
+            out.lm_loss, out.ce_loss, out.z_loss, count = chunked_loss(
+                h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1), z_weight, chunk
+            )
+        else:
+            logits_BTV = self.lm_head(h_BTD)
+            if return_logits:
+                out.logits = logits_BTV
+            if labels is None:
+                return out
+            out.ce_loss, out.z_loss, count = reference_loss(logits_BTV.reshape(B * T, -1), labels.reshape(-1), z_weight)
+            out.lm_loss = out.ce_loss + out.z_loss
+        out.aux_loss = torch.stack(aux_losses).mean() if aux_losses else torch.zeros((), device=out.lm_loss.device)
+        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, int(count)
         return out
-
-    def _loss(self, out: CausalLMOutput, logits_BTV, labels_BT, aux_losses) -> None:
-        logits_NV = logits_BTV.float().reshape(-1, logits_BTV.shape[-1])
-        labels_N = labels_BT.reshape(-1)
-        valid_N = labels_N != IGNORE_INDEX
-        count = valid_N.sum().clamp_min(1)
-        ce = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum") / count
-        loss = ce
-        out.z_loss = torch.zeros((), device=ce.device)
-        if self.config.z_loss_weight > 0:
-            lse_N = torch.logsumexp(logits_NV, dim=-1)
-            out.z_loss = self.config.z_loss_weight * (lse_N.pow(2) * valid_N).sum() / count
-            loss = loss + out.z_loss
-        out.aux_loss = torch.zeros((), device=ce.device)
-        if aux_losses:
-            out.aux_loss = torch.stack(aux_losses).mean()
-            loss = loss + out.aux_loss
-        out.loss, out.ce_loss, out.num_tokens = loss, ce, int(valid_N.sum())
 
     @torch.no_grad()
     def update_router_biases(self, stats: list[RouterStats]) -> None:

@@ -74,7 +74,7 @@ def train_step(
         with autocast_context(device, precision):
             out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
         share = out.num_tokens / max(global_loss_tokens, 1)
-        loss = (out.ce_loss + out.z_loss) * share * world_size + out.aux_loss / len(batches)
+        loss = out.lm_loss * share * world_size + out.aux_loss / len(batches)
         loss.backward()
         sums += torch.tensor(
             [

@@ -1,0 +1,122 @@
+"""Next-token loss: cross-entropy plus the output-logit z-loss, optionally fused with the LM head.
+
+Shape legend: N tokens, D model width, V vocabulary, C tokens in one chunk.
+
+The reference path materialises the [N, V] logits, upcasts them to fp32, runs cross-entropy and a
+separate logsumexp for the z-loss, and lets autograd keep the logits for the backward pass.
+
+The fused path (`loss_chunk_tokens > 0`, training steps that ask for no logits) walks the tokens in chunks of C. Per
+chunk it computes the logits, one logsumexp that serves both losses, and the gradient with
+respect to the logits in closed form,
+
+    d(ce + w·lse²)/d logits = softmax · (1 + 2·w·lse) − onehot(label),
+
+which it turns at once into the chunk's dh = g·W and its share of dW = gᵀ·h. Only dh [N, D] and
+dW [V, D] are kept for the backward pass, never the [N, V] logits: for Marin's 128k vocabulary
+and 4,096-token rows that is 2 GB of fp32 logits per row that are never held.
+
+It is a memory feature, not a speed one, on the 2-core dev CPU: for 1,024 tokens, d 384 and a
+16,384 vocabulary, LM head plus loss forward and backward take 289 ms fused (chunks of 256)
+against 254 ms materialised, with the tuned allocator of utils/perf.py. Without that tuning the
+materialised path pays page faults for its large fresh buffers and takes 388 ms. So
+`loss_chunk_tokens` is 0 (off) by default and on in the hero preset. Its speed on GPU is not
+measured yet.
+
+The forward pass does the backward's matmuls, so the fused path is only taken when a backward
+pass will follow (grad enabled); under `no_grad` the chunks compute the loss alone. The fused
+function returns the combined `ce + z` with a gradient; the separate `ce` and `z` values it
+returns are for logging and carry none.
+
+The LM-head weight is read directly, so it must be a plain (unsharded) tensor in the calling
+module's forward; with FSDP2 that holds while the head belongs to the root unit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def reference_loss(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, z_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce, z, number of counted tokens); ce and z are means over tokens whose label is kept."""
+    logits_NV = logits_NV.float()
+    valid_N = labels_N != IGNORE_INDEX
+    count = valid_N.sum()
+    denominator = count.clamp_min(1)
+    ce = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum") / denominator
+    z = torch.zeros((), device=ce.device)
+    if z_weight > 0:
+        z = z_weight * (torch.logsumexp(logits_NV, dim=-1).square() * valid_N).sum() / denominator
+    return ce, z, count
+
+
+def _chunk_stats(logits_CV, labels_C, valid_C):
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    target_C = logits_CV.gather(1, labels_C.clamp_min(0).unsqueeze(1)).squeeze(1)
+    return lse_C, ((lse_C - target_C) * valid_C).sum(), (lse_C.square() * valid_C).sum()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, labels_N, z_weight, chunk, compute_dtype):
+        valid_N = labels_N != IGNORE_INDEX
+        denominator = valid_N.sum().clamp_min(1).float()
+        h_cd, w_cd = h_ND.to(compute_dtype), weight_VD.to(compute_dtype)
+        dh_ND = torch.empty_like(h_cd)
+        dw_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        z_sum = torch.zeros_like(ce_sum)
+        for start in range(0, h_ND.shape[0], chunk):
+            h_CD, labels_C = h_cd[start : start + chunk], labels_N[start : start + chunk]
+            valid_C = valid_N[start : start + chunk].float()
+            logits_CV = (h_CD @ w_cd.t()).float()
+            lse_C, ce_c, z_c = _chunk_stats(logits_CV, labels_C, valid_C)
+            ce_sum += ce_c
+            z_sum += z_c
+            # The gradient of (ce + w·z) / count, in place over the chunk's logits.
+            grad_CV = torch.exp_(logits_CV.sub_(lse_C.unsqueeze(1)))
+            grad_CV.mul_((valid_C * (1 + 2 * z_weight * lse_C) / denominator).unsqueeze(1))
+            rows_C = torch.arange(labels_C.shape[0], device=labels_C.device)
+            grad_CV[rows_C, labels_C.clamp_min(0)] -= valid_C / denominator
+            grad_CV = grad_CV.to(compute_dtype)
+            dh_ND[start : start + chunk] = grad_CV @ w_cd
+            if compute_dtype == torch.float32:
+                dw_VD.addmm_(grad_CV.t(), h_CD)
+            else:
+                dw_VD += (grad_CV.t() @ h_CD).float()
+        ctx.save_for_backward(dh_ND.to(h_ND.dtype), dw_VD.to(weight_VD.dtype))
+        ce, z = ce_sum / denominator, z_weight * z_sum / denominator
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z, ce, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_z):
+        dh_ND, dw_VD = ctx.saved_tensors
+        return dh_ND * grad_loss.to(dh_ND.dtype), dw_VD * grad_loss.to(dw_VD.dtype), None, None, None, None
+
+
+def chunked_loss(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, z_weight: float, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce + z with a gradient, ce, z, counted tokens) without holding the [N, V] logits."""
+    device = h_ND.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h_ND.dtype
+    count = (labels_N != IGNORE_INDEX).sum()
+    if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
+        with torch.autocast(device, enabled=False):
+            loss, ce, z = _FusedLinearCrossEntropy.apply(h_ND, weight_VD, labels_N, z_weight, chunk, dtype)
+        return loss, ce, z, count
+    denominator = count.clamp_min(1).float()
+    ce_sum = z_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    w_cd = weight_VD.to(dtype)
+    for start in range(0, h_ND.shape[0], chunk):
+        labels_C = labels_N[start : start + chunk]
+        logits_CV = (h_ND[start : start + chunk].to(dtype) @ w_cd.t()).float()
+        _, ce_c, z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).float())
+        ce_sum, z_sum = ce_sum + ce_c, z_sum + z_c
+    ce, z = ce_sum / denominator, z_weight * z_sum / denominator
+    return ce + z, ce, z, count
