@@ -49,8 +49,8 @@ def ours_step(model, ids, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        # As the trainer calls it. The preset leaves loss_chunk_tokens at 0, so the logits are
-        # materialised as in HF (the fused path of model/loss.py is slower on this CPU).
+        # As the trainer calls it: no logits are returned, so the LM head and loss run fused and
+        # chunked (model/loss.py, bench/lm_loss.py). HF's forward always materialises the logits.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(ids, labels=ids, return_logits=False).loss
         loss.backward()

@@ -201,9 +201,9 @@ class MarinConfig:
     init_std: float = 0.02
     z_loss_weight: float = 0.0  # output-logit z-loss: weight * logsumexp(logits)^2 (Marin: 1e-4)
     # > 0: training steps compute the LM head and loss fused, in chunks of this many tokens, never
-    # holding the whole [tokens, vocab] logits (model/loss.py); 0 = materialise them. A memory
-    # knob, not an architecture one.
-    loss_chunk_tokens: int = 0
+    # holding the whole [tokens, vocab] logits (model/loss.py); 0 = materialise them. An
+    # implementation knob, not an architecture one.
+    loss_chunk_tokens: int = 1024
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     sconv: SConvConfig = field(default_factory=SConvConfig)
