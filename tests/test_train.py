@@ -30,6 +30,14 @@ def cli(config_path, *extra, env=None):
     )
 
 
+def torchrun_train(config_path, port: int) -> None:
+    """`marinlm train` under torchrun with 2 gloo processes; fails the test with the output tail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    cmd += ["-m", "marinlm.cli", "train", str(config_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_exact_resume_after_sigkill(token_data, tmp_path):
     """Kill -9 mid-run, resume with --resume auto: every step's loss equals the uninterrupted run's, bitwise."""
@@ -192,19 +200,7 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
     single = cli(tmp_path / "single.yaml")
     out, _ = single.communicate(timeout=300)
     assert single.returncode == 0, out
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_port=29531",
-        "-m",
-        "marinlm.cli",
-        "train",
-        str(tmp_path / "fsdp.yaml"),
-    ]
-    fsdp = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert fsdp.returncode == 0, fsdp.stdout[-3000:] + fsdp.stderr[-3000:]
+    torchrun_train(tmp_path / "fsdp.yaml", port=29531)
     a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 4
     for step in a:
@@ -270,19 +266,7 @@ def test_fsdp_options_zero2_sharded_init(token_data, tmp_path):
         parallel={"reshard_after_forward": False, "activation_checkpointing": "full"},
     )
     save_config(config, tmp_path / "run.yaml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_port=29533",
-        "-m",
-        "marinlm.cli",
-        "train",
-        str(tmp_path / "run.yaml"),
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    torchrun_train(tmp_path / "run.yaml", port=29533)
     values = losses(tmp_path / "run")
     assert len(values) == 3 and all(math.isfinite(v) for v in values.values())
     assert values[3] < values[1]
