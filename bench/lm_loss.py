@@ -5,7 +5,9 @@ materialises the [tokens, vocab] fp32 logits, as HF transformers does. Ours is
 `marinlm.model.loss.chunked_loss` (used when `loss_chunk_tokens > 0`). Each contender runs in a
 fresh process so its peak RSS is its own; the allocator is tuned in both (utils/perf.py).
 
-    python bench/lm_loss.py [--repeats 3]
+    python bench/lm_loss.py [--repeats 3] [--device cuda]
+
+On CUDA both run in bf16 autocast, as in training, and memory is the peak allocated by the step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ SHAPES = [
 ]
 
 
-def run(kind: str, tokens: int, dim: int, vocab: int, z_weight: float, repeats: int, chunk: int, queue) -> None:
+def run(kind, tokens, dim, vocab, z_weight, repeats, chunk, queue, device="cpu") -> None:
     import torch
 
     from marinlm.model.loss import chunked_loss, reference_loss
@@ -33,29 +35,37 @@ def run(kind: str, tokens: int, dim: int, vocab: int, z_weight: float, repeats: 
 
     tune_cpu_allocator()
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, dim, generator=g).requires_grad_()
-    w = (torch.randn(vocab, dim, generator=g) / dim**0.5).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    h = torch.randn(tokens, dim, generator=g).to(device).requires_grad_()
+    w = (torch.randn(vocab, dim, generator=g) / dim**0.5).to(device).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    cuda = device == "cuda"
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**10
     best, loss = float("inf"), None
-    for _ in range(repeats):
+    for _ in range(repeats + cuda):  # on CUDA the first call is a warm-up
         start = time.perf_counter()
-        if kind == "torch":
-            ce, z, _ = reference_loss(h @ w.t(), labels, z_weight)
-            loss = ce + z
-        else:
-            loss = chunked_loss(h, w, labels, z_weight, chunk)[0]
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            if kind == "torch":
+                ce, z, _ = reference_loss(h @ w.t(), labels, z_weight)
+                loss = ce + z
+            else:
+                loss = chunked_loss(h, w, labels, z_weight, chunk)[0]
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
         h.grad = w.grad = None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
-    queue.put((best, peak / 2**20, loss.item()))
+    after = torch.cuda.max_memory_allocated() / 2**10 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    queue.put((best, (after - before) / 2**20, loss.item()))
 
 
-def measure(kind, shape, repeats, chunk):
+def measure(kind, shape, repeats, chunk, device):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=run, args=(kind, *shape[:4], repeats, chunk, queue))
+    proc = ctx.Process(target=run, args=(kind, *shape[:4], repeats, chunk, queue, device))
     proc.start()
     result = queue.get()
     proc.join()
@@ -66,19 +76,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
     print(f"LM head + cross-entropy + z-loss (weight z), fwd + bwd; best of {a.repeats}; fused chunk {a.chunk}")
     print(f"{'tokens x d x vocab, z':<30}{'torch':>18}{'marinlm fused':>20}{'speed':>8}{'memory':>9}")
     for shape in SHAPES:
-        t_ref, m_ref, l_ref = measure("torch", shape, a.repeats, a.chunk)
-        t_ours, m_ours, l_ours = measure("fused", shape, a.repeats, a.chunk)
-        assert abs(l_ref - l_ours) < 1e-4 * abs(l_ref), (l_ref, l_ours)
+        t_ref, m_ref, l_ref = measure("torch", shape, a.repeats, a.chunk, a.device)
+        t_ours, m_ours, l_ours = measure("fused", shape, a.repeats, a.chunk, a.device)
+        assert abs(l_ref - l_ours) < (1e-2 if a.device == "cuda" else 1e-4) * abs(l_ref), (l_ref, l_ours)
         name = "{} x {} x {}, {:g}".format(*shape[:4])
         print(
             f"{name:<30}{t_ref * 1e3:8.0f} ms {m_ref:5.2f} GB{t_ours * 1e3:9.0f} ms {m_ours:5.2f} GB"
             f"{t_ref / t_ours:7.2f}x{m_ref / max(m_ours, 1e-3):8.1f}x   ({shape[4]})"
         )
-    print("speed and memory are torch / marinlm; memory is the peak RSS added by the step")
+    where = "peak GPU memory allocated" if a.device == "cuda" else "peak RSS added"
+    print(f"speed and memory are torch / marinlm; memory is the {where} by the step")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One full training step (forward, backward, AdamW) on CPU: marinlm against HF transformers.
+"""One full training step (forward, backward, AdamW): marinlm against HF transformers, on CPU or GPU.
 
 Peer: `transformers.Qwen3MoeForCausalLM` with the dimensions of configs/model/qwen3-moe-style.yaml,
 loaded with the same weights (the two compute the same function; tests/test_hf_parity.py). HF is
@@ -7,6 +7,7 @@ hero-shaped `small` preset is timed too, to show what the Marin extras cost. MFU
 fp32/bf16 matmul peak measured in this run.
 
     python bench/train_step.py [--batch 4] [--seq 256] [--steps 3] [--skip-bf16]
+    python bench/train_step.py --device cuda --batch 16 --seq 1024 --steps 10   # bf16 autocast only
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 
-def interleaved_best(steps: dict, rounds: int) -> dict[str, float]:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_best(steps: dict, rounds: int, device: str = "cpu") -> dict[str, float]:
     """Warm every step up, then time them round-robin; keep each one's fastest step.
 
     Interleaving spreads machine noise over all contenders alike; the minimum is the step least
@@ -36,22 +42,26 @@ def interleaved_best(steps: dict, rounds: int) -> dict[str, float]:
     """
     for step in steps.values():
         step()
+        step()  # a second warm-up: the optimizer's state and the GPU kernels' autotuning
     best = {name: float("inf") for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            sync(device)
             start = time.perf_counter()
             step()
+            sync(device)
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
 def ours_step(model, ids, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    device = ids.device.type
 
     def step():
         # As the trainer calls it: no logits are returned, so the LM head and loss run fused and
         # chunked (model/loss.py, bench/lm_loss.py). HF's forward always materialises the logits.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(ids, labels=ids, return_logits=False).loss
         loss.backward()
         opt.step()
@@ -62,9 +72,10 @@ def ours_step(model, ids, dtype):
 
 def hf_step(model, ids, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    device = ids.device.type
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -73,10 +84,24 @@ def hf_step(model, ids, dtype):
     return step
 
 
-def build_ours(config: MarinConfig) -> MarinForCausalLM:
+def cuda_matmul_peak(dtype: torch.dtype, size: int = 8192, repeats: int = 20) -> float:
+    """Measured FLOP/s of a large square matmul on the GPU: the MFU denominator, not the datasheet."""
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def build_ours(config: MarinConfig, device: str = "cpu") -> MarinForCausalLM:
     with torch.device("meta"):
         model = MarinForCausalLM(config)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights(seed=0)
     return model
 
@@ -87,46 +112,58 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: bf16 autocast only")
     a = p.parse_args()
+    dev = a.device
     import transformers
 
     tuned = tune_cpu_allocator()  # applies to both models: they share this process
     threads = torch.get_num_threads()
+    where = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or platform.machine()
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, "
-        f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {where}, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, allocator tuned: {tuned}"
     )
     print("both sides: same weights, same batch, AdamW(fused=True), same process")
-    peaks = {dt: matmul_peak_flops(dt) for dt in (torch.float32, torch.bfloat16)}
-    print(
-        f"measured matmul peak: fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
-        f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s"
-    )
+    if dev == "cuda":
+        peaks = {torch.bfloat16: cuda_matmul_peak(torch.bfloat16)}
+        print(f"measured matmul peak: bf16 {peaks[torch.bfloat16] / 1e12:.0f} TFLOP/s (8192^3)")
+    else:
+        peaks = {dt: matmul_peak_flops(dt) for dt in (torch.float32, torch.bfloat16)}
+        print(
+            f"measured matmul peak: fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
+            f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s"
+        )
 
     qwen = load_config(MarinConfig, CONFIGS / "qwen3-moe-style.yaml")
     small = load_config(MarinConfig, CONFIGS / "small.yaml")
-    dtypes = [torch.float32] if a.skip_bf16 else [torch.float32, torch.bfloat16]
+    dtypes = [torch.bfloat16] if dev == "cuda" else [torch.float32] if a.skip_bf16 else [torch.float32, torch.bfloat16]
     for dtype in dtypes:
         # bf16 matmuls are emulated on CPUs without AVX512-BF16/AMX; shrink the step to stay short.
         batch, seq = (a.batch, a.seq) if dtype == torch.float32 or peaks[dtype] > 20e9 else (1, 64)
         tokens = batch * seq
-        ids = torch.randint(0, qwen.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-        ours = build_ours(qwen)
+        ids = torch.randint(0, qwen.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
+        ours = build_ours(qwen, dev)
         steps = {"marinlm": ours_step(ours, ids, dtype)}
-        for impl in ("eager", "grouped_mm"):  # HF's batched_mm took 49 s/step here (35x slower): skipped
+        # HF's batched_mm took 49 s/step on CPU (35x slower): timed on GPU only
+        for impl in ("eager", "grouped_mm") + (("batched_mm",) if dev == "cuda" else ()):
             hf = transformers.Qwen3MoeForCausalLM(qwen3_moe_hf_config(qwen))
             hf.load_state_dict(to_hf_state_dict(ours.state_dict(), qwen))
-            hf.set_experts_implementation(impl)
-            steps[f"HF ({impl})"] = hf_step(hf, ids, dtype)
-        if dtype == torch.float32:
-            small_ids = torch.randint(0, small.vocab_size, (batch, seq))
-            steps["marinlm small"] = ours_step(build_ours(small), small_ids, dtype)
-        best = interleaved_best(steps, a.steps)
+            try:
+                hf.set_experts_implementation(impl)
+            except (AttributeError, ValueError) as e:  # older transformers: eager only
+                print(f"  HF ({impl}) unavailable in transformers {transformers.__version__}: {e}")
+                continue
+            steps[f"HF ({impl})"] = hf_step(hf.to(dev), ids, dtype)
+        if dtype == torch.float32 or dev == "cuda":
+            small_ids = torch.randint(0, small.vocab_size, (batch, seq)).to(dev)
+            steps["marinlm small"] = ours_step(build_ours(small, dev), small_ids, dtype)
+        best = interleaved_best(steps, a.steps, dev)
         flops = {name: summarize(small if "small" in name else qwen, seq).flops_per_token * tokens for name in best}
         name = "fp32" if dtype == torch.float32 else "bf16 autocast"
         print(f"\n[{name}] batch {batch} x {seq}, best of {a.steps} interleaved steps")
-        emulated = peaks[dtype] < peaks[torch.float32]  # MFU against an emulated peak means nothing
+        emulated = dev == "cpu" and peaks[dtype] < peaks[torch.float32]  # MFU against an emulated peak means nothing
         for contender, t in best.items():
             mfu = "n/a (emulated bf16)" if emulated else f"{flops[contender] / t / peaks[dtype]:6.1%}"
             print(f"  {contender:<20} {tokens / t:8.0f} tok/s  step {t * 1e3:8.1f} ms  MFU {mfu}")
