@@ -1,18 +1,23 @@
 """One short GPU check for sessions that are lent an accelerator (CPU-only CI never runs it).
 
-Checks, in one run (about 4 minutes on an H100/H200):
-1. CUDA visible; measured bf16 matmul throughput (the MFU denominator) next to the datasheet peak.
-2. Expert kernels in bf16: `grouped_mm` (the GPU path), padded `bmm` and the per-expert loop,
-   values against the loop and speed.
-3. Training steps (bf16 autocast, MuonH) of the `small` preset and a wider hero-shaped model:
-   tokens/s and MFU.
-4. bench/train_step.py on CUDA: marinlm against HF `Qwen3MoeForCausalLM`, same weights and batch.
-5. bench/lm_loss.py on CUDA: the fused chunked LM-head loss against F.linear + F.cross_entropy.
-6. torchrun + NCCL: the trainer under FSDP2 for 20 steps with a checkpoint, then resumed to 30
-   steps with FSDP2 CPU offload (the paths CPU CI cannot run).
+Parts, each in its own process (a CUDA fault in one cannot hide the others), about 4 minutes in
+all on an H100/H200:
+- kernels: measured bf16 matmul throughput (the MFU denominator) next to the datasheet peak; the
+  expert kernels `grouped_mm` (the GPU path), padded `bmm` and the per-expert loop in bf16, values
+  against the loop and speed.
+- steps: bf16-autocast MuonH training steps of `small` and a wider hero-shaped model: tokens/s,
+  MFU, and a profiler table of where the wider step spends its GPU time.
+- packed: the `tiny` preset with packed documents (segment ids, ignored labels) on the GPU in bf16
+  against the same batch on the CPU in fp32: loss and gradients.
+- hf: bench/train_step.py on CUDA, marinlm against HF `Qwen3MoeForCausalLM`, same weights and batch.
+- loss: bench/lm_loss.py on CUDA, the fused chunked LM-head loss against F.linear + F.cross_entropy.
+- torchrun: the trainer under torchrun + NCCL + FSDP2 for 20 steps with checkpoints, then resumed
+  to 30 steps with FSDP2 CPU offload (the paths CPU CI cannot run).
 
-    python bench/gpu_check.py                 # on the GPU host; prints a summary for the issue
-    python bench/gpu_check.py --device cpu    # a small dry run of every code path, to catch bugs first
+    python bench/gpu_check.py [--parts kernels,steps,...] [--out DIR]   # on the GPU host
+    python bench/gpu_check.py --device cpu    # a small dry run of every part, to catch bugs first
+
+Each part's full output goes to DIR/<part>.log; the summary lines are printed last.
 """
 
 from __future__ import annotations
@@ -45,8 +50,13 @@ def timed(fn, device: str, repeats: int = 10) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def train_step_rate(config, peak: float, device: str, batch: int, seq: int) -> tuple[float, float, float, float]:
-    """tokens/s, MFU, peak GB and final loss of bf16-autocast MuonH training steps of `config`."""
+def train_step_rate(config, peak: float, device: str, batch: int, seq: int):
+    """tokens/s, MFU, peak GB, last loss and a fwd+bwd / optimizer split of bf16 MuonH steps.
+
+    Also prints a profiler table of one step (top ops by device time) to the part's log.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
     from marinlm.model import MarinForCausalLM
     from marinlm.model.summary import summarize
     from marinlm.optim import MarinOptimizerConfig, build_optimizer
@@ -59,71 +69,61 @@ def train_step_rate(config, peak: float, device: str, batch: int, seq: int) -> t
     tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     losses = []
 
-    def step():
+    def forward_backward():
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(tokens, labels=tokens, return_logits=False).loss
         loss.backward()
+        losses.append(loss.detach())
+
+    def step():
+        forward_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t = timed(step, device, 5)
+    sync(device)
+    t0 = time.perf_counter()
+    forward_backward()
+    sync(device)
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
+    t2 = time.perf_counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
     flops = summarize(config, seq).flops_per_token * batch * seq
     memory = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else float("nan")
-    return batch * seq / t, flops / t / peak, memory, losses[-1].item()
+    split = f"fwd+bwd {(t1 - t0) * 1e3:.0f} ms, optimizer {(t2 - t1) * 1e3:.0f} ms, step {t * 1e3:.0f} ms"
+    return batch * seq / t, flops / t / peak, memory, losses[-1].item(), split
 
 
-def run_logged(label: str, cmd: list[str], timeout: float, env: dict | None = None) -> str:
-    """Run a sub-benchmark; return its output (or the failure) so one broken part never hides the rest."""
-    print(f"\n## {label}\n$ {' '.join(cmd)}", flush=True)
-    start = time.perf_counter()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    except subprocess.TimeoutExpired as e:
-        text = f"TIMED OUT after {timeout:.0f} s\n{(e.stdout or b'')[-3000:]!r}"
-        print(text, flush=True)
-        return text
-    status = "ok" if out.returncode == 0 else f"FAILED (exit {out.returncode})"
-    text = f"{out.stdout[-6000:]}{out.stderr[-3000:] if out.returncode else ''}"
-    print(f"{text}\n-> {status} in {time.perf_counter() - start:.0f} s", flush=True)
-    return status
+def summary(line: str) -> None:
+    print(f"SUMMARY {line}", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    a = p.parse_args()
-    device = a.device
-    dry = device == "cpu"
-    if not dry and not torch.cuda.is_available():
-        sys.exit("no CUDA device: this check needs a GPU (or --device cpu for a dry run)")
-    from marinlm.config import load_config
-    from marinlm.model import MarinConfig
+def part_kernels(device: str, dry: bool) -> None:
     from marinlm.model.experts import RoutedExperts
-    from marinlm.model.summary import summarize
     from marinlm.utils.perf import matmul_peak_flops
 
-    summary: list[str] = []
-    sys.path.insert(0, str(ROOT / "bench"))
     if dry:
-        name, datasheet = "cpu (dry run)", float("nan")
-        measured = matmul_peak_flops(torch.float32)
+        name, datasheet, measured = "cpu (dry run)", float("nan"), matmul_peak_flops(torch.float32)
     else:
         from train_step import cuda_matmul_peak
 
         name = torch.cuda.get_device_name()
-        datasheet = matmul_peak_flops(torch.bfloat16, "cuda")
-        measured = cuda_matmul_peak(torch.bfloat16)
-    line = (
+        datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
+    summary(
         f"device {name}, torch {torch.__version__}; bf16 matmul 8192^3 {measured / 1e12:.0f} TFLOP/s measured, "
         f"{datasheet / 1e12:.0f} datasheet"
     )
-    print(line, flush=True)
-    summary.append(line)
-
-    # Expert kernels: tokens x top-k assignments over 64 experts, 1024 -> 2048 -> 1024 SwiGLU.
+    # tokens x top-k assignments over 64 experts, 1024 -> 2048 -> 1024 SwiGLU
     n, e, d, h, k = (1024, 8, 64, 128, 2) if dry else (16384, 64, 1024, 2048, 4)
     x = torch.randn(n, d, device=device)
     ids = torch.randint(0, e, (n, k), device=device)
@@ -140,61 +140,114 @@ def main() -> None:
     ref = experts["loop"][1]
     for impl, (t, y) in experts.items():
         rel = ((y - ref).norm() / ref.norm()).item()
-        line = (
+        summary(
             f"experts fwd+bwd bf16 {n}x{k} over {e}, {d}->{h}: {impl:<10} {t * 1e3:7.2f} ms "
             f"{flops / t / 1e12:6.1f} TFLOP/s, rel. diff to loop {rel:.1e}"
         )
-        print(line, flush=True)
-        summary.append(line)
 
-    ladder = [("small", [], 16, 1024)]
-    if not dry:
-        ladder.append(
-            (
-                "hero-shaped ~2B",
-                [
-                    "--d_model=2048",
-                    "--num_layers=8",
-                    "--attention.num_heads=16",
-                    "--attention.head_dim=128",
-                    "--moe.latent_dim=1024",
-                    "--moe.expert_dim=1024",
-                    "--moe.shared_expert_dim=1024",
-                    "--init_std=0.035",
-                ],
-                8,
-                4096,
-            )
-        )
+
+def part_steps(device: str, dry: bool) -> None:
+    from marinlm.config import load_config
+    from marinlm.model import MarinConfig
+    from marinlm.model.summary import summarize
+    from marinlm.utils.perf import matmul_peak_flops
+
+    if dry:
+        datasheet = measured = matmul_peak_flops(torch.float32)
+    else:
+        from train_step import cuda_matmul_peak
+
+        datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
+    wide = [
+        "--d_model=2048",
+        "--num_layers=8",
+        "--attention.num_heads=16",
+        "--attention.head_dim=128",
+        "--moe.latent_dim=1024",
+        "--moe.expert_dim=1024",
+        "--moe.shared_expert_dim=1024",
+        "--init_std=0.035",
+    ]
+    ladder = [("small", [], 16, 1024), ("hero-shaped wide", wide, 8, 4096)]
     for label, overrides, batch, seq in ladder:
         if dry:
-            batch, seq = 1, 64
+            batch, seq, overrides = 1, 64, []
         config = load_config(MarinConfig, ROOT / "configs" / "model" / "small.yaml", overrides)
-        tok_s, mfu, memory, loss = train_step_rate(config, measured, device, batch, seq)
-        line = (
-            f"train step {label} ({summarize(config).total / 1e9:.2f}B total, "
-            f"{summarize(config).active / 1e9:.2f}B active), {batch}x{seq}, bf16 autocast, MuonH: "
-            f"{tok_s:,.0f} tok/s, MFU {mfu:.1%} of measured ({mfu * measured / datasheet:.1%} of datasheet), "
-            f"max memory {memory:.1f} GB, loss after 6 steps {loss:.3f}"
+        s = summarize(config)
+        tok_s, mfu, memory, loss, profile = train_step_rate(config, measured, device, batch, seq)
+        summary(
+            f"train step {label} ({s.total / 1e9:.2f}B total, {s.active / 1e9:.2f}B active), {batch}x{seq}, "
+            f"bf16 autocast, MuonH: {tok_s:,.0f} tok/s, MFU {mfu:.1%} of measured "
+            f"({mfu * measured / datasheet:.1%} of datasheet), max memory {memory:.1f} GB, "
+            f"loss after 7 steps {loss:.3f}; {profile}"
         )
-        print(line, flush=True)
-        summary.append(line)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    py = sys.executable
-    if dry:
-        bench_args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1"]
-    else:
-        bench_args = ["--device", "cuda", "--batch", "16", "--seq", "1024", "--steps", "10"]
-    summary.append("bench/train_step.py: " + run_logged("HF comparison", [py, "bench/train_step.py", *bench_args], 240))
-    loss_args = ["--repeats", "1"] if dry else ["--device", "cuda", "--repeats", "5"]
-    summary.append("bench/lm_loss.py: " + run_logged("fused LM loss", [py, "bench/lm_loss.py", *loss_args], 200))
+
+def part_packed(device: str, dry: bool) -> None:
+    """Packed documents on the GPU (bf16) against the CPU (fp32): the trainer's batch layout."""
+    from marinlm.config import load_config
+    from marinlm.model import MarinConfig, MarinForCausalLM
+    from marinlm.model.loss import IGNORE_INDEX
+
+    config = load_config(MarinConfig, ROOT / "configs" / "model" / "tiny.yaml")
+    g = torch.Generator().manual_seed(0)
+    batch, seq = 8, 256
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+    lengths = torch.randint(8, 120, (batch, seq), generator=g)
+    segments = torch.stack([torch.repeat_interleave(torch.arange(seq), row)[:seq] for row in lengths])
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[segments != segments.roll(-1, 1)] = IGNORE_INDEX  # no prediction across a boundary
+    results = {}
+    for where, dtype in (("cpu", torch.float32), (device, torch.bfloat16)):
+        with torch.device("meta"):
+            model = MarinForCausalLM(config)
+        model.to_empty(device=where)
+        model.init_weights(seed=0)
+        with torch.autocast(where, dtype=dtype, enabled=dtype != torch.float32):
+            out = model(ids.to(where), segments.to(where), labels.to(where), return_logits=False)
+        out.lm_loss.backward()
+        if where != "cpu":
+            torch.cuda.synchronize()
+        grads = torch.cat([p.grad.float().flatten().cpu() for p in model.parameters() if p.grad is not None])
+        results[where] = (out.lm_loss.item(), grads)
+    (ref_loss, ref_g), (loss, grad) = results["cpu"], results[device]
+    rel = ((grad - ref_g).norm() / ref_g.norm()).item()
+    summary(
+        f"packed tiny batch ({batch}x{seq}, {int(segments.max()) + 1} docs in a row at most): loss {device} bf16 "
+        f"{loss:.4f} vs cpu fp32 {ref_loss:.4f}; gradient rel. diff {rel:.1e}"
+    )
+
+
+def part_hf(device: str, dry: bool) -> None:
+    args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1"] if dry else ["--device", "cuda"]
+    if not dry:
+        args += ["--batch", "16", "--seq", "1024", "--steps", "10"]
+    out = subprocess.run([sys.executable, "bench/train_step.py", *args], cwd=ROOT, capture_output=True, text=True)
+    print(out.stdout, out.stderr, flush=True)
+    for line in out.stdout.splitlines():
+        if "tok/s" in line or "marinlm /" in line or "costs" in line:
+            summary(f"train_step.py: {line.strip()}")
+    if out.returncode:
+        summary(f"train_step.py FAILED (exit {out.returncode})")
+
+
+def part_loss(device: str, dry: bool) -> None:
+    args = ["--repeats", "1"] if dry else ["--device", "cuda", "--repeats", "5"]
+    out = subprocess.run([sys.executable, "bench/lm_loss.py", *args], cwd=ROOT, capture_output=True, text=True)
+    print(out.stdout, out.stderr, flush=True)
+    for line in out.stdout.splitlines()[2:]:
+        summary(f"lm_loss.py: {line.strip()}")
+    if out.returncode:
+        summary(f"lm_loss.py FAILED (exit {out.returncode})")
+
+
+def part_torchrun(device: str, dry: bool) -> None:
+    from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.quickstart import build_default_corpus
+    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        from marinlm.dataset.tokenize import TokenizeConfig, tokenize
-        from marinlm.quickstart import build_default_corpus
-        from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
-
         build_default_corpus(Path(tmp) / "raw")
         train_tokenizer(
             TokenizerTrainConfig(inputs=[f"{tmp}/raw"], output_dir=f"{tmp}/tok", vocab_size=4096, max_bytes=5_000_000)
@@ -203,7 +256,7 @@ def main() -> None:
             TokenizeConfig(inputs=[f"{tmp}/raw"], tokenizer=f"{tmp}/tok", output_dir=f"{tmp}/tokens"), progress=False
         )
         train = [
-            py,
+            sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=1",
@@ -218,21 +271,61 @@ def main() -> None:
             "--logging.progress=false",
             f"--train.device={device}",
         ]
-        first = run_logged("torchrun, FSDP2, 20 steps", [*train, "--train.steps=20", "--resume=none"], 180, env)
         offload = [] if dry else ["--parallel.cpu_offload=true"]
-        resumed = run_logged(
-            "torchrun, FSDP2 + CPU offload, resumed to 30 steps",
-            [*train, "--train.steps=30", "--resume=auto", *offload],
-            180,
-            env,
+        runs = (
+            ("FSDP2, 20 steps with checkpoints", ["--train.steps=20", "--resume=none"]),
+            ("resumed at 20 to 30 steps" + (" with CPU offload" if offload else ""), ["--train.steps=30", *offload]),
         )
         backend = "gloo" if dry else "NCCL"
-        summary.append(f"torchrun + {backend} + FSDP2, 20 tiny steps with checkpoints: {first}")
-        summary.append(f"resumed from step 20 to 30 with {'offload' if offload else 'no offload'}: {resumed}")
+        for label, extra in runs:
+            out = subprocess.run([*train, *extra], cwd=ROOT, capture_output=True, text=True)
+            print(out.stdout, out.stderr, flush=True)
+            result = [line for line in out.stdout.splitlines() if line.startswith(("done:", "resumed"))]
+            status = "ok" if out.returncode == 0 else f"FAILED (exit {out.returncode})"
+            summary(f"torchrun + {backend}, tiny, {label}: {status}; {' / '.join(result)}")
 
-    print("\n# summary")
-    for line in summary:
-        print(line)
+
+PARTS = {
+    "kernels": part_kernels,
+    "steps": part_steps,
+    "packed": part_packed,
+    "hf": part_hf,
+    "loss": part_loss,
+    "torchrun": part_torchrun,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_logs"), help="folder for each part's log")
+    p.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
+    a = p.parse_args()
+    dry = a.device == "cpu"
+    if not dry and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this check needs a GPU (or --device cpu for a dry run)")
+    sys.path.insert(0, str(ROOT / "bench"))
+    if a.part:
+        PARTS[a.part](a.device, dry)
+        return
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    lines = []
+    for name in a.parts.split(","):
+        start = time.perf_counter()
+        log = out_dir / f"{name}.log"
+        cmd = [sys.executable, __file__, "--device", a.device, "--part", name]
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        found = [line.removeprefix("SUMMARY ") for line in log.read_text().splitlines() if line.startswith("SUMMARY ")]
+        if code:
+            tail = log.read_text().splitlines()[-15:]
+            found.append(f"part {name} FAILED (exit {code}); log {log}; last lines:\n    " + "\n    ".join(tail))
+        print(f"[{name}: {time.perf_counter() - start:.0f} s]", *found, sep="\n", flush=True)
+        lines += found
+    print("\n# summary", *lines, sep="\n")
 
 
 if __name__ == "__main__":

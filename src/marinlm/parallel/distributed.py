@@ -1,4 +1,9 @@
-"""Process-group set-up from torchrun's environment: gloo on CPU, NCCL on GPU."""
+"""Process-group set-up from torchrun's environment: gloo on CPU, NCCL on GPU.
+
+On GPU the group carries gloo for CPU tensors as well: with FSDP2 CPU offload the optimizer steps
+on host memory, and MuonH's norm all-reduces and Newton-Schulz all-gathers then move CPU tensors,
+which NCCL cannot ("No backend type associated with device type cpu", seen on an H200).
+"""
 
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ def init_distributed(device: str = "auto") -> DistributedInfo:
     if world == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # plain process; under torchrun even 1 rank
         return DistributedInfo(0, 1, 0, dev)  # gets a process group, so its FSDP/NCCL paths run
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
