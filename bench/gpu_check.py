@@ -23,6 +23,7 @@ Each part's full output goes to DIR/<part>.log; the summary lines are printed la
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -198,25 +199,32 @@ def part_packed(device: str, dry: bool) -> None:
     labels = ids.roll(-1, 1)
     labels[:, -1] = IGNORE_INDEX
     labels[segments != segments.roll(-1, 1)] = IGNORE_INDEX  # no prediction across a boundary
+    with torch.device("meta"):
+        reference = MarinForCausalLM(config)
+    reference.to_empty(device="cpu")
+    reference.init_weights(seed=0)  # on the CPU: the GPU's generator would draw other weights
     results = {}
-    for where, dtype in (("cpu", torch.float32), (device, torch.bfloat16)):
-        with torch.device("meta"):
-            model = MarinForCausalLM(config)
-        model.to_empty(device=where)
-        model.init_weights(seed=0)
+    for name, where, dtype in (
+        ("cpu fp32", "cpu", torch.float32),
+        (f"{device} fp32", device, torch.float32),
+        (f"{device} bf16", device, torch.bfloat16),
+    ):
+        model = copy.deepcopy(reference).to(where)
         with torch.autocast(where, dtype=dtype, enabled=dtype != torch.float32):
             out = model(ids.to(where), segments.to(where), labels.to(where), return_logits=False)
         out.lm_loss.backward()
-        if where != "cpu":
-            torch.cuda.synchronize()
+        sync(where)
         grads = torch.cat([p.grad.float().flatten().cpu() for p in model.parameters() if p.grad is not None])
-        results[where] = (out.lm_loss.item(), grads)
-    (ref_loss, ref_g), (loss, grad) = results["cpu"], results[device]
-    rel = ((grad - ref_g).norm() / ref_g.norm()).item()
-    summary(
-        f"packed tiny batch ({batch}x{seq}, {int(segments.max()) + 1} docs in a row at most): loss {device} bf16 "
-        f"{loss:.4f} vs cpu fp32 {ref_loss:.4f}; gradient rel. diff {rel:.1e}"
-    )
+        results[name] = (out.lm_loss.item(), grads)
+    ref_loss, ref_g = results["cpu fp32"]
+    # bf16 is far from fp32 here on any device: the CPU presets' large init (see tiny.yaml) makes
+    # this model sensitive to rounding (the CPU's own bf16 autocast gives the same spread).
+    for name, (loss, grad) in list(results.items())[1:]:
+        rel = ((grad - ref_g).norm() / ref_g.norm()).item()
+        summary(
+            f"packed tiny batch ({batch}x{seq}, up to {int(segments.max()) + 1} docs a row): {name} loss "
+            f"{loss:.5f} vs cpu fp32 {ref_loss:.5f}; gradient rel. diff {rel:.1e}"
+        )
 
 
 def part_hf(device: str, dry: bool) -> None:

@@ -125,7 +125,9 @@ class MarinOptimizer(torch.optim.Optimizer):
             u_local = distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None).to_local()
         else:
             u_local = newton_schulz(_local(direction), group["ns_steps"], dtype=group["ns_dtype"])
-        _hyperball_step(p, u_local, group["lr"])
+        # Under FSDP2 CPU offload the parameter lives on the host while the gathered matrix comes
+        # back on the mesh's GPU (where Newton-Schulz is fast): the step itself is on the host.
+        _hyperball_step(p, u_local.to(_local(p).device), group["lr"])
 
     def _adam_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]
