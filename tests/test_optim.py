@@ -11,6 +11,7 @@ from marinlm.optim import (
     lr_multiplier,
     marin_param_kinds,
     newton_schulz,
+    newton_schulz_many,
 )
 
 from conftest import build, tiny_config
@@ -27,6 +28,18 @@ def test_newton_schulz_orthogonalises_each_matrix():
     torch.testing.assert_close(tall, u.mT, rtol=1e-4, atol=1e-5)  # transposition-equivariant
     single = newton_schulz(g[1])
     torch.testing.assert_close(single, u[1], rtol=1e-4, atol=1e-5)  # per matrix, not across the stack
+
+
+@pytest.mark.parametrize("max_elements", [None, 0, 3000, 1 << 30])
+def test_batched_newton_schulz_equals_one_matrix_at_a_time(max_elements):
+    """Same-shaped matrices are stacked into shared calls (in batches of at most max_elements)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 48), (3, 32, 48), (48, 32), (32, 48), (16, 16), (2, 48, 32), (5, 16, 16)]
+    matrices = [torch.randn(*s, generator=g) * (i + 1) for i, s in enumerate(shapes)]
+    many = newton_schulz_many(matrices, steps=5, max_elements=max_elements)
+    for m, u in zip(matrices, many):
+        assert u.shape == m.shape
+        torch.testing.assert_close(u, newton_schulz(m, steps=5), rtol=1e-4, atol=1e-5)
 
 
 def test_param_kinds_follow_the_recipe():

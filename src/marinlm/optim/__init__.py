@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from marinlm.config import Choice, check
-from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz
+from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz, newton_schulz_many
 
 __all__ = [
     "AdamWConfig",
@@ -21,6 +21,7 @@ __all__ = [
     "lr_multiplier",
     "marin_param_kinds",
     "newton_schulz",
+    "newton_schulz_many",
 ]
 
 

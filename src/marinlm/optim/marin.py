@@ -1,8 +1,9 @@
 """The hero recipe's optimizer: MuonH on matrices, AdamH on the LM head, Adam on the rest.
 
 - **MuonH**: momentum 0.95 with Nesterov (`buf = mu*buf + g`, direction `mu*buf + g`), then 5
-  quintic Newton-Schulz steps per matrix (per expert for stacked [E, in, out] experts), then the
-  hyperball step `W' = W - lr * U * ||W||_F / ||U||_F`, rescaled to keep `||W||_F`.
+  quintic Newton-Schulz steps per matrix (per expert for stacked [E, in, out] experts; computed
+  batched over same-shaped matrices), then the hyperball step
+  `W' = W - lr * U * ||W||_F / ||U||_F`, rescaled to keep `||W||_F`.
 - **AdamH**: the Adam direction (bias-corrected) with the same norm-preserving step.
 - **Adam**: plain Adam (no weight decay) at its own learning rate.
 
@@ -35,6 +36,54 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype=torc
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x.mT if transpose else x).to(g.dtype)
+
+
+def _batch_elements(device: torch.device) -> int:
+    """How many elements one batched Newton-Schulz call may stack.
+
+    Measured on the 2-core CPU (`small` preset): stacking all 24 layers' [32, 192, 192] experts
+    into one call ran 2.8 s against 1.4 s one parameter at a time (the stack falls out of cache),
+    while stacking the small matrices halved their time. So on CPU a batch stays near cache size
+    (whole optimizer step against one matrix at a time: `tiny` 1.24x faster, `small` 1.01x). On an
+    H200, where a step of small matrices is bound by kernel launches, batches are large: `tiny`
+    2.57x, `small` 2.79x (187 -> 67 ms), a 1.1B hero-shaped model 1.73x (239 -> 138 ms).
+    """
+    return 1 << 26 if device.type == "cuda" else 1 << 21
+
+
+def newton_schulz_many(
+    matrices: list[torch.Tensor], steps: int = 5, dtype=torch.float32, max_elements: int | None = None
+) -> list[torch.Tensor]:
+    """`newton_schulz` of each tensor, computed batched over tensors of the same matrix shape.
+
+    Same result per matrix as calling it one by one (each matrix is normalised on its own); fewer,
+    larger matmuls. A model has few distinct matrix shapes (7 for the 80 matrices of `tiny`). A
+    batch holds at most `max_elements` elements (default: `_batch_elements`), which also bounds
+    the optimizer's extra memory at scale; a single larger tensor goes alone.
+    """
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((tuple(m.shape[-2:]), m.dtype, m.device), []).append(i)
+    for (shape, _, device), members in groups.items():
+        limit = _batch_elements(device) if max_elements is None else max_elements
+        batch: list[int] = []
+        size = 0
+        for n, i in enumerate(members):
+            batch.append(i)
+            size += matrices[i].numel()
+            if n < len(members) - 1 and size + matrices[members[n + 1]].numel() <= limit:
+                continue
+            if len(batch) == 1:  # nothing to stack: no copy
+                out[i] = newton_schulz(matrices[i], steps, dtype=dtype)
+                batch, size = [], 0
+                continue
+            result = newton_schulz(torch.cat([matrices[j].reshape(-1, *shape) for j in batch]), steps, dtype=dtype)
+            counts = [matrices[j].numel() // (shape[0] * shape[1]) for j in batch]
+            for j, piece in zip(batch, result.split(counts)):
+                out[j] = piece.reshape(matrices[j].shape)
+            batch, size = [], 0
+    return out
 
 
 def _matrix_sharded(p: torch.Tensor) -> bool:
@@ -106,28 +155,34 @@ class MarinOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         assert closure is None, "MarinOptimizer does not take a closure"
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                {"muonh": self._muonh, "adamh": self._adamh, "adam": self._adam}[group["kind"]](p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["kind"] == "muonh":
+                self._muonh(params, group)
+                continue
+            for p in params:
+                {"adamh": self._adamh, "adam": self._adam}[group["kind"]](p, group)
 
-    def _muonh(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["momentum"] = torch.zeros_like(p)
-        buf = state["momentum"]
+    def _muonh(self, params: list[torch.Tensor], group: dict) -> None:
+        """Momentum per parameter, Newton-Schulz batched over same-shaped matrices, hyperball step."""
         mu = group["momentum"]
-        buf.mul_(mu).add_(p.grad)
-        direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
-        if _matrix_sharded(p):
-            full = direction.full_tensor()
-            u = newton_schulz(full, group["ns_steps"], dtype=group["ns_dtype"])
-            u_local = distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        else:
-            u_local = newton_schulz(_local(direction), group["ns_steps"], dtype=group["ns_dtype"])
-        # Under FSDP2 CPU offload the parameter lives on the host while the gathered matrix comes
-        # back on the mesh's GPU (where Newton-Schulz is fast): the step itself is on the host.
-        _hyperball_step(p, u_local.to(_local(p).device), group["lr"])
+        directions = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum"] = torch.zeros_like(p)
+            buf = state["momentum"]
+            buf.mul_(mu).add_(p.grad)
+            direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
+            # A matrix sharded along its own dims is gathered whole; experts sharded along the
+            # expert dim are whole matrices on their rank already.
+            directions.append(direction.full_tensor() if _matrix_sharded(p) else _local(direction))
+        updates = newton_schulz_many(directions, group["ns_steps"], dtype=group["ns_dtype"])
+        for p, u in zip(params, updates):
+            if _matrix_sharded(p):
+                u = distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            # Under FSDP2 CPU offload the parameter lives on the host while the gathered matrix
+            # comes back on the mesh's GPU (where Newton-Schulz is fast): the step is on the host.
+            _hyperball_step(p, u.to(_local(p).device), group["lr"])
 
     def _adam_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]
