@@ -122,6 +122,8 @@ class MarinOptimizer(torch.optim.Optimizer):
     scale each group's `lr` (LambdaLR), so MuonH/AdamH and Adam keep their own peaks.
     """
 
+    WINDOW_ELEMENTS = 1 << 26  # gathered MuonH matrices held at once (256 MB in fp32)
+
     def __init__(
         self,
         groups: list[dict],
@@ -163,26 +165,35 @@ class MarinOptimizer(torch.optim.Optimizer):
                 {"adamh": self._adamh, "adam": self._adam}[group["kind"]](p, group)
 
     def _muonh(self, params: list[torch.Tensor], group: dict) -> None:
-        """Momentum per parameter, Newton-Schulz batched over same-shaped matrices, hyperball step."""
+        """Momentum per parameter, Newton-Schulz batched over same-shaped matrices, hyperball step.
+
+        Parameters go through in windows of about `WINDOW_ELEMENTS` gathered elements: a matrix
+        sharded along its own dims is all-gathered whole, and holding every gathered matrix of a
+        hero-sized model at once would not fit; one window at a time does.
+        """
         mu = group["momentum"]
-        directions = []
-        for p in params:
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        size = 0
+        for n, p in enumerate(params):
             state = self.state[p]
             if not state:
                 state["momentum"] = torch.zeros_like(p)
             buf = state["momentum"]
             buf.mul_(mu).add_(p.grad)
             direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            # A matrix sharded along its own dims is gathered whole; experts sharded along the
-            # expert dim are whole matrices on their rank already.
-            directions.append(direction.full_tensor() if _matrix_sharded(p) else _local(direction))
-        updates = newton_schulz_many(directions, group["ns_steps"], dtype=group["ns_dtype"])
-        for p, u in zip(params, updates):
-            if _matrix_sharded(p):
-                u = distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            # Under FSDP2 CPU offload the parameter lives on the host while the gathered matrix
-            # comes back on the mesh's GPU (where Newton-Schulz is fast): the step is on the host.
-            _hyperball_step(p, u.to(_local(p).device), group["lr"])
+            # Experts sharded along the expert dim are whole matrices on their rank already.
+            direction = direction.full_tensor() if _matrix_sharded(p) else _local(direction)
+            pending.append((p, direction))
+            size += direction.numel()
+            if size >= self.WINDOW_ELEMENTS or n == len(params) - 1:
+                updates = newton_schulz_many([d for _, d in pending], group["ns_steps"], dtype=group["ns_dtype"])
+                for (q, _), u in zip(pending, updates):
+                    if _matrix_sharded(q):
+                        u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
+                    # Under FSDP2 CPU offload the parameter lives on the host while the gathered
+                    # matrix comes back on the mesh's GPU (where Newton-Schulz is fast).
+                    _hyperball_step(q, u.to(_local(q).device), group["lr"])
+                pending, size = [], 0
 
     def _adam_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]
