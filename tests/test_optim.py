@@ -83,6 +83,27 @@ def test_muonh_and_adamh_keep_every_matrix_norm():
     assert "embed.weight" in moved and "layers.0.mlp.router.weight" in moved
 
 
+def test_muonh_windows_and_batches_do_not_change_the_step(monkeypatch):
+    """Small gather windows and one-matrix batches give the same update as the defaults."""
+    import marinlm.optim.marin as marin
+
+    torch.manual_seed(3)
+    models = [build(tiny_config()) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(0, 4096, (2, 32))
+    for i, model in enumerate(models):
+        opt = build_optimizer(model, MarinOptimizerConfig(lr=0.05, adam_lr=0.01))
+        if i == 1:
+            monkeypatch.setattr(marin.MarinOptimizer, "WINDOW_ELEMENTS", 5000)
+            monkeypatch.setattr(marin, "_batch_elements", lambda device: 0)
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_muonh_step_matches_the_formula():
     """One MuonH step on a lone matrix, against the spec written out by hand."""
     torch.manual_seed(2)
