@@ -43,10 +43,11 @@ def _batch_elements(device: torch.device) -> int:
 
     Measured on the 2-core CPU (`small` preset): stacking all 24 layers' [32, 192, 192] experts
     into one call ran 2.8 s against 1.4 s one parameter at a time (the stack falls out of cache),
-    while stacking the small matrices halved their time. So on CPU a batch stays near cache size
-    (whole optimizer step against one matrix at a time: `tiny` 1.24x faster, `small` 1.01x). On an
-    H200, where a step of small matrices is bound by kernel launches, batches are large: `tiny`
-    2.57x, `small` 2.79x (187 -> 67 ms), a 1.1B hero-shaped model 1.73x (239 -> 138 ms).
+    while stacking the small matrices halved their time. So on CPU a batch stays near cache size,
+    and the whole optimizer step is level with one matrix at a time (0.88-1.24x over repeated runs
+    of `python bench/muon_step.py`: noise). On an H200, where a step of small matrices is bound by
+    kernel launches, batches are large: `tiny` 2.57x, `small` 2.79x (187 -> 67 ms), a 1.1B
+    hero-shaped model 1.73x (239 -> 138 ms).
     """
     return 1 << 26 if device.type == "cuda" else 1 << 21
 

@@ -1,0 +1,84 @@
+"""The MuonH optimizer step: Newton-Schulz batched over same-shaped matrices vs one at a time.
+
+A/B in one process, interleaved, on `tiny`, `small` and (on GPU) a 1.1B hero-shaped model. The
+"one at a time" contender is the same optimizer with batching turned off, i.e. a per-parameter
+Muon loop as most implementations write it.
+
+    python bench/muon_step.py [--device cuda] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import marinlm.optim.marin as marin
+from marinlm.config import load_config
+from marinlm.model import MarinConfig, MarinForCausalLM
+from marinlm.optim import MarinOptimizerConfig, build_optimizer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+WIDE = [
+    "--d_model=2048",
+    "--num_layers=8",
+    "--attention.num_heads=16",
+    "--attention.head_dim=128",
+    "--moe.latent_dim=1024",
+    "--moe.expert_dim=1024",
+    "--moe.shared_expert_dim=1024",
+    "--init_std=0.035",
+]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rounds", type=int, default=8)
+    a = p.parse_args()
+    dev = a.device
+    batched = marin._batch_elements
+    presets = [("tiny", "tiny.yaml", []), ("small", "small.yaml", [])]
+    if dev == "cuda":
+        presets.append(("hero-shaped 1.1B", "small.yaml", WIDE))
+    for label, path, overrides in presets:
+        config = load_config(MarinConfig, CONFIGS / path, overrides)
+        with torch.device("meta"):
+            model = MarinForCausalLM(config)
+        model.to_empty(device=dev)
+        model.init_weights(seed=0)
+        opt = build_optimizer(model, MarinOptimizerConfig(), dev)
+        ids = torch.randint(0, config.vocab_size, (2, 128), device=dev)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            model(ids, labels=ids, return_logits=False).loss.backward()
+        times: dict[str, list[float]] = {"batched": [], "one at a time": []}
+        for _ in range(a.rounds + 1):  # the first round is a warm-up
+            for name in times:
+                marin._batch_elements = batched if name == "batched" else (lambda device: 0)
+                sync(dev)
+                start = time.perf_counter()
+                opt.step()
+                sync(dev)
+                times[name].append(time.perf_counter() - start)
+        marin._batch_elements = batched
+        med = {k: sorted(v[1:])[len(v[1:]) // 2] * 1e3 for k, v in times.items()}
+        print(
+            f"{label}: optimizer step (MuonH + AdamH + Adam), median of {a.rounds}: batched "
+            f"{med['batched']:.1f} ms, one at a time {med['one at a time']:.1f} ms, "
+            f"{med['one at a time'] / med['batched']:.2f}x",
+            flush=True,
+        )
+        del model, opt
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
