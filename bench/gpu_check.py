@@ -152,6 +152,7 @@ def part_steps(device: str, dry: bool) -> None:
     from marinlm.model import MarinConfig
     from marinlm.model.summary import summarize
     from marinlm.utils.perf import matmul_peak_flops
+    from train_step import HERO_SHAPED_1B
 
     if dry:
         datasheet = measured = matmul_peak_flops(torch.float32)
@@ -159,17 +160,7 @@ def part_steps(device: str, dry: bool) -> None:
         from train_step import cuda_matmul_peak
 
         datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
-    wide = [
-        "--d_model=2048",
-        "--num_layers=8",
-        "--attention.num_heads=16",
-        "--attention.head_dim=128",
-        "--moe.latent_dim=1024",
-        "--moe.expert_dim=1024",
-        "--moe.shared_expert_dim=1024",
-        "--init_std=0.035",
-    ]
-    ladder = [("small", [], 16, 1024), ("hero-shaped wide", wide, 8, 4096)]
+    ladder = [("small", [], 16, 1024), ("hero-shaped 1.1B", HERO_SHAPED_1B, 8, 4096)]
     for label, overrides, batch, seq in ladder:
         if dry:
             batch, seq, overrides = 1, 64, []

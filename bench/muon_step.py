@@ -19,18 +19,9 @@ import marinlm.optim.marin as marin
 from marinlm.config import load_config
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.optim import MarinOptimizerConfig, build_optimizer
+from train_step import HERO_SHAPED_1B
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
-WIDE = [
-    "--d_model=2048",
-    "--num_layers=8",
-    "--attention.num_heads=16",
-    "--attention.head_dim=128",
-    "--moe.latent_dim=1024",
-    "--moe.expert_dim=1024",
-    "--moe.shared_expert_dim=1024",
-    "--init_std=0.035",
-]
 
 
 def sync(device: str) -> None:
@@ -47,7 +38,7 @@ def main() -> None:
     batched = marin._batch_elements
     presets = [("tiny", "tiny.yaml", []), ("small", "small.yaml", [])]
     if dev == "cuda":
-        presets.append(("hero-shaped 1.1B", "small.yaml", WIDE))
+        presets.append(("hero-shaped 1.1B", "small.yaml", HERO_SHAPED_1B))
     for label, path, overrides in presets:
         config = load_config(MarinConfig, CONFIGS / path, overrides)
         with torch.device("meta"):

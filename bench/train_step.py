@@ -27,6 +27,18 @@ from marinlm.model.summary import summarize
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+# Overrides of configs/model/small.yaml for a 1.1B-total, 0.31B-active hero-shaped model: big enough
+# to keep a GPU busy (bench/gpu_check.py, bench/muon_step.py).
+HERO_SHAPED_1B = [
+    "--d_model=2048",
+    "--num_layers=8",
+    "--attention.num_heads=16",
+    "--attention.head_dim=128",
+    "--moe.latent_dim=1024",
+    "--moe.expert_dim=1024",
+    "--moe.shared_expert_dim=1024",
+    "--init_std=0.035",
+]
 
 
 def sync(device: str) -> None:
