@@ -33,12 +33,9 @@ from pathlib import Path
 
 import torch
 
+from train_step import HERO_SHAPED_1B, cuda_matmul_peak, sync  # bench/ is on the path when run
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str, repeats: int = 10) -> float:
@@ -116,8 +113,6 @@ def part_kernels(device: str, dry: bool) -> None:
     if dry:
         name, datasheet, measured = "cpu (dry run)", float("nan"), matmul_peak_flops(torch.float32)
     else:
-        from train_step import cuda_matmul_peak
-
         name = torch.cuda.get_device_name()
         datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
     summary(
@@ -152,13 +147,10 @@ def part_steps(device: str, dry: bool) -> None:
     from marinlm.model import MarinConfig
     from marinlm.model.summary import summarize
     from marinlm.utils.perf import matmul_peak_flops
-    from train_step import HERO_SHAPED_1B
 
     if dry:
         datasheet = measured = matmul_peak_flops(torch.float32)
     else:
-        from train_step import cuda_matmul_peak
-
         datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
     ladder = [("small", [], 16, 1024), ("hero-shaped 1.1B", HERO_SHAPED_1B, 8, 4096)]
     for label, overrides, batch, seq in ladder:
@@ -304,7 +296,6 @@ def main() -> None:
     dry = a.device == "cpu"
     if not dry and not torch.cuda.is_available():
         sys.exit("no CUDA device: this check needs a GPU (or --device cpu for a dry run)")
-    sys.path.insert(0, str(ROOT / "bench"))
     if a.part:
         PARTS[a.part](a.device, dry)
         return

@@ -19,14 +19,9 @@ import marinlm.optim.marin as marin
 from marinlm.config import load_config
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.optim import MarinOptimizerConfig, build_optimizer
-from train_step import HERO_SHAPED_1B
+from train_step import HERO_SHAPED_1B, sync
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:

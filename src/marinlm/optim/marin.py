@@ -77,12 +77,11 @@ def newton_schulz_many(
                 continue
             if len(batch) == 1:  # nothing to stack: no copy
                 out[i] = newton_schulz(matrices[i], steps, dtype=dtype)
-                batch, size = [], 0
-                continue
-            result = newton_schulz(torch.cat([matrices[j].reshape(-1, *shape) for j in batch]), steps, dtype=dtype)
-            counts = [matrices[j].numel() // (shape[0] * shape[1]) for j in batch]
-            for j, piece in zip(batch, result.split(counts)):
-                out[j] = piece.reshape(matrices[j].shape)
+            else:
+                stacked = torch.cat([matrices[j].reshape(-1, *shape) for j in batch])
+                counts = [matrices[j].numel() // (shape[0] * shape[1]) for j in batch]
+                for j, piece in zip(batch, newton_schulz(stacked, steps, dtype=dtype).split(counts)):
+                    out[j] = piece.reshape(matrices[j].shape)
             batch, size = [], 0
     return out
 
