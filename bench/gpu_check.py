@@ -210,27 +210,27 @@ def part_packed(device: str, dry: bool) -> None:
         )
 
 
-def part_hf(device: str, dry: bool) -> None:
-    args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1"] if dry else ["--device", "cuda"]
-    if not dry:
-        args += ["--batch", "16", "--seq", "1024", "--steps", "10"]
-    out = subprocess.run([sys.executable, "bench/train_step.py", *args], cwd=ROOT, capture_output=True, text=True)
+def run_bench(script: str, args: list[str], keep) -> None:
+    """Run another benchmark script; its whole output goes to the log, `keep(line)` lines to the summary."""
+    out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True)
     print(out.stdout, out.stderr, flush=True)
     for line in out.stdout.splitlines():
-        if "tok/s" in line or "marinlm /" in line or "costs" in line:
-            summary(f"train_step.py: {line.strip()}")
+        if keep(line):
+            summary(f"{script}: {line.strip()}")
     if out.returncode:
-        summary(f"train_step.py FAILED (exit {out.returncode})")
+        summary(f"{script} FAILED (exit {out.returncode})")
+
+
+def part_hf(device: str, dry: bool) -> None:
+    args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1"]
+    if not dry:
+        args = ["--device", "cuda", "--batch", "16", "--seq", "1024", "--steps", "10"]
+    run_bench("train_step.py", args, lambda line: any(k in line for k in ("tok/s", "marinlm /", "costs")))
 
 
 def part_loss(device: str, dry: bool) -> None:
     args = ["--repeats", "1"] if dry else ["--device", "cuda", "--repeats", "5"]
-    out = subprocess.run([sys.executable, "bench/lm_loss.py", *args], cwd=ROOT, capture_output=True, text=True)
-    print(out.stdout, out.stderr, flush=True)
-    for line in out.stdout.splitlines()[2:]:
-        summary(f"lm_loss.py: {line.strip()}")
-    if out.returncode:
-        summary(f"lm_loss.py FAILED (exit {out.returncode})")
+    run_bench("lm_loss.py", args, lambda line: " x " in line and " ms " in line)
 
 
 def part_torchrun(device: str, dry: bool) -> None:
