@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.config import AttentionConfig
+from marinlm.model.cpu_bf16 import Linear, scaled_dot_product_attention
 from marinlm.model.layers import ConvState, SConv, apply_rope, rms_normalize, rope_cos_sin, trunc_normal_
 
 
@@ -96,14 +96,14 @@ class Attention(nn.Module):
         self.num_kv = c.global_kv_heads() if is_global else c.num_kv_heads
         self.window = None if is_global else c.sliding_window
         self.use_rope = (c.rope_global if is_global else c.rope_local) and c.rope_dim > 0
-        self.q_proj = nn.Linear(d_model, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, d_model, bias=False)
+        self.q_proj = Linear(d_model, c.num_heads * c.head_dim)
+        self.k_proj = Linear(d_model, c.num_kv_heads * c.head_dim)
+        self.v_proj = Linear(d_model, c.num_kv_heads * c.head_dim)
+        self.o_proj = Linear(c.num_heads * c.head_dim, d_model)
         kv_width = c.num_kv_heads * c.head_dim
         self.sconv_k = SConv(kv_width, sconv_kernel) if "k" in sconv_sites else None
         self.sconv_v = SConv(kv_width, sconv_kernel) if "v" in sconv_sites else None
-        self.gate = nn.Linear(d_model, c.num_heads, bias=False) if c.head_gate else None
+        self.gate = Linear(d_model, c.num_heads) if c.head_gate else None
         if c.qk_norm_gain:
             self.q_norm_weight = nn.Parameter(torch.empty(c.head_dim))
             self.k_norm_weight = nn.Parameter(torch.empty(c.head_dim))
@@ -167,7 +167,7 @@ class Attention(nn.Module):
             mask = attention_mask(doc_BT, pos_BT, cache.doc_BS, cache.pos_BS, self.window)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        y_BHTD = F.scaled_dot_product_attention(
+        y_BHTD = scaled_dot_product_attention(
             q_BHTD,
             k_BKSD.to(q_BHTD.dtype),
             v_BKSD.to(q_BHTD.dtype),

@@ -20,8 +20,9 @@ and `bmm` otherwise.
 Under autocast the expert matmuls run in the autocast dtype, with one exception: `grouped_mm`
 on CPU stays in the input dtype. That is what torch's CPU autocast itself does with
 `torch._grouped_mm` (its output stays fp32 under bf16 autocast), and what HF's experts, which
-call it directly, get. A CPU without AVX512-BF16/AMX emulates bf16 matmuls (~1 GFLOP/s against
-~170 fp32 on the 2-core dev VM). On CUDA, grouped GEMM is the production bf16 kernel.
+call it directly, get. A CPU without AVX512/AMX emulates bf16 matmuls (~1 GFLOP/s against
+~170 fp32 on the 2-core dev VM); the model's linear layers and attention avoid that through
+model/cpu_bf16.py. On CUDA, grouped GEMM is the production bf16 kernel.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from marinlm.model.cpu_bf16 import Linear
+
 
 def trunc_normal_(weight: torch.Tensor, std: float) -> None:
     """The spec's matrix init: normal(0, std) truncated at +-3 std."""
@@ -66,8 +68,8 @@ class GatedNorm(nn.Module):
     def __init__(self, dim: int, rank: int, init_std: float):
         super().__init__()
         self.init_std = init_std
-        self.down = nn.Linear(dim, rank, bias=False)
-        self.up = nn.Linear(rank, dim, bias=False)
+        self.down = Linear(dim, rank)
+        self.up = Linear(rank, dim)
 
     def reset_parameters(self) -> None:
         trunc_normal_(self.down.weight, self.init_std)
@@ -152,9 +154,9 @@ class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, init_std: float):
         super().__init__()
         self.init_std = init_std
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden)
+        self.up_proj = Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
 
     def reset_parameters(self) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from marinlm.model.cpu_bf16 import gemm_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -68,7 +70,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_ND, weight_VD, labels_N, z_weight, chunk, compute_dtype):
         valid_N = labels_N != IGNORE_INDEX
         denominator = valid_N.sum().clamp_min(1).float()
-        h_cd, w_cd = h_ND.to(compute_dtype), weight_VD.to(compute_dtype)
+        # Where bf16 GEMMs are emulated, bf16 operands and results are held in fp32 (cpu_bf16.py).
+        gemm = gemm_dtype(compute_dtype, h_ND.device)
+
+        def cast(t):
+            return t.to(compute_dtype).to(gemm)
+
+        h_cd, w_cd = cast(h_ND), cast(weight_VD)
         dh_ND = torch.empty_like(h_cd)
         dw_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         ce_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
@@ -76,7 +84,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h_ND.shape[0], chunk):
             h_CD, labels_C = h_cd[start : start + chunk], labels_N[start : start + chunk]
             valid_C = valid_N[start : start + chunk].float()
-            logits_CV = (h_CD @ w_cd.t()).float()
+            logits_CV = cast(h_CD @ w_cd.t()).float()
             lse_C, ce_c, z_c = _chunk_stats(logits_CV, labels_C, valid_C)
             ce_sum += ce_c
             z_sum += z_c
@@ -85,12 +93,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_CV.mul_((valid_C * (1 + 2 * z_weight * lse_C) / denominator).unsqueeze(1))
             rows_C = torch.arange(labels_C.shape[0], device=labels_C.device)
             grad_CV[rows_C, labels_C.clamp_min(0)] -= valid_C / denominator
-            grad_CV = grad_CV.to(compute_dtype)
-            dh_ND[start : start + chunk] = grad_CV @ w_cd
+            grad_CV = cast(grad_CV)
+            dh_ND[start : start + chunk] = cast(grad_CV @ w_cd)
             if compute_dtype == torch.float32:
                 dw_VD.addmm_(grad_CV.t(), h_CD)
             else:
-                dw_VD += (grad_CV.t() @ h_CD).float()
+                dw_VD += cast(grad_CV.t() @ h_CD).float()
         ctx.save_for_backward(dh_ND.to(h_ND.dtype), dw_VD.to(weight_VD.dtype))
         ce, z = ce_sum / denominator, z_weight * z_sum / denominator
         ctx.mark_non_differentiable(ce, z)
@@ -115,10 +123,12 @@ def chunked_loss(
         return loss, ce, z, count
     denominator = count.clamp_min(1).float()
     ce_sum = z_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
-    w_cd = weight_VD.to(dtype)
+    gemm = gemm_dtype(dtype, h_ND.device)
+    w_cd = weight_VD.to(dtype).to(gemm)
     for start in range(0, h_ND.shape[0], chunk):
         labels_C = labels_N[start : start + chunk]
-        logits_CV = (h_ND[start : start + chunk].to(dtype) @ w_cd.t()).float()
+        with torch.autocast(device, enabled=False):
+            logits_CV = (h_ND[start : start + chunk].to(dtype).to(gemm) @ w_cd.t()).to(dtype).float()
         _, ce_c, z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).float())
         ce_sum, z_sum = ce_sum + ce_c, z_sum + z_c
     ce, z = ce_sum / denominator, z_weight * z_sum / denominator

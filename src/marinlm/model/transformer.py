@@ -21,6 +21,7 @@ from torch import nn
 
 from marinlm.model.attention import Attention, LayerCache, attention_mask
 from marinlm.model.config import MarinConfig
+from marinlm.model.cpu_bf16 import Linear
 from marinlm.model.layers import GatedNorm, RMSNorm, SConv, SwiGLU, doc_ids_and_positions, trunc_normal_
 from marinlm.model.loss import chunked_loss, reference_loss
 from marinlm.model.moe import MoE
@@ -110,7 +111,7 @@ class MarinForCausalLM(nn.Module):
         self.embed_norm = _norm(config) if config.embed_norm else None
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.final_norm = _norm(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from marinlm.config import dump_config, to_dict
 from marinlm.dataset.loader import build_loader, open_sources, validation_batches
 from marinlm.dataset.shards import TokenDataset
+from marinlm.model.cpu_bf16 import gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
@@ -90,9 +91,9 @@ class Trainer:
         self._last_checkpoint_step = self._last_validation_step = None
         self.last_validation: dict[str, float] | None = None
         self.flops_per_token = summarize(c.model, c.data.seq_len).flops_per_token
-        self.peak_flops = matmul_peak_flops(
-            torch.bfloat16 if self.precision == "bf16" else torch.float32, self.device.type
-        )
+        # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.peak_flops = matmul_peak_flops(gemm_dtype(dtype, self.device), self.device.type)
         resumed_from = self._resume(resume)
         self.sinks = None
         if self.info.is_main:
