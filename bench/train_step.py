@@ -193,8 +193,10 @@ def main() -> None:
             # a step. Ours (model/cpu_bf16.py) does not, so show it at the full shape too.
             full_ids = torch.randint(0, qwen.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
             full = interleaved_best({"full": ours_step(build_ours(qwen, dev), full_ids, dtype)}, a.steps, dev)["full"]
+            mfu = summarize(qwen, a.seq).flops_per_token * a.batch * a.seq / full / peaks[torch.float32]
             print(
                 f"  marinlm at {a.batch} x {a.seq}: {a.batch * a.seq / full:8.0f} tok/s  step {full * 1e3:8.1f} ms"
+                f"  MFU {mfu:6.1%} of the fp32 peak its GEMMs run at"
                 f"  (HF not timed there: its bf16 matmuls run at {peaks[dtype] / 1e9:.1f} GFLOP/s)"
             )
         if "marinlm small" in best:
