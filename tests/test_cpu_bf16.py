@@ -50,6 +50,8 @@ def test_linear_matches_autocast_bf16_kernel():
 def test_linear_dispatch(emulated_bf16):
     layer = cpu_bf16.Linear(16, 8)
     assert layer.bias is None and set(layer.state_dict()) == {"weight"}
+    with pytest.raises(ValueError, match="no bias"):
+        cpu_bf16.Linear(16, 8, bias=True)
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).grad_fn.name().endswith("_Bf16LinearBackward")

@@ -88,8 +88,10 @@ class Linear(nn.Linear):
     linear layer.
     """
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        if bias:
+            raise ValueError("marinlm's Linear has no bias (no layer of the Marin architecture has one)")
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast_bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16
