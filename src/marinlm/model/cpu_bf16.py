@@ -14,7 +14,7 @@ gives the same numbers up to the order of the fp32 additions. That is what this 
 such CPUs, with autocast's rounding points kept: operands, outputs and the gradients that leave
 each product are bf16; the master weights and their gradients stay fp32, as under autocast.
 
-Nothing changes on GPUs, on CPUs with a bf16 GEMM, or outside bf16 autocast.
+Nothing changes on GPUs, on CPUs with a bf16 GEMM, or in fp32.
 `tests/test_cpu_bf16.py` checks the results against torch's own bf16 kernels.
 """
 
@@ -48,11 +48,6 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     return torch.float32 if dtype == BF16 and emulated_bf16(device) else dtype
 
 
-def round_bf16(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values rounded to bf16, kept in fp32 for an fp32 GEMM."""
-    return t.to(BF16).float()
-
-
 class _Bf16Linear(torch.autograd.Function):
     """y = x @ w.T as autocast's bf16 linear computes it, with fp32 GEMMs; saves bf16 operands."""
 
@@ -68,7 +63,7 @@ class _Bf16Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x_bf, w_bf = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        g = round_bf16(grad_y)
+        g = grad_y.to(BF16).float()
         grad_x = grad_w = None
         with torch.autocast("cpu", enabled=False):
             if ctx.needs_input_grad[0]:
