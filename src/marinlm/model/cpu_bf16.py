@@ -89,8 +89,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast_bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16
-        if (autocast_bf16 or x.dtype == BF16) and emulated_bf16(x.device):
+        # The cached device check first: off CPU (or with a bf16 GEMM) nothing else is looked at.
+        if emulated_bf16(x.device) and (
+            x.dtype == BF16 or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == BF16)
+        ):
             return _Bf16Linear.apply(x, self.weight)
         return F.linear(x, self.weight)
 
