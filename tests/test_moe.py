@@ -52,10 +52,10 @@ def test_capacity_drops_later_tokens_and_counts_them(impl):
     module.reset_parameters()
     N, k = 12, 2
     experts = torch.stack([torch.zeros(N, dtype=torch.long), torch.randint(1, 4, (N,))], 1)  # all hit expert 0
-    weights = torch.rand(N, k)
+    weights = torch.rand(N, k, requires_grad=True)
     capacity = expert_capacity(N, k, 4, 1.0)  # 6 slots per expert
     assert capacity == 6
-    x = torch.randn(N, 8)
+    x = torch.randn(N, 8, requires_grad=True)
     got, dropped = module(x, experts, weights, capacity)
     counts = torch.bincount(experts.reshape(-1), minlength=4)
     assert dropped.item() == (counts - capacity).clamp_min(0).sum().item()
@@ -67,7 +67,13 @@ def test_capacity_drops_later_tokens_and_counts_them(impl):
             e = experts[n, j].item()
             keep[n, j] = seen[e] < capacity
             seen[e] += 1
-    torch.testing.assert_close(got, naive_experts(module, x, experts, weights, keep), rtol=1e-5, atol=1e-6)
+    want = naive_experts(module, x, experts, weights, keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Dropped assignments get no gradient; kept ones the naive loop's.
+    params = [x, weights, module.gate_proj, module.up_proj, module.down_proj]
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_grouped_mm_rejects_unaligned_widths_clearly():

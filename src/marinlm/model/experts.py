@@ -5,7 +5,10 @@ E experts, D expert input width (d_model or the latent width), F expert hidden w
 per expert in the padded layout.
 
 Dispatch sorts the N*k assignments by expert (stable, so token order within an expert), runs
-the experts on the sorted rows, scales by the combine weights and scatter-adds back per token.
+the experts on the sorted rows, puts each row back in its token-major slot and sums each token's
+k slots weighted by the combine weights. Every assignment owns one slot, so neither direction
+needs an accumulating scatter (slow on CPU, non-deterministic on GPU): gradients are bitwise
+reproducible.
 Three interchangeable kernels compute the sorted rows:
 
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from marinlm.model.cpu_bf16 import gemm_dtype
 from marinlm.model.layers import trunc_normal_
 
 
@@ -78,6 +82,48 @@ def _grouped_mm_backward(ctx, dy_AF):
 # rule demands bf16, so we register the op with our own autograd and shape rules; this also
 # lets torch.compile trace through it.
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _to_slots(rows_AD: torch.Tensor, row_S: torch.Tensor) -> torch.Tensor:
+    """rows_AD[row_S], where row index A (one past the end) stands for a zero row."""
+    if row_S.shape[0] != rows_AD.shape[0]:  # some assignments were dropped
+        rows_AD = torch.cat([rows_AD, rows_AD.new_zeros(1, rows_AD.shape[1])])
+    return rows_AD.index_select(0, row_S)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x_AD = x_ND[order_A // k]: the token row of each kept assignment, in expert-sorted order.
+
+    `row_S` inverts `order_A`: the sorted row of each token-major slot (S = N*k), or A where the
+    assignment was dropped. The backward gathers each slot's gradient row and sums each token's
+    k slots.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, order_A, row_S, k):
+        ctx.save_for_backward(row_S)
+        ctx.k = k
+        return x_ND.index_select(0, order_A // k)
+
+    @staticmethod
+    def backward(ctx, dx_AD):
+        (row_S,) = ctx.saved_tensors
+        dx_SD = _to_slots(dx_AD, row_S)
+        return dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1), None, None, None
+
+
+class _Undispatch(torch.autograd.Function):
+    """y_SD = y_AD put back in token-major slot order; a dropped assignment's slot is zero."""
+
+    @staticmethod
+    def forward(ctx, y_AD, order_A, row_S):
+        ctx.save_for_backward(order_A)
+        return _to_slots(y_AD, row_S)
+
+    @staticmethod
+    def backward(ctx, dy_SD):
+        (order_A,) = ctx.saved_tensors
+        return dy_SD.index_select(0, order_A), None, None
 
 
 def compute_dtype(x: torch.Tensor, impl: str = "bmm") -> torch.dtype:
@@ -156,11 +202,13 @@ class RoutedExperts(nn.Module):
             dropped = (~keep_A).sum().float()
             order_A, expert_sorted_A, rank_A = order_A[keep_A], expert_sorted_A[keep_A], rank_A[keep_A]
             counts_E = counts_E.clamp(max=capacity)
-        token_A = order_A // k
         # Alignment is checked at the autocast width: aligned in bf16 implies aligned in fp32.
         impl = resolve_impl(self.impl, x_ND.device, tuple(self.down_proj.shape[1:]), compute_dtype(x_ND))
         dtype = compute_dtype(x_ND, impl)
-        x_AD = x_ND[token_A].to(dtype)
+        A = order_A.shape[0]
+        row_S = torch.full((N * k,), A, dtype=order_A.dtype, device=order_A.device)
+        row_S[order_A] = torch.arange(A, device=order_A.device)
+        x_AD = _Dispatch.apply(x_ND, order_A, row_S, k).to(dtype)
         w_gate, w_up, w_down = (w.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         if impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
@@ -181,8 +229,13 @@ class RoutedExperts(nn.Module):
             y_AD = torch.cat(pieces)
         else:
             raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, bmm, loop")
-        y_AD = y_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1).to(dtype)
-        out_ND = y_AD.new_zeros(N, y_AD.shape[1]).index_add_(0, token_A, y_AD)
+        y_NKD = _Undispatch.apply(y_AD, order_A, row_S).view(N, k, -1)
+        # The weighted sum over each token's k slots as one batched [1, k] @ [k, D] product in
+        # the experts' dtype; bf16 on a CPU without a bf16 GEMM runs it in fp32 (model/cpu_bf16.py).
+        gemm = gemm_dtype(dtype, x_ND.device)
+        with torch.autocast(x_ND.device.type, enabled=False):
+            w_N1K = weights_NK.to(dtype).to(gemm).unsqueeze(1)
+            out_ND = torch.bmm(w_N1K, y_NKD.to(gemm)).squeeze(1).to(dtype)
         return out_ND, dropped
 
 
