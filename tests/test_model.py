@@ -190,11 +190,14 @@ def test_loss_terms_and_ignore_index():
     assert math.isclose(out.ce_loss.item(), math.log(config.vocab_size), rel_tol=0.1)  # near uniform at init
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_fused_chunked_loss_matches_materialised_logits(tied):
+@pytest.mark.parametrize("tied, vocab_rows", [(False, None), (True, None), (False, 37)])
+def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, monkeypatch):
     """The training path (return_logits=False) fuses LM head and loss in chunks; values and every
     gradient must equal the materialised-logits path, with ignored labels, a z-loss and a last
-    chunk shorter than the rest."""
+    chunk shorter than the rest; also with the vocabulary in blocks of 37 rows (the last one
+    shorter), so that labels fall in every block."""
+    if vocab_rows is not None:
+        monkeypatch.setattr("marinlm.model.loss.vocab_block_rows", lambda vocab, tokens, device: vocab_rows)
     config = tiny_config(tie_embeddings=tied, z_loss_weight=1e-2, loss_chunk_tokens=7)
     ids = torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(-1, 1)
