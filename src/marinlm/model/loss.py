@@ -12,14 +12,15 @@ gradient with respect to the logits in closed form,
     d(ce + w·lse²)/d logits = softmax · (1 + 2·w·lse) − onehot(label),
 
 which it turns at once into the chunk's dh = g·W and its share of dW = gᵀ·h. The chunk's logits
-are held transposed, [V, C], and worked through in blocks of vocabulary rows (8 MB on CPU): a
-first pass computes each block and folds it into an online logsumexp; a second turns each block
-into its gradient in place and feeds it to both GEMMs while it is still in cache. No [C, V]
-temporary is ever allocated. Only dh [N, D] and
-dW [V, D] are kept for the backward pass, never the [N, V] logits: for Marin's 128k vocabulary
-and 4,096-token rows that is 2 GB of fp32 logits per row that are never held. The price is that
-dW (fp32, the head's unsharded size: 3.1 GB for the hero) lives from the forward pass until the
-backward pass reaches the head.
+are held transposed, [V, C], and worked through in blocks of vocabulary rows (8 MB on CPU, the
+whole vocabulary on GPU): a first pass computes each block and folds it into an online
+logsumexp; a second turns each block into its gradient in place and feeds it to both GEMMs while
+it is still in cache. No temporary is larger than a block.
+
+Only dh [N, D] and dW [V, D] are kept for the backward pass, never the [N, V] logits: for Marin's
+128k vocabulary and 4,096-token rows that is 2 GB of fp32 logits per row that are never held. The
+price is that dW (fp32, the head's unsharded size: 3.1 GB for the hero) lives from the forward
+pass until the backward pass reaches the head.
 
 `python bench/lm_loss.py` measures it against F.linear + F.cross_entropy (+ logsumexp) on the
 2-core dev CPU, chunks of 1,024 tokens: 3.6-5.5x less peak memory at every shape, and 1.17x the
