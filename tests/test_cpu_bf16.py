@@ -76,7 +76,11 @@ def test_sdpa_matches_bf16_kernel(emulated_bf16):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
 
 
-def test_fused_loss_matches_bf16_kernel(monkeypatch):
+@pytest.mark.parametrize("vocab_rows", [None, 64])
+def test_fused_loss_matches_bf16_kernel(vocab_rows, monkeypatch):
+    """Also with the vocabulary in blocks (the native-bf16 side then rounds each block's dh)."""
+    if vocab_rows is not None:
+        monkeypatch.setattr("marinlm.model.loss.vocab_block_rows", lambda vocab, tokens, device: vocab_rows)
     torch.manual_seed(0)
     h = torch.randn(70, 32, requires_grad=True)
     w = (0.2 * torch.randn(300, 32)).requires_grad_()
