@@ -90,8 +90,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
     if not cpu_bf16.emulated_bf16("cpu"):
         print("this CPU has a bf16 GEMM: marinlm uses torch's bf16 kernels here, nothing to compare")
         return
