@@ -30,6 +30,27 @@ def test_newton_schulz_orthogonalises_each_matrix():
     torch.testing.assert_close(single, u[1], rtol=1e-4, atol=1e-5)  # per matrix, not across the stack
 
 
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 24, 40), (2, 3, 40, 24)])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_newton_schulz_is_the_quintic_iteration(shape, steps):
+    """X <- a·X + b·(XXᵀ)X + c·(XXᵀ)²X on the wide orientation, from X/‖X‖_F, per matrix (fp64 ref)."""
+    from marinlm.optim.marin import NS_COEFFICIENTS
+
+    a, b, c = NS_COEFFICIENTS
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 3
+    flat = g.double().reshape(-1, *shape[-2:])
+    expected = []
+    for m in flat:
+        x = m / m.norm()
+        x = x.T if x.shape[0] > x.shape[1] else x
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + b * gram @ x + c * gram @ gram @ x
+        expected.append(x.T if m.shape[0] > m.shape[1] else x)
+    expected = torch.stack(expected).reshape(shape).float()
+    torch.testing.assert_close(newton_schulz(g, steps=steps), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("max_elements", [None, 0, 3000, 1 << 30])
 def test_batched_newton_schulz_equals_one_matrix_at_a_time(max_elements):
     """Same-shaped matrices are stacked into shared calls (in batches of at most max_elements)."""
