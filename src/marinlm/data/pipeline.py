@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from marinlm.config import check
 from marinlm.data.decontam import DecontamConfig, Decontaminate, NgramIndex
@@ -38,6 +37,7 @@ from marinlm.data.pii import MaskPII, PIIConfig
 from marinlm.data.readers import Document, expand_inputs, read_documents
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
+from marinlm.utils.progress import progress_bar
 
 PARAGRAPH = re.compile(r"\n{2,}")
 
@@ -330,7 +330,7 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
 def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of) -> list[dict]:
     """Run `fn` over `tasks` locally (processes) or on Ray; progress counts documents."""
     results = []
-    bar = tqdm(total=None, desc=desc, unit="doc", disable=not config.progress, dynamic_ncols=True)
+    bar = progress_bar(total=None, desc=desc, unit="doc", disable=not config.progress)
     try:
         if not tasks:
             return results

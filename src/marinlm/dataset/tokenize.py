@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
+from marinlm.utils.progress import progress_bar
 
 
 @dataclass(kw_only=True)
@@ -194,7 +194,7 @@ def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
     total_bytes = sum(Path(t["path"]).stat().st_size for t in tasks)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     new_tokens = 0
     try:
         if workers <= 1:
@@ -206,8 +206,8 @@ def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
         for record in results:
             records[record["name"]] = record
             new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
+            bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
             bar.update(record["input"]["size"])
-            bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
         if pool is not None:
             pool.close()
             pool.join()

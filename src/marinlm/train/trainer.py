@@ -40,6 +40,7 @@ from marinlm.train.metrics import MetricSinks
 from marinlm.train.step import StepResult, param_norm, train_step, validate
 from marinlm.utils.io import write_json_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
+from marinlm.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -317,13 +318,12 @@ class Trainer:
         c = self.config
         start_time = time.perf_counter()
         batches = iter(self.loader)
-        bar = tqdm(
+        bar = progress_bar(
             total=c.train.steps,
             initial=self.step,
             desc="train",
             unit="step",
             disable=not (self.info.is_main and c.logging.progress),
-            dynamic_ncols=True,
         )
         profiler = self._profiler()
         stopped_early = False
@@ -362,8 +362,11 @@ class Trainer:
                         fn(result)
                 if profiler is not None:
                     profiler.step()
+                # The postfix rides on update()'s redraw, which the bar rate-limits (utils/progress.py).
+                bar.set_postfix(
+                    loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / self._step_time:,.0f}", refresh=False
+                )
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / self._step_time:,.0f}")
                 if c.train.max_minutes and time.perf_counter() - start_time > 60 * c.train.max_minutes:
                     stopped_early = True
                     self._log_event(f"time budget of {c.train.max_minutes} min reached")

@@ -1,0 +1,65 @@
+"""Progress bars: redrawn in place on a terminal, whole rate-limited lines in a log."""
+
+import io
+
+import pytest
+
+from marinlm.utils.progress import INTERVAL_ENV, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run(stream, steps: int) -> list[str]:
+    bar = progress_bar(total=steps, desc="train", unit="step", file=stream)
+    for i in range(steps):
+        bar.set_postfix(loss=f"{1 / (i + 1):.3f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    return stream.getvalue().split("\n")
+
+
+def test_a_log_gets_few_whole_lines_with_count_rate_and_postfix(monkeypatch):
+    monkeypatch.delenv(INTERVAL_ENV, raising=False)  # the default: a line at most every 30 s
+    lines = run(io.StringIO(), 1000)
+    assert lines[-1] == ""  # every line is terminated
+    lines = lines[:-1]
+    assert "\r" not in "".join(lines)
+    assert len(lines) <= 3  # the opening state, at most one more, the final state
+    assert lines[0].startswith("train:") and "0/1000" in lines[0]
+    final = lines[-1]
+    assert "1000/1000" in final and "step/s" in final and "loss=0.001" in final
+    assert len(final) < 160  # a fixed width, not a bar stretched over an unknown terminal
+
+
+def test_the_log_interval_is_configurable(monkeypatch):
+    monkeypatch.setenv(INTERVAL_ENV, "0")
+    lines = run(io.StringIO(), 50)[:-1]
+    assert len(lines) == 52  # the opening state, one line per update, the final state at close()
+    assert all(line.startswith("train:") and "\r" not in line for line in lines)
+    assert [f"{i}/50" in line for i, line in enumerate(lines[:51])] == [True] * 51
+    assert "50/50" in lines[51]
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1"])
+def test_a_bad_interval_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(INTERVAL_ENV, raw)
+    with pytest.raises(ValueError, match=INTERVAL_ENV):
+        progress_bar(total=3, file=io.StringIO())
+
+
+def test_a_terminal_gets_the_ordinary_bar_redrawn_in_place(monkeypatch):
+    monkeypatch.setenv(INTERVAL_ENV, "3600")  # ignored on a terminal
+    text = "\n".join(run(Terminal(), 200))
+    assert text.count("\r") >= 2  # redrawn over itself, as tqdm does
+    assert "200/200" in text
+
+
+def test_a_disabled_bar_writes_nothing():
+    stream = io.StringIO()
+    bar = progress_bar(total=10, file=stream, disable=True)
+    bar.update(10)
+    bar.close()
+    assert stream.getvalue() == ""
