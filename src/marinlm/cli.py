@@ -1,6 +1,7 @@
 """The `marinlm` command line. Thin: every command calls an importable function.
 
-Extra `--a.b=value` (or `--a.b value`) arguments are config overrides, e.g. `--workers 4`.
+Commands that read a YAML config take extra `--a.b=value` (or `--a.b value`) arguments as overrides
+of it, e.g. `--workers 4`; the others reject arguments they do not know.
 """
 
 from __future__ import annotations
@@ -148,6 +149,16 @@ def _model_summary(args, overrides) -> int:
     return 0
 
 
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the time budget must be > 0 minutes")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -156,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
     summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
     summary.add_argument("--seq-len", type=int, default=None, help="sequence length for attention FLOPs")
-    summary.set_defaults(func=_model_summary)
+    summary.set_defaults(func=_model_summary, takes_overrides=True)
 
     ev = commands.add_parser("eval", help="score a run or checkpoint on downstream tasks / perplexity")
     ev.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
@@ -190,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="your own files/folders/globs instead of the "
         "built-in corpus (Python's standard library sources and documentation topics)",
     )
-    quick.add_argument("--minutes", type=float, default=10.0, help="total time budget")
+    quick.add_argument("--minutes", type=_positive_minutes, default=10.0, help="total time budget")
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--seed", type=int, default=0)
     quick.set_defaults(func=_quickstart)
@@ -198,19 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
     data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")
     data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/default.yaml")
-    data_run.set_defaults(func=_data_run)
+    data_run.set_defaults(func=_data_run, takes_overrides=True)
 
     tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
         dest="tokenizer_command", required=True
     )
     train_tok = tokenizer.add_parser("train", help="train a byte-level BPE tokenizer")
     train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
-    train_tok.set_defaults(func=_tokenizer_train)
+    train_tok.set_defaults(func=_tokenizer_train, takes_overrides=True)
 
     train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
     train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")
     train.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint path")
-    train.set_defaults(func=_train)
+    train.set_defaults(func=_train, takes_overrides=True)
 
     gen = commands.add_parser("generate", help="stream a continuation from a trained run or checkpoint")
     gen.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
@@ -225,13 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")
-    tok.set_defaults(func=_tokenize)
+    tok.set_defaults(func=_tokenize, takes_overrides=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_overrides", False):
+        # quickstart, eval and generate have no config to override: a misspelt flag is an error.
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest and not rest[0].startswith("--"):
         parser.error(f"unrecognized arguments: {' '.join(rest)} (config overrides look like --a.b=value)")
     try:
