@@ -76,6 +76,13 @@ def test_bad_yaml_file_names_the_file(tmp_path):
         load_config(MarinConfig, bad)
     with pytest.raises(ConfigError, match="not found"):
         load_config(MarinConfig, tmp_path / "missing.yaml")
+    bad.write_text("d_model: 64\n  num_layers: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(MarinConfig, bad)
+    assert f'in "{bad}", line 2' in str(info.value)  # YAML's own position, with the real file name
+    bad.write_bytes(b'd_model: 64\nname: "\xff"\n')
+    with pytest.raises(ConfigError, match="bad.yaml: not UTF-8 text"):
+        load_config(MarinConfig, bad)
 
 
 def test_choice_round_trip_keeps_variant():

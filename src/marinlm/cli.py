@@ -159,6 +159,16 @@ def _positive_minutes(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
     summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
-    summary.add_argument("--seq-len", type=int, default=None, help="sequence length for attention FLOPs")
+    summary.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length for attention FLOPs")
     summary.set_defaults(func=_model_summary, takes_overrides=True)
 
     ev = commands.add_parser("eval", help="score a run or checkpoint on downstream tasks / perplexity")

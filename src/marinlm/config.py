@@ -274,9 +274,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError("", f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with path.open(encoding="utf-8") as f:  # a stream, so YAML's own messages name the file
+            data = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: invalid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: top level must be a mapping, got {type(data).__name__}")
     includes = data.pop("include", [])
