@@ -56,6 +56,19 @@ def test_loglikelihood_matches_brute_force(loaded, batch_size, share):
     assert all(ll < 0 for ll, _ in got)
 
 
+def test_progress_bars_count_requests_and_windows_without_changing_scores(loaded, capsys):
+    quiet = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3)
+    loud = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3, progress=True)
+    assert loud.loglikelihood(REQUESTS, desc="mc") == quiet.loglikelihood(REQUESTS)
+    text = " ".join(SAMPLE_TEXTS * 3)
+    windows = math.ceil(len(loaded.tokenizer.encode(text)) / 64)
+    assert windows > 3  # more than one batch of windows
+    assert loud.loglikelihood_rolling([text, "short"], desc="bpb") == quiet.loglikelihood_rolling([text, "short"])
+    err = capsys.readouterr().err
+    assert "mc: 100%" in err and f"{len(REQUESTS)}/{len(REQUESTS)}" in err and "req/s" in err
+    assert "bpb: 100%" in err and f"{windows + 1}/{windows + 1}" in err and "window/s" in err
+
+
 def test_encode_pair_moves_trailing_space_to_continuation(loaded):
     scorer = Scorer(loaded.model, loaded.tokenizer)
     ctx, cont = scorer.encode_pair("Answer: ", "yes")

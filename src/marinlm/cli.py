@@ -130,6 +130,7 @@ def _eval(args, overrides) -> int:
         num_fewshot=args.num_fewshot,
         predictions=args.predictions,
         hf_datasets=dict(spec.split("=", 1) for spec in args.hf),
+        progress=True,
     )
     loaded = load_model(args.run, device=args.device)
     output = args.output or (loaded.checkpoint / "eval.json")

@@ -13,6 +13,8 @@ Batching: requests are grouped by context and sorted longest first. A batch comp
 context once (prefill with the KV cache), then scores all of that context's continuations from the
 cached state; multiple-choice tasks share one context across their choices. In eval mode the MoE is
 dropless, so a request's score does not depend on what it is batched with.
+
+With `progress=True` each call shows a bar (requests or windows scored, rate, ETA) on stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.tokenizer import MarinTokenizer
+from marinlm.utils.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class Scorer:
         max_length: int | None = None,
         batch_size: int = 32,
         share_context: bool = True,
+        progress: bool = False,
     ):
         self.model, self.tok = model.eval(), tokenizer
         self.max_length = max_length or model.config.max_seq_len
         self.batch_size, self.share_context = batch_size, share_context
+        self.progress = progress
         self.device = next(model.parameters()).device
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -64,23 +69,27 @@ class Scorer:
         return ctx[-keep:], cont
 
     @torch.no_grad()
-    def loglikelihood(self, requests: list[Request]) -> list[tuple[float, bool]]:
+    def loglikelihood(self, requests: list[Request], desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         encoded = [self.encode_pair(r.context, r.continuation) for r in requests]
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, (ctx, _) in enumerate(encoded):
             groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        batch: list[tuple[int, ...]] = []
+        batches: list[list[tuple[int, ...]]] = [[]]
         rows = 0
         for key in order:
-            if batch and rows + len(groups[key]) > self.batch_size:
-                self._score_batch(batch, groups, encoded, results)
-                batch, rows = [], 0
-            batch.append(key)
+            if batches[-1] and rows + len(groups[key]) > self.batch_size:
+                batches.append([])
+                rows = 0
+            batches[-1].append(key)
             rows += len(groups[key])
-        if batch:
-            self._score_batch(batch, groups, encoded, results)
+        bar = progress_bar(total=len(requests), desc=desc, unit="req", disable=not self.progress)
+        with bar:
+            for batch in batches:
+                if batch:
+                    self._score_batch(batch, groups, encoded, results)
+                    bar.update(sum(len(groups[k]) for k in batch))
         return results  # type: ignore[return-value]
 
     def _score_batch(self, keys, groups, encoded, results) -> None:
@@ -122,30 +131,38 @@ class Scorer:
             results[i] = (float(token_logp.sum()), greedy)
 
     @torch.no_grad()
-    def loglikelihood_rolling(self, texts: list[str]) -> list[tuple[float, int]]:
+    def loglikelihood_rolling(self, texts: list[str], desc: str = "rolling") -> list[tuple[float, int]]:
         """(total log-likelihood, number of predicted tokens) per text."""
-        out = []
+        L = self.max_length
+        per_text = []
         for text in texts:
             ids = self.tok.encode(text)
             stream = [self.tok.bos_id, *ids]
-            total, L = 0.0, self.max_length
             windows = []
             for start in range(0, len(ids), L):
                 end = min(len(ids), start + L)
                 inp = stream[max(0, end - L) : end]  # inputs; the last (end - start) predict ids[start:end]
                 windows.append((inp, ids[start:end]))
-            for b in range(0, len(windows), self.batch_size):
-                chunk = windows[b : b + self.batch_size]
-                width = max(len(inp) for inp, _ in chunk)
-                batch = torch.full((len(chunk), width), self.tok.pad_id, dtype=torch.long)
-                for r, (inp, _) in enumerate(chunk):
-                    batch[r, : len(inp)] = torch.tensor(inp)
-                logp = torch.log_softmax(self.model(batch.to(self.device)).logits.float(), dim=-1)
-                for r, (inp, targets) in enumerate(chunk):
-                    n = len(targets)
-                    rows = logp[r, len(inp) - n : len(inp)]
-                    total += float(rows.gather(-1, torch.tensor(targets, device=self.device).unsqueeze(-1)).sum())
-            out.append((total, len(ids)))
+            per_text.append((ids, windows))
+        total_windows = sum(len(windows) for _, windows in per_text)
+        bar = progress_bar(total=total_windows, desc=desc, unit="window", disable=not self.progress)
+        out = []
+        with bar:
+            for ids, windows in per_text:
+                total = 0.0
+                for b in range(0, len(windows), self.batch_size):
+                    chunk = windows[b : b + self.batch_size]
+                    width = max(len(inp) for inp, _ in chunk)
+                    batch = torch.full((len(chunk), width), self.tok.pad_id, dtype=torch.long)
+                    for r, (inp, _) in enumerate(chunk):
+                        batch[r, : len(inp)] = torch.tensor(inp)
+                    logp = torch.log_softmax(self.model(batch.to(self.device)).logits.float(), dim=-1)
+                    for r, (inp, targets) in enumerate(chunk):
+                        n = len(targets)
+                        rows = logp[r, len(inp) - n : len(inp)]
+                        total += float(rows.gather(-1, torch.tensor(targets, device=self.device).unsqueeze(-1)).sum())
+                    bar.update(len(chunk))
+                out.append((total, len(ids)))
         return out
 
     @torch.no_grad()

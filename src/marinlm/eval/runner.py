@@ -31,6 +31,7 @@ class EvalOptions:
     num_fewshot: int = 0
     predictions: bool = False
     hf_datasets: dict[str, str] | None = None  # task file name -> HF datasets "NAME[:CONFIG]:SPLIT"
+    progress: bool = False  # a bar per task on stderr (`marinlm eval` turns it on)
 
 
 def _data_dir(options: EvalOptions) -> Path:
@@ -82,7 +83,7 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
 def run_eval(loaded, options: EvalOptions, output: str | Path | None = None, val_source=None) -> dict:
     """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given."""
     prepared = prepare(options)
-    scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size)
+    scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size, progress=options.progress)
     results, predictions, files = {}, {}, {}
     start = time.perf_counter()
     for spec, task, items in prepared:
@@ -90,7 +91,7 @@ def run_eval(loaded, options: EvalOptions, output: str | Path | None = None, val
         if spec == "val":
             results[spec] = _val_metrics(loaded, val_source, options.batch_size)
         elif spec.startswith("bpb:"):
-            ll = scorer.loglikelihood_rolling(items)
+            ll = scorer.loglikelihood_rolling(items, desc=spec)
             total = sum(x for x, _ in ll)
             tokens = sum(n for _, n in ll)
             num_bytes = sum(len(t.encode("utf-8")) for t in items)
@@ -103,7 +104,7 @@ def run_eval(loaded, options: EvalOptions, output: str | Path | None = None, val
             files[str(task)] = sha256_file(task)
         else:
             flat = [r for item in items for r in item.requests]
-            lls = scorer.loglikelihood(flat)
+            lls = scorer.loglikelihood(flat, desc=spec)
             grouped, k = [], 0
             for item in items:
                 grouped.append(lls[k : k + len(item.requests)])
