@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
+from marinlm.config import ConfigError
 from marinlm.model import SamplingConfig, generate
 from marinlm.model.generate import filter_logits
 
@@ -72,3 +74,14 @@ def test_filter_logits_top_k_and_top_p():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.8 >= 0.7
     kept = torch.isfinite(filter_logits(logits, 1.0, 0, 0.4))
     assert kept.tolist() == [[True, False, False, False]]
+    kept = torch.isfinite(filter_logits(logits, 1.0, 0, 0.0))
+    assert kept.tolist() == [[True, False, False, False]]  # never an empty nucleus (NaN probabilities)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_new_tokens", -1), ("temperature", -0.5), ("top_k", -3), ("top_p", 0.0), ("top_p", 1.5)]
+)
+def test_bad_sampling_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field) as info:
+        SamplingConfig(**{field: value})
+    assert info.value.key == field

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from marinlm.config import check
 from marinlm.model.transformer import MarinForCausalLM
 
 
@@ -22,6 +23,12 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+
+    def __post_init__(self):
+        check(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        check(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
 
 
 def filter_logits(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -35,6 +42,7 @@ def filter_logits(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         # Drop a token when the tokens before it already cover top_p; always keep the first.
         drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        drop_sorted[..., 0] = False  # the most likely token, even when rounding says it covers top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
         logits_BV = logits_BV.masked_fill(drop, float("-inf"))
     return logits_BV
