@@ -103,3 +103,19 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
     run_file.write_text(f"model: {CONFIGS / 'model' / 'tiny.yaml'}\nname: demo\n")
     run = load_config(Run, run_file, ["--model.num_layers=2"])
     assert run.model.d_model == 128 and run.model.num_layers == 2 and run.name == "demo"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--eval.every_n_steps=5", "eval.tasks"),
+        ("--eval.limit=0", "eval.limit"),
+        ("--eval.every_n_steps=-1", "eval.every_n_steps"),
+    ],
+)
+def test_bad_in_training_eval_settings_fail_at_load(override, key):
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", [override])
+    assert info.value.key == key

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from marinlm.config import ConfigError
 from marinlm.eval.lm import Request, Scorer
 from marinlm.eval.runner import EvalOptions, prepare, run_eval
 from marinlm.eval.tasks import MMLU, Item, Lambada, TaskDataError, score, task_registry
@@ -67,6 +68,15 @@ def test_progress_bars_count_requests_and_windows_without_changing_scores(loaded
     err = capsys.readouterr().err
     assert "mc: 100%" in err and f"{len(REQUESTS)}/{len(REQUESTS)}" in err and "req/s" in err
     assert "bpb: 100%" in err and f"{windows + 1}/{windows + 1}" in err and "window/s" in err
+
+
+@pytest.mark.parametrize(
+    "field, value", [("tasks", []), ("limit", 0), ("limit", -3), ("batch_size", 0), ("num_fewshot", -1)]
+)
+def test_bad_eval_options_name_the_field(field, value):
+    with pytest.raises(ConfigError) as info:
+        EvalOptions(**{"tasks": ["hellaswag"], field: value})
+    assert info.value.key == field
 
 
 def test_encode_pair_moves_trailing_space_to_continuation(loaded):

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from marinlm.config import check
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, score, subset, task_registry
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
@@ -32,6 +33,12 @@ class EvalOptions:
     predictions: bool = False
     hf_datasets: dict[str, str] | None = None  # task file name -> HF datasets "NAME[:CONFIG]:SPLIT"
     progress: bool = False  # a bar per task on stderr (`marinlm eval` turns it on)
+
+    def __post_init__(self):
+        check(len(self.tasks) > 0, "tasks", "give at least one task")
+        check(self.limit is None or self.limit >= 1, "limit", f"must be >= 1 items per task, got {self.limit}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(self.num_fewshot >= 0, "num_fewshot", f"must be >= 0, got {self.num_fewshot}")
 
 
 def _data_dir(options: EvalOptions) -> Path:

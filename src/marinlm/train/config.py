@@ -98,6 +98,12 @@ class EvalHookConfig:
     limit: int = 50
     data_dir: str = ""
 
+    def __post_init__(self):
+        check(self.every_n_steps >= 0, "every_n_steps", f"must be >= 0 (0 = off), got {self.every_n_steps}")
+        check(self.limit >= 1, "limit", f"must be >= 1 items per task, got {self.limit}")
+        if self.every_n_steps:
+            check(len(self.tasks) > 0, "tasks", "give at least one task when every_n_steps > 0")
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
