@@ -86,6 +86,8 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
         f.truncate(100)
     with pytest.raises(CheckpointError, match="truncated"):
         CheckpointManager(tmp_path / "run" / "checkpoints").load(ckpts[0], {})
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume=str(tmp_path / "typo"))
 
 
 def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):

@@ -131,6 +131,8 @@ def list_checkpoints(root: Path) -> list[Path]:
 def validate(folder: Path) -> None:
     """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash."""
     marker = folder / "COMPLETE.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not marker.is_file():
         raise CheckpointError(f"{folder}: no COMPLETE.json, the save did not finish")
     try:
