@@ -14,6 +14,7 @@ Pre-tokenisation (a regex split, then bytes):
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from marinlm.config import check
 from marinlm.utils.io import sha256_bytes, write_text_atomic
+from marinlm.utils.progress import is_terminal
 
 CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
 SPLIT_PATTERN = (
@@ -88,7 +90,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, len
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
+        show_progress=is_terminal(sys.stderr),  # off a terminal its bar prints only blank lines
     )
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok

@@ -35,7 +35,7 @@ class _Lines:
         self.stream.flush()
 
 
-def _is_terminal(stream) -> bool:
+def is_terminal(stream) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -58,7 +58,7 @@ def log_interval() -> float:
 def progress_bar(*, file=None, **kwargs) -> tqdm:
     """`tqdm(**kwargs)` on `file` (stderr by default); whole lines every few seconds off a terminal."""
     stream = sys.stderr if file is None else file
-    if kwargs.get("disable") or _is_terminal(stream):
+    if kwargs.get("disable") or is_terminal(stream):
         return tqdm(file=stream, dynamic_ncols=True, **kwargs)
     interval = log_interval()
     # ncols: a log has no width to fit; a fixed one keeps the bar itself short.
