@@ -15,7 +15,7 @@ from conftest import CONFIGS
         (["eval", "runs/x", "--tasks", "val", "--limt", "3"], "--limt"),
         (["quickstart", "--minutes", "0"], "must be > 0"),
         (["quickstart", "--minutes", "ten"], "not a number"),
-        (["model", "summary", str(CONFIGS / "model" / "tiny.yaml"), "--seq-len=-5"], "must be >= 1"),
+        (["model", "summary", str(CONFIGS / "model" / "tiny.yaml"), "--seq-len=-5"], "must be > 0"),
     ],
 )
 def test_bad_arguments_stop_before_any_work(argv, named, capsys):

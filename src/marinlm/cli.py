@@ -150,24 +150,19 @@ def _model_summary(args, overrides) -> int:
     return 0
 
 
-def _positive_minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the time budget must be > 0 minutes")
-    return value
+def _positive(cast, what: str):
+    """An argparse `type` that accepts a number > 0 of the given type."""
 
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
     summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
-    summary.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length for attention FLOPs")
+    summary.add_argument(
+        "--seq-len", type=_positive(int, "an integer"), default=None, help="sequence length for attention FLOPs"
+    )
     summary.set_defaults(func=_model_summary, takes_overrides=True)
 
     ev = commands.add_parser("eval", help="score a run or checkpoint on downstream tasks / perplexity")
@@ -212,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="your own files/folders/globs instead of the "
         "built-in corpus (Python's standard library sources and documentation topics)",
     )
-    quick.add_argument("--minutes", type=_positive_minutes, default=10.0, help="total time budget")
+    quick.add_argument(
+        "--minutes", type=_positive(float, "a number of minutes"), default=10.0, help="total time budget"
+    )
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--seed", type=int, default=0)
     quick.set_defaults(func=_quickstart)
