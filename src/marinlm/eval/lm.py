@@ -76,20 +76,19 @@ class Scorer:
             groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        batches: list[list[tuple[int, ...]]] = [[]]
+        batch: list[tuple[int, ...]] = []
         rows = 0
-        for key in order:
-            if batches[-1] and rows + len(groups[key]) > self.batch_size:
-                batches.append([])
-                rows = 0
-            batches[-1].append(key)
-            rows += len(groups[key])
-        bar = progress_bar(total=len(requests), desc=desc, unit="req", disable=not self.progress)
-        with bar:
-            for batch in batches:
-                if batch:
+        with progress_bar(total=len(requests), desc=desc, unit="req", disable=not self.progress) as bar:
+            for key in order:
+                if batch and rows + len(groups[key]) > self.batch_size:
                     self._score_batch(batch, groups, encoded, results)
-                    bar.update(sum(len(groups[k]) for k in batch))
+                    bar.update(rows)
+                    batch, rows = [], 0
+                batch.append(key)
+                rows += len(groups[key])
+            if batch:
+                self._score_batch(batch, groups, encoded, results)
+                bar.update(rows)
         return results  # type: ignore[return-value]
 
     def _score_batch(self, keys, groups, encoded, results) -> None:
