@@ -209,6 +209,10 @@ def test_missing_input_and_bad_config_fail_fast(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(PipelineConfig, None, ["--decontam.mode=mask"])
     assert info.value.key == "decontam.mode"
+    for source, key in [({"split_pattern": "(["}, "sources[0].split_pattern"), ({"tokens": -5}, "sources[0].tokens")]:
+        with pytest.raises(ConfigError) as info:  # at load, not in a worker halfway through the run
+            load_config(PipelineConfig, None, [f"--sources=[{dict(name='x', inputs=['a.txt'], **source)}]"])
+        assert info.value.key == key
 
 
 def test_mixture_meets_token_budgets(tmp_path):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from marinlm.config import check
+from marinlm.config import ConfigError, check
 from marinlm.data.decontam import DecontamConfig, Decontaminate, NgramIndex
 from marinlm.data.dedup import DedupConfig, minhash_bands, xxh3
 from marinlm.data.filters import QualityConfig, quality_steps
@@ -56,6 +56,11 @@ class SourceSpec:
         check(bool(self.name) and "/" not in self.name, "name", f"must be a plain name, got {self.name!r}")
         check(bool(self.inputs), "inputs", "give at least one file, folder or glob")
         check(self.weight > 0, "weight", f"must be positive, got {self.weight}")
+        check(self.tokens >= 0, "tokens", f"must be >= 0 (0 = use the weight), got {self.tokens}")
+        try:
+            re.compile(self.split_pattern)
+        except re.error as e:
+            raise ConfigError("split_pattern", f"{self.split_pattern!r} is not a valid regex: {e}") from None
 
 
 @dataclass(kw_only=True)
