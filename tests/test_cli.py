@@ -4,7 +4,7 @@ import pytest
 
 from marinlm.cli import main
 
-from conftest import CONFIGS
+from conftest import CONFIGS, train_config
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,14 @@ def test_overrides_reach_the_config(capsys):
     assert full != one_layer
     assert main(["model", "summary", str(CONFIGS / "model" / "tiny.yaml"), "--num_layerz=1"]) == 2
     assert "num_layerz" in capsys.readouterr().err
+
+
+def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, tmp_path, capsys):
+    from marinlm.config import save_config
+
+    config = tmp_path / "train.yaml"
+    save_config(train_config(token_data, tmp_path / "run", train={"steps": 2}), config)
+    assert main(["train", str(config)]) == 0
+    assert "final train loss" in capsys.readouterr().out
+    assert main(["train", str(config)]) == 0  # resumes at step 2 of 2: nothing to train
+    assert "no step left to train" in capsys.readouterr().out

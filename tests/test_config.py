@@ -111,6 +111,9 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
         ("--eval.every_n_steps=5", "eval.tasks"),
         ("--eval.limit=0", "eval.limit"),
         ("--eval.every_n_steps=-1", "eval.every_n_steps"),
+        ("--validation.every_steps=-1", "validation.every_steps"),
+        ("--validation.batch_size=0", "validation.batch_size"),
+        ("--profile.num_steps=-2", "profile.num_steps"),
     ],
 )
 def test_bad_in_training_eval_settings_fail_at_load(override, key):

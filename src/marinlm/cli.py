@@ -71,9 +71,13 @@ def _train(args, overrides) -> int:
     summary = run_training(_load(TrainConfig, args.config, overrides), resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         val = summary.get("validation") or {}
+        trained = (
+            f"final train loss {summary['final_loss']:.4f}"
+            if summary["final_loss"] is not None
+            else "no step left to train (the run had already finished)"
+        )
         print(
-            f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, final train loss "
-            f"{summary['final_loss']:.4f}"
+            f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, {trained}"
             + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
         )
     return 0

@@ -82,11 +82,20 @@ class ValidationConfig:
     max_rows: int = 64  # sequences of the held-out split per evaluation
     batch_size: int = 8
 
+    def __post_init__(self):
+        check(self.every_steps >= 0, "every_steps", f"must be >= 0 (0 = only at the end), got {self.every_steps}")
+        check(self.max_rows >= 1, "max_rows", f"must be >= 1, got {self.max_rows}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+
 
 @dataclass(kw_only=True)
 class ProfileConfig:
     start_step: int = 0
     num_steps: int = 0  # 0 = no trace; else a torch.profiler trace of steps [start, start + num)
+
+    def __post_init__(self):
+        check(self.start_step >= 0, "start_step", f"must be >= 0, got {self.start_step}")
+        check(self.num_steps >= 0, "num_steps", f"must be >= 0 (0 = no trace), got {self.num_steps}")
 
 
 @dataclass(kw_only=True)
