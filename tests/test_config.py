@@ -116,7 +116,7 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
         ("--profile.num_steps=-2", "profile.num_steps"),
     ],
 )
-def test_bad_in_training_eval_settings_fail_at_load(override, key):
+def test_bad_eval_validation_and_profile_settings_fail_at_load(override, key):
     from marinlm.train.config import TrainConfig
 
     with pytest.raises(ConfigError) as info:
