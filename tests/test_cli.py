@@ -44,3 +44,8 @@ def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, t
     assert "final train loss" in capsys.readouterr().out
     assert main(["train", str(config)]) == 0  # resumes at step 2 of 2: nothing to train
     assert "no step left to train" in capsys.readouterr().out
+
+
+def test_a_malformed_hf_source_is_named(capsys):
+    assert main(["eval", "runs/x", "--tasks", "hellaswag", "--hf", "hellaswag_val.jsonl"]) == 2
+    assert "--hf 'hellaswag_val.jsonl': expected FILE=NAME[:CONFIG]:SPLIT" in capsys.readouterr().err

@@ -122,6 +122,15 @@ def _quickstart(args, overrides) -> int:
     return 0
 
 
+def _hf_source(spec: str) -> tuple[str, str]:
+    file, sep, source = spec.partition("=")
+    if not (sep and file and source):
+        raise ValueError(
+            f"--hf {spec!r}: expected FILE=NAME[:CONFIG]:SPLIT, e.g. hellaswag_val.jsonl=org/hellaswag:validation"
+        )
+    return file, source
+
+
 def _eval(args, overrides) -> int:
     from marinlm.eval.runner import EvalOptions, markdown_table, run_eval
     from marinlm.train.inference import load_model
@@ -133,7 +142,7 @@ def _eval(args, overrides) -> int:
         batch_size=args.batch_size,
         num_fewshot=args.num_fewshot,
         predictions=args.predictions,
-        hf_datasets=dict(spec.split("=", 1) for spec in args.hf),
+        hf_datasets=dict(_hf_source(spec) for spec in args.hf),
         progress=True,
     )
     loaded = load_model(args.run, device=args.device)
