@@ -49,3 +49,26 @@ def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, t
 def test_a_malformed_hf_source_is_named(capsys):
     assert main(["eval", "runs/x", "--tasks", "hellaswag", "--hf", "hellaswag_val.jsonl"]) == 2
     assert "--hf 'hellaswag_val.jsonl': expected FILE=NAME[:CONFIG]:SPLIT" in capsys.readouterr().err
+
+
+def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, capsys):
+    # argparse treats "--inputs=[a, b]" (it has a space) as a positional: it must still be an override.
+    text, missing = tmp_path / "a.txt", tmp_path / "missing"
+    text.write_text("some text to train on")
+    argv = ["tokenizer", "train", f"--inputs=[{text}, {missing}]", f"--output_dir={tmp_path}/o"]
+    assert main(argv) == 2
+    assert f"input path does not exist: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tokenizer", "train", "--inputs=[a.txt]", "--output_dir=''"],
+        ["tokenize", "--inputs=[a]", "--tokenizer=t", "--output_dir=''"],
+        ["data", "run", "--sources=[{name: a, inputs: [a.txt]}]", "--output_dir=''"],
+        ["train", str(CONFIGS / "train" / "tiny.yaml"), "--run_dir=''"],
+    ],
+)
+def test_an_empty_output_folder_is_refused(argv, capsys):
+    assert main(argv) == 2  # it used to mean the current directory
+    assert "must name a folder" in capsys.readouterr().err

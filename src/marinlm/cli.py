@@ -266,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    config = getattr(args, "config", None)
+    if config is not None and config.startswith("--"):
+        # argparse reads an unknown `--a.b=value` whose value has a space as a positional argument:
+        # it is an override, and the command was given no config file.
+        args.config = None
+        rest.insert(0, config)
     if rest and not getattr(args, "takes_overrides", False):
         # quickstart, eval and generate have no config to override: a misspelt flag is an error.
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -68,6 +68,7 @@ class TokenizerTrainConfig:
         )
         check(self.min_frequency >= 1, "min_frequency", f"must be >= 1, got {self.min_frequency}")
         check(self.max_bytes >= 0, "max_bytes", f"must be >= 0, got {self.max_bytes}")
+        check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
 
 
 def new_bpe() -> Tokenizer:

@@ -92,6 +92,7 @@ class PipelineConfig:
 
     def __post_init__(self):
         check(self.executor in ("local", "ray"), "executor", f"must be local or ray, got {self.executor!r}")
+        check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         names = [s.name for s in self.sources]
         check(len(set(names)) == len(names), "sources", f"source names must be unique, got {names}")

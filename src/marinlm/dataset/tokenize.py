@@ -38,6 +38,7 @@ class TokenizeConfig:
 
     def __post_init__(self):
         check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         check(self.batch_docs > 0, "batch_docs", f"must be positive, got {self.batch_docs}")
 

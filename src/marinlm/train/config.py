@@ -130,6 +130,7 @@ class TrainConfig:
     eval: EvalHookConfig = field(default_factory=EvalHookConfig)
 
     def __post_init__(self):
+        check(bool(self.run_dir.strip()), "run_dir", "must name a folder")
         check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
