@@ -114,9 +114,12 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
         ("--validation.every_steps=-1", "validation.every_steps"),
         ("--validation.batch_size=0", "validation.batch_size"),
         ("--profile.num_steps=-2", "profile.num_steps"),
+        ("--optim.betas=[1.5, 0.9]", "optim.betas"),
+        ("--optim.eps=0", "optim.eps"),
+        ("--optim={type: adamw, weight_decay: -1}", "optim.weight_decay"),
     ],
 )
-def test_bad_eval_validation_and_profile_settings_fail_at_load(override, key):
+def test_bad_train_settings_fail_at_load(override, key):
     from marinlm.train.config import TrainConfig
 
     with pytest.raises(ConfigError) as info:

@@ -29,6 +29,16 @@ class OptimizerConfig(Choice):
     """Base of the optimizer variants; pick with `type:` (adamw, marin)."""
 
 
+def _check_adam(config) -> None:
+    check(config.lr > 0, "lr", f"must be positive, got {config.lr}")
+    check(
+        len(config.betas) == 2 and all(0 <= b < 1 for b in config.betas),
+        "betas",
+        f"must be two values in [0, 1), got {config.betas}",
+    )
+    check(config.eps > 0, "eps", f"must be positive, got {config.eps}")
+
+
 @OptimizerConfig.register("adamw")
 @dataclass(kw_only=True)
 class AdamWConfig(OptimizerConfig):
@@ -38,8 +48,8 @@ class AdamWConfig(OptimizerConfig):
     weight_decay: float = 0.1
 
     def __post_init__(self):
-        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
-        check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
+        _check_adam(self)
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
 @OptimizerConfig.register("marin")
@@ -58,7 +68,7 @@ class MarinOptimizerConfig(OptimizerConfig):
     ns_dtype: str = "auto"  # bfloat16 on GPU (as Marin), float32 on CPU where bf16 is emulated
 
     def __post_init__(self):
-        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        _check_adam(self)
         check(self.adam_lr > 0, "adam_lr", f"must be positive, got {self.adam_lr}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(self.ns_steps >= 1, "ns_steps", f"must be >= 1, got {self.ns_steps}")
