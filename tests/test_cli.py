@@ -1,6 +1,7 @@
 """The command line: overrides reach configs; commands without a config reject unknown flags."""
 
 import pytest
+import torch
 
 from marinlm.cli import main
 
@@ -72,3 +73,10 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, cap
 def test_an_empty_output_folder_is_refused(argv, capsys):
     assert main(argv) == 2  # it used to mean the current directory
     assert "must name a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", [["generate", "runs/x", "--prompt", "a"], ["eval", "runs/x", "--tasks", "val"]])
+def test_asking_for_cuda_on_a_cpu_machine_is_a_clear_error(command, capsys):
+    assert main([*command, "--device", "cuda"]) == 2  # it used to be torch's AssertionError traceback
+    assert "device 'cuda': no CUDA device on this machine" in capsys.readouterr().err

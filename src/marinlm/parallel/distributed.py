@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from marinlm.utils.device import resolve_device
+
 
 @dataclass
 class DistributedInfo:
@@ -33,8 +35,7 @@ def init_distributed(device: str = "auto") -> DistributedInfo:
     Args:
         device: "auto" (cuda when available), "cpu" or "cuda".
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device).type
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

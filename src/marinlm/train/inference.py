@@ -21,6 +21,7 @@ from marinlm.train.checkpoint import (
     validate,
 )
 from marinlm.train.config import TrainConfig
+from marinlm.utils.device import resolve_device
 
 
 @dataclass
@@ -49,6 +50,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     """Build the model of a run on `device` and load the model tensors of its checkpoint."""
+    device = resolve_device(device)
     folder = resolve_checkpoint(path)
     validate(folder)
     config = load_config(TrainConfig, folder / "config.yaml")

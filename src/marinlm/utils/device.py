@@ -1,0 +1,28 @@
+"""Turn a device name from a config or the command line into a `torch.device`, or a clear error."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device for `name`: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.
+
+    Raises ValueError naming the device when it is malformed or not on this machine, instead of
+    the assertion or missing-attribute error torch gives deep inside the first CUDA call.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {name!r}: no CUDA device on this machine (torch {torch.__version__}, {build})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
