@@ -27,3 +27,12 @@ def test_quickstart_smoke_run(tmp_path):
         assert f"| {stage} |" in text
     assert (tmp_path / "run" / "loss.png").stat().st_size > 5000
     assert list((tmp_path / "run" / "train" / "checkpoints").glob("step-*"))
+
+
+def test_too_little_text_stops_with_what_is_missing(tmp_path):
+    (tmp_path / "one.txt").write_text("hello world. this is text\n")
+    with pytest.raises(ValueError, match=r"curation kept none of the 1 documents .* needs more \(or longer\) text"):
+        run_quickstart(str(tmp_path / "a"), corpus=[str(tmp_path / "one.txt")], minutes=1)
+    write_corpus(tmp_path / "few", num_docs=1, num_files=1)  # curated, but one document cannot be split in two
+    with pytest.raises(ValueError, match=r"validation documents; the quickstart needs at least one of each"):
+        run_quickstart(str(tmp_path / "b"), corpus=[str(tmp_path / "few")], minutes=1)

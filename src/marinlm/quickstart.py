@@ -140,6 +140,12 @@ def run_quickstart(
     save_config(data_config, root / "curation.yaml")
     curation = run_pipeline(data_config)
     acc = curation["accounting"]
+    if sum(a["kept"] for a in acc.values()) == 0:
+        seen = sum(a["in"] for a in acc.values())
+        raise ValueError(
+            f"curation kept none of the {seen} documents read from {detail}; "
+            f"the reasons are in {root / 'curated' / 'report.md'}. The quickstart needs more (or longer) text."
+        )
     stages.append(
         Stage(
             "curation",
@@ -177,6 +183,11 @@ def run_quickstart(
             seed=seed,
         )
     )
+    if manifest["train_docs"] == 0 or manifest["val_docs"] == 0:
+        raise ValueError(
+            f"{root / 'tokens'}: {manifest['train_docs']} training and {manifest['val_docs']} validation documents; "
+            "the quickstart needs at least one of each (it holds out 2% of the documents), so give it more documents."
+        )
     bytes_per_token = sum(e["num_bytes"] for e in manifest["splits"]["train"]) / max(1, manifest["train_tokens"])
     stages.append(
         Stage(
