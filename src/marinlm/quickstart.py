@@ -24,6 +24,8 @@ import torch
 from marinlm.config import load_config, save_config
 from marinlm.presets import preset
 
+VAL_FRACTION = 0.02  # of the documents, held out for validation
+
 
 @dataclass
 class Stage:
@@ -179,14 +181,15 @@ def run_quickstart(
             inputs=[str(root / "curated" / "shards")],
             tokenizer=str(root / "tokenizer"),
             output_dir=str(root / "tokens"),
-            val_fraction=0.02,
+            val_fraction=VAL_FRACTION,
             seed=seed,
         )
     )
     if manifest["train_docs"] == 0 or manifest["val_docs"] == 0:
         raise ValueError(
             f"{root / 'tokens'}: {manifest['train_docs']} training and {manifest['val_docs']} validation documents; "
-            "the quickstart needs at least one of each (it holds out 2% of the documents), so give it more documents."
+            f"the quickstart needs at least one of each (it holds out {VAL_FRACTION:.0%} of the documents), "
+            "so give it more documents."
         )
     bytes_per_token = sum(e["num_bytes"] for e in manifest["splits"]["train"]) / max(1, manifest["train_tokens"])
     stages.append(

@@ -130,9 +130,9 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def validate(folder: Path) -> None:
     """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash."""
-    marker = folder / "COMPLETE.json"
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
+    marker = folder / "COMPLETE.json"
     if not marker.is_file():
         raise CheckpointError(f"{folder}: no COMPLETE.json, the save did not finish")
     try:
