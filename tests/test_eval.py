@@ -195,6 +195,62 @@ def test_bad_task_input_fails_before_scoring(tmp_path, loaded):
     assert not out.exists()  # no partial results presented as complete
 
 
+@pytest.mark.parametrize(
+    "file, content, message",
+    [
+        (
+            "hellaswag_val.jsonl",
+            b'{"ctx": "x", "endings": ["a", 3], "label": 0}\n',
+            r":1: field 'endings' should be a list of strings, element 1 is int",
+        ),
+        (
+            "hellaswag_val.jsonl",
+            b'{"ctx": "x", "endings": ["a", "b"], "label": true}\n',
+            r":1: field 'label' should be int, got bool",
+        ),
+        ("hellaswag_val.jsonl", b'\n["not", "an", "object"]\n', r":2: expected a JSON object, got list"),
+        ("hellaswag_val.jsonl", b'{"ctx": "x", "endings": ["a"], "label": 0}\n{"ctx": "\xff"}\n', r":2: invalid UTF-8"),
+        ("hellaswag_val.jsonl", b"\n", r"task 'hellaswag' has no items"),
+        (
+            "winogrande.jsonl",
+            b'{"context_options": ["a", null], "continuation": "c", "gold": 0}\n',
+            r"'context_options' should be a list of strings, element 1 is NoneType",
+        ),
+        ("piqa_valid_labels.lst", b"0\n\xb2\n", r"piqa_valid_labels.lst:2: invalid UTF-8"),
+        ("mmlu/test/astronomy_test.csv", b"q,a,b,c,d,A\n\xffq,a,b,c,d,B\n", r"astronomy_test.csv:2: invalid UTF-8"),
+    ],
+)
+def test_malformed_task_files_name_file_and_line(tmp_path, file, content, message):
+    """Element types, bools posing as ints, non-objects, bad UTF-8 and empty tasks are TaskDataErrors."""
+    write_tasks(tmp_path)
+    (tmp_path / file).write_bytes(content)
+    task = {"hellaswag_val.jsonl": "hellaswag", "winogrande.jsonl": "winogrande"}.get(file, file.split("_")[0])
+    with pytest.raises(TaskDataError, match=message):
+        prepare(EvalOptions(tasks=[task.split("/")[0]], data_dir=str(tmp_path)))
+
+
+def test_mmlu_without_subject_files_and_empty_bpb_texts_are_errors(tmp_path):
+    write_tasks(tmp_path)
+    for csv_file in (tmp_path / "mmlu" / "test").glob("*.csv"):
+        csv_file.unlink()
+    with pytest.raises(TaskDataError, match=r"mmlu/test: no SUBJECT_test.csv files"):
+        prepare(EvalOptions(tasks=["mmlu"], data_dir=str(tmp_path)))
+    (tmp_path / "texts.jsonl").write_text('\n{"text": "a b"}\n{"text": 7}\n')
+    with pytest.raises(TaskDataError, match=r"texts.jsonl:3: expected a JSON object with a 'text' string"):
+        prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'texts.jsonl'}"]))
+    (tmp_path / "blank.txt").write_text("  \n")
+    with pytest.raises(TaskDataError, match=r"blank.txt: no text to score"):
+        prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'blank.txt'}"]))
+
+
+def test_bits_per_byte_of_a_one_word_text(tmp_path, loaded):
+    """A text of fewer tokens than the SConv kernel is scored (the forward used to fail on it)."""
+    (tmp_path / "word.jsonl").write_text('{"text": "a"}\n')
+    report = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / 'word.jsonl'}"]))
+    bpb = next(iter(report["results"].values()))
+    assert bpb["tokens"] < 3 and math.isfinite(bpb["bits_per_byte"]) and bpb["bits_per_byte"] > 0
+
+
 def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
     write_tasks(tmp_path)
     (tmp_path / "text.txt").write_text(" ".join(SAMPLE_TEXTS) * 3)

@@ -117,6 +117,32 @@ def test_sconv_matches_naive_and_never_mixes_documents():
     torch.testing.assert_close(y2[0, 5:], y[0, 5:])
 
 
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_sconv_on_sequences_shorter_than_its_kernel(with_docs):
+    """T < kernel_size: the output is the first T outputs of a longer sequence (it used to crash)."""
+    torch.manual_seed(5)
+    conv = SConv(channels=3, kernel_size=4)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(4, 3))
+    x = torch.randn(2, 6, 3)
+    doc = torch.ones(2, 6, dtype=torch.long) if with_docs else None
+    full, _ = conv(x, doc)
+    for T in (1, 2, 3):
+        y, _ = conv(x[:, :T], None if doc is None else doc[:, :T])
+        torch.testing.assert_close(y, full[:, :T])
+
+
+def test_model_forward_on_one_to_three_tokens():
+    """Inputs shorter than the SConv kernel (a one-word bits-per-byte text) give the full forward's prefix."""
+    config = tiny_config()
+    model = build(config).eval()
+    randomize_identity_inits(model)
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
+    full = model(ids).logits
+    for T in (1, 2, 3):
+        torch.testing.assert_close(model(ids[:, :T]).logits, full[:, :T], rtol=1e-4, atol=1e-5)
+
+
 def test_sconv_incremental_state_matches_full():
     torch.manual_seed(4)
     conv = SConv(channels=3, kernel_size=4)

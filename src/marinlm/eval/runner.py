@@ -17,7 +17,7 @@ from pathlib import Path
 
 from marinlm.config import check
 from marinlm.eval.lm import Scorer
-from marinlm.eval.tasks import MMLU, TaskDataError, score, subset, task_registry
+from marinlm.eval.tasks import MMLU, TaskDataError, read_text, score, subset, task_registry
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"
@@ -63,17 +63,26 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
                 raise TaskDataError(f"{path}: text file for bits-per-byte not found")
             if path.suffix == ".jsonl":
                 texts = []
-                for n, line in enumerate(path.read_text().splitlines(), start=1):
+                for n, line in enumerate(read_text(path).splitlines(), start=1):
+                    if not line.strip():
+                        continue
                     try:
-                        texts.append(json.loads(line)["text"])
+                        text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        raise TaskDataError(f"{path}:{n}: expected a JSON object with a 'text' string") from None
+                        text = None
+                    if not isinstance(text, str):
+                        raise TaskDataError(f"{path}:{n}: expected a JSON object with a 'text' string")
+                    texts.append(text)
             else:
-                texts = [path.read_text()]
+                texts = [read_text(path)]
+            if not any(t.strip() for t in texts):
+                raise TaskDataError(f"{path}: no text to score")
             prepared.append((spec, path, texts[: options.limit] if options.limit else texts))
         elif spec in registry:
             task = registry[spec]
             items = task.load(_data_dir(options))
+            if not items:
+                raise TaskDataError(f"{_data_dir(options) / task.files[0]}: task {spec!r} has no items")
             if isinstance(task, MMLU) and options.limit:  # the harness limits each subject
                 by_subject: dict[str, list] = {}
                 for item in items:

@@ -18,6 +18,7 @@ Standard errors are the sample standard deviation over items / sqrt(n).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import random
@@ -64,6 +65,34 @@ def _hf_rows(spec: str, name: str) -> list[dict]:
     return [dict(row) for row in ds]
 
 
+class StrList:
+    """Field type: a list of strings (choices, endings, context options)."""
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8; a bad byte is a TaskDataError naming the file and line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise TaskDataError(f"{path}:{line}: invalid UTF-8 (byte {e.start} of the file)") from None
+
+
+def _type_error(value, tp: type) -> str | None:
+    """Why `value` is not of field type `tp` (bool is not an int here), or None when it is."""
+    if tp is StrList:
+        if not isinstance(value, list):
+            return f"should be a list of strings, got {type(value).__name__}"
+        bad = [i for i, v in enumerate(value) if not isinstance(v, str)]
+        if bad:
+            return f"should be a list of strings, element {bad[0]} is {type(value[bad[0]]).__name__}"
+        return None
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        return f"should be {tp.__name__}, got {type(value).__name__}"
+    return None
+
+
 def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
     if path.name in HF_SOURCES:
         raw = [
@@ -73,7 +102,7 @@ def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
         raise TaskDataError(f"{path}: task file not found (point --data-dir at the evaluation data)")
     else:
         raw = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for n, line in enumerate(read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -82,18 +111,20 @@ def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
                 raise TaskDataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
     rows = []
     for where, row in raw:
+        if not isinstance(row, dict):
+            raise TaskDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for key, tp in required.items():
             if key not in row:
                 raise TaskDataError(f"{where}: missing field {key!r}")
-            if not isinstance(row[key], tp):
-                raise TaskDataError(f"{where}: field {key!r} should be {tp.__name__}, got {type(row[key]).__name__}")
+            if (problem := _type_error(row[key], tp)) is not None:
+                raise TaskDataError(f"{where}: field {key!r} {problem}")
         row["_where"] = where
         rows.append(row)
     return rows
 
 
 def _check_gold(gold, n_choices: int, where: str) -> int:
-    if not isinstance(gold, int) or not 0 <= gold < n_choices:
+    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < n_choices:
         raise TaskDataError(f"{where}: label {gold!r} is not a valid index into {n_choices} choices")
     return gold
 
@@ -115,7 +146,7 @@ class HellaSwag(Task):
     name, files = "hellaswag", ("hellaswag_val.jsonl",)
 
     def load(self, data_dir):
-        rows = _jsonl(data_dir / self.files[0], {"ctx": str, "endings": list, "label": int})
+        rows = _jsonl(data_dir / self.files[0], {"ctx": str, "endings": StrList, "label": int})
         return [
             multiple_choice(r["ctx"], r["endings"], _check_gold(r["label"], len(r["endings"]), r["_where"]))
             for r in rows
@@ -127,7 +158,7 @@ class Arc(Task):
         self.name, self.files = name, (file,)
 
     def load(self, data_dir):
-        rows = _jsonl(data_dir / self.files[0], {"query": str, "choices": list, "gold": int})
+        rows = _jsonl(data_dir / self.files[0], {"query": str, "choices": StrList, "gold": int})
         items = []
         for r in rows:
             query = r["query"] if r["query"].startswith("Question:") else f"Question: {r['query']}"
@@ -147,12 +178,14 @@ class Piqa(Task):
         labels_path = data_dir / self.files[1]
         if not labels_path.is_file():
             raise TaskDataError(f"{labels_path}: label file not found")
-        labels = labels_path.read_text().split()
+        labels = read_text(labels_path).split()
         if len(labels) != len(rows):
             raise TaskDataError(f"{labels_path}: {len(labels)} labels for {len(rows)} questions")
         items = []
         for r, label in zip(rows, labels):
-            gold = _check_gold(int(label) if label.isdigit() else label, 2, f"{labels_path} (for {r['_where']})")
+            gold = _check_gold(
+                int(label) if label.isascii() and label.isdigit() else label, 2, f"{labels_path} (for {r['_where']})"
+            )
             items.append(multiple_choice(f"Question: {r['goal']}\nAnswer:", [r["sol1"], r["sol2"]], gold))
         return items
 
@@ -161,7 +194,7 @@ class Winogrande(Task):
     name, files = "winogrande", ("winogrande.jsonl",)
 
     def load(self, data_dir):
-        rows = _jsonl(data_dir / self.files[0], {"context_options": list, "continuation": str, "gold": int})
+        rows = _jsonl(data_dir / self.files[0], {"context_options": StrList, "continuation": str, "gold": int})
         return [
             Item(
                 [Request(c, " " + r["continuation"]) for c in r["context_options"]],
@@ -195,7 +228,7 @@ class MMLU(Task):
     @staticmethod
     def _rows(path: Path) -> list[tuple[str, list[str], int, str]]:
         rows = []
-        with open(path, newline="") as f:
+        with io.StringIO(read_text(path), newline="") as f:
             for n, row in enumerate(csv.reader(f), start=1):
                 if len(row) != 6 or row[5] not in MMLU.LETTERS:
                     raise TaskDataError(f"{path}:{n}: expected question, 4 choices and an answer letter A-D")
@@ -210,8 +243,11 @@ class MMLU(Task):
         test_dir, dev_dir = data_dir / "mmlu" / "test", data_dir / "mmlu" / "dev"
         if not test_dir.is_dir():
             raise TaskDataError(f"{test_dir}: MMLU test folder not found")
+        paths = sorted(test_dir.glob("*_test.csv"))
+        if not paths:
+            raise TaskDataError(f"{test_dir}: no SUBJECT_test.csv files in the MMLU test folder")
         items = []
-        for path in sorted(test_dir.glob("*_test.csv")):
+        for path in paths:
             subject = path.name[: -len("_test.csv")]
             header = (
                 f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"

@@ -123,6 +123,8 @@ class SConv(nn.Module):
         y = weight[0] * x_BTC
         for lag in range(1, self.kernel_size):
             lo = past - lag
+            if lo + T <= 0:  # no output has an input `lag` steps back (a sequence shorter than the kernel)
+                break
             if lo >= 0:
                 shifted = full_x[:, lo : lo + T]
                 same = None if full_doc is None else full_doc[:, lo : lo + T] == full_doc[:, past:]
