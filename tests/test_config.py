@@ -85,6 +85,21 @@ def test_bad_yaml_file_names_the_file(tmp_path):
         load_config(MarinConfig, bad)
 
 
+def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):
+    path = CONFIGS / "model" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"moe.top_k: .* \(set on the command line\)$"):
+        load_config(MarinConfig, path, ["--moe.top_k=999"])
+    with pytest.raises(ConfigError, match=r"unknown key .* \(set on the command line\)$"):
+        load_config(MarinConfig, path, ["--moe.topk=2"])
+    # The file's num_kv_heads no longer divides the overridden num_heads: both sources are named.
+    with pytest.raises(ConfigError, match=r"num_kv_heads: .*tiny.yaml, with the command-line overrides\)$"):
+        load_config(MarinConfig, path, ["--attention.num_heads=3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("top_k: 2", "top_k: 999"))
+    with pytest.raises(ConfigError, match=r"moe.top_k: .*bad.yaml\)$"):
+        load_config(MarinConfig, bad)
+
+
 def test_choice_round_trip_keeps_variant():
     config = tiny_config(moe={"router": {"type": "qb", "weight_sum": 1.5}})
     data = to_dict(config)

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from marinlm.utils.io import write_text_atomic
+
 T = TypeVar("T")
 
 
@@ -327,19 +329,35 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         data = read_yaml(path)
         base_dir = Path(path).parent
     data = resolve_file_refs(data, base_dir, cls)
+    over: dict[str, Any] = {}
     if overrides:
         over = parse_overrides(overrides)
         data = merge(data, resolve_file_refs(over, Path.cwd(), cls))
     try:
         return from_dict(cls, data)
     except ConfigError as e:
-        where = f" (in {path})" if path is not None else ""
+        if _overridden(over, e.key):
+            where = " (set on the command line)"
+        elif path is not None:
+            where = f" (in {path}" + (", with the command-line overrides)" if over else ")")
+        else:
+            where = ""
         raise ConfigError(e.key, e.reason + where) from None
+
+
+def _overridden(tree: dict[str, Any], key: str) -> bool:
+    """Whether the dotted `key`, or a section above it, was given as a command-line override."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return bool(key)
 
 
 def save_config(config: Any, path: str | Path) -> None:
     """Write a resolved config as YAML; `load_config(type(config), path)` reads it back equal."""
-    Path(path).write_text(dump_config(config))
+    write_text_atomic(path, dump_config(config))
 
 
 def dump_config(config: Any) -> str:
