@@ -104,6 +104,29 @@ def test_corruption_and_mismatch_are_reported_by_file(dataset, tmp_path):
         TokenDataset(copy)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.__setitem__((0, 0), -1), "document offsets are inconsistent"),
+        (lambda d: d.__setitem__((-1, 0), d[-1, 0] + 5), "document offsets are inconsistent"),
+        (lambda d: d.__setitem__((0, 1), -7), "negative byte count for document 0"),
+    ],
+)
+def test_a_corrupt_document_index_is_reported(dataset, tmp_path, edit, message):
+    """Same-sized edits to the index that the size check cannot see."""
+    import shutil
+
+    root, _, _ = dataset
+    copy = tmp_path / "tokens"
+    shutil.copytree(root / "tokens", copy)
+    docs_file = copy / "train" / "00000.docs.npy"
+    docs = np.load(docs_file)
+    edit(docs)
+    np.save(docs_file, docs)
+    with pytest.raises(ShardError, match=rf"00000\.docs\.npy: {message}"):
+        TokenDataset(copy)
+
+
 def reconstruct(source: PackedSource, rows: int) -> list[list[int]]:
     """Stitch consecutive rows back into documents using segment ids and BOS/EOS."""
     from marinlm.dataset.loader import build_batch

@@ -125,6 +125,8 @@ class TokenDataset:
         ends = docs[:, 0]
         if len(ends) and (ends[-1] != entry["num_tokens"] or np.any(np.diff(ends) < 0) or ends[0] < 0):
             raise ShardError(f"{docs_path}: document offsets are inconsistent with {entry['num_tokens']} tokens")
+        if len(docs) and docs[:, 1].min() < 0:
+            raise ShardError(f"{docs_path}: negative byte count for document {int(np.argmin(docs[:, 1]))}")
         tokens = np.memmap(tokens_path, dtype=self.dtype, mode="r") if entry["num_tokens"] else np.zeros(0, self.dtype)
         if verify == "full" and len(tokens) and int(tokens.max()) >= self.vocab_size:
             raise ShardError(f"{tokens_path}: token id {int(tokens.max())} >= vocab size {self.vocab_size}")
