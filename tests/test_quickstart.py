@@ -18,6 +18,8 @@ def test_default_corpus_ships_with_python(tmp_path):
 @pytest.mark.slow
 def test_quickstart_smoke_run(tmp_path):
     write_corpus(tmp_path / "corpus", num_docs=300, num_files=2)
+    stale = tmp_path / "run" / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
+    stale.mkdir(parents=True)
     report = run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")], minutes=1.5)
     text = report.read_text()
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
@@ -27,6 +29,7 @@ def test_quickstart_smoke_run(tmp_path):
         assert f"| {stage} |" in text
     assert (tmp_path / "run" / "loss.png").stat().st_size > 5000
     assert list((tmp_path / "run" / "train" / "checkpoints").glob("step-*"))
+    assert not stale.exists()  # replaced, so evaluation and `generate` read this run's model
 
 
 def test_too_little_text_stops_with_what_is_missing(tmp_path):

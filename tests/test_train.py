@@ -88,6 +88,25 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
         CheckpointManager(tmp_path / "run" / "checkpoints").load(ckpts[0], {})
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume=str(tmp_path / "typo"))
+    # Every checkpoint broken: an error, not a silent start from step 0 in the same folder.
+    ckpts[1].joinpath("trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"none of its 2 checkpoint\(s\) is usable"):
+        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume="auto")
+
+
+def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):
+    """--resume none over a run's checkpoints is refused (retention would keep the old run's newer
+    steps for a later resume to pick up); a fresh start drops metrics an earlier attempt left."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(newest step-00000004\)"):
+        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 2}), resume="none")
+    # An attempt that died before its first checkpoint left metrics behind; the next start replaces them.
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    (attempt / "metrics.jsonl").write_text('{"step": 1, "train/loss": 99.0}\n{"step": 7, "train/loss": 98.0}\n')
+    run_training(train_config(token_data, attempt, train={"steps": 2}), resume="auto")
+    steps = [r["step"] for r in read_metrics(attempt) if "train/loss" in r]
+    assert steps == sorted(set(steps)) and 99.0 not in losses(attempt).values() and 7 not in losses(attempt)
 
 
 def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):

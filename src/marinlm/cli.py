@@ -243,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
     train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")
-    train.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint path")
+    train.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (the newest good checkpoint, or a fresh start when there is none), none (a fresh start; "
+        "the run folder must hold no checkpoint), or a checkpoint path",
+    )
     train.set_defaults(func=_train, takes_overrides=True)
 
     gen = commands.add_parser("generate", help="stream a continuation from a trained run or checkpoint")

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -214,6 +215,9 @@ def run_quickstart(
     train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
     train_config.validation.every_steps = max(10, train_config.train.steps // 10)
     print(f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps in about {train_minutes:.1f} min")
+    if (root / "train").exists():  # an earlier quickstart's run: this one starts over (its step count differs)
+        print(f"replacing the earlier training run in {root / 'train'}")
+        shutil.rmtree(root / "train")
     trainer = Trainer(train_config, resume="none")
     start_val = trainer.validate()
     summary = trainer.fit()

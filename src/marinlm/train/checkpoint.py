@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import pickle
 import shutil
@@ -41,7 +40,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from marinlm.parallel.distributed import barrier
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
-log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 
 
@@ -243,12 +241,21 @@ class CheckpointManager:
         return json.loads((folder / "trainer_state.json").read_text())
 
     def load_latest(self, tensors: dict) -> tuple[Path, dict] | None:
-        """Load the newest checkpoint that validates, falling back past broken ones; None if none."""
-        for folder in list_checkpoints(self.root):
+        """Load the newest checkpoint that validates, falling back past broken ones.
+
+        None when there is no checkpoint at all; a CheckpointError when there are some and none
+        loads (starting over would bury the run, so the person decides).
+        """
+        folders = list_checkpoints(self.root)
+        for folder in folders:
             try:
                 return folder, self.load(folder, tensors)
             except CheckpointError as e:
-                log.warning("skipping checkpoint: %s", e)
                 if self.rank == 0:
                     print(f"warning: skipping unusable checkpoint: {e}", flush=True)
+        if folders:
+            raise CheckpointError(
+                f"{self.root}: none of its {len(folders)} checkpoint(s) is usable (reasons above); repair "
+                "one, or move the folder aside to start the run over"
+            )
         return None

@@ -15,7 +15,8 @@ class MetricSinks:
     """Write scalars (and histograms) from rank 0.
 
     On resume from step k, records after k are dropped from metrics.jsonl and TensorBoard purges
-    its events after k, so the logs read as one uninterrupted run.
+    its events after k, so the logs read as one uninterrupted run. A run that starts from scratch
+    passes k = -1: records an earlier attempt left (one that died before its first checkpoint) go.
     """
 
     def __init__(

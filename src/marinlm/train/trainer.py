@@ -34,7 +34,7 @@ from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
-from marinlm.train.checkpoint import CheckpointManager
+from marinlm.train.checkpoint import CheckpointManager, list_checkpoints
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks
 from marinlm.train.step import StepResult, param_norm, train_step, validate
@@ -105,7 +105,7 @@ class Trainer:
                 c.logging.wandb,
                 c.logging.wandb_project,
                 c.logging.wandb_mode,
-                resume_step=self.step if resumed_from else None,
+                resume_step=self.step if resumed_from else -1,
                 config=to_dict(c),
             )
         self.hooks: list[tuple[int, Callable]] = []
@@ -185,6 +185,13 @@ class Trainer:
 
     def _resume(self, resume: str) -> Path | None:
         if resume == "none":
+            if earlier := list_checkpoints(self.run_dir / "checkpoints"):
+                # Starting over here would mix two runs: retention keeps the old run's newer steps,
+                # and `--resume auto` or `generate` would later pick them up.
+                raise ValueError(
+                    f"{self.run_dir}: holds checkpoints of an earlier run (newest {earlier[0].name}); continue "
+                    "it with --resume auto, or give a new run_dir (or move this one aside) to start over"
+                )
             return None
         loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
         if loaded is None:
