@@ -15,6 +15,7 @@ import pytest
 from marinlm.config import ConfigError, from_dict, load_config, save_config
 from marinlm.data.pipeline import PipelineConfig, read_records, run_pipeline
 from marinlm.data.readers import Document, Rejected, read_documents, read_hf_dataset
+from marinlm.utils.io import OutputInUseError
 
 from conftest import ROOT, SHARED_DATA, shared_data
 
@@ -372,3 +373,27 @@ def test_provenance_never_overwrites_record_fields(tmp_path):
     assert doc.metadata["path"] == "pkg/tool.py"  # the record's own field
     assert doc.metadata["file"] == str(path) and doc.metadata["line"] == 1  # where it came from
     assert LanguageId(LangIdConfig()).decide(doc) is None and doc.metadata["language"] == "code"
+
+
+def test_rerun_resumes_only_the_same_curation(tmp_path):
+    """Other settings or changed inputs in the same output folder are refused (resuming used to
+    return the old curation as if it were the new one); how the work runs may change."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", synthetic_docs(40, seed=1, words=60), "a-")
+    sources = [{"name": "web", "inputs": [str(tmp_path / "in")]}]
+    out = tmp_path / "out"
+    first = run_pipeline(bare_config(out, sources))
+    again = run_pipeline(bare_config(out, sources, workers=2))  # same job, other worker count: resumes
+    assert again["accounting"] == first["accounting"]
+    manifest = (out / "manifest.json").read_text()
+    with pytest.raises(OutputInUseError, match=r"out: .*\(config.min_doc_chars: 1 -> 500\)"):
+        run_pipeline(bare_config(out, sources, min_doc_chars=500))
+    write_jsonl(tmp_path / "in" / "a.jsonl", synthetic_docs(30, seed=2, words=60), "a-")  # the corpus changed
+    with pytest.raises(OutputInUseError, match=r"inputs\[0\]\.(size|mtime_ns)"):
+        run_pipeline(bare_config(out, sources))
+    assert (out / "manifest.json").read_text() == manifest  # nothing was lost
+    restarted = run_pipeline(bare_config(out, sources), restart=True)
+    assert restarted["accounting"]["web"]["in"] == 30
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a curation")
+    with pytest.raises(OutputInUseError, match=r"mine: is not empty and has no \.marinlm-job\.json"):
+        run_pipeline(bare_config(tmp_path / "mine", sources))

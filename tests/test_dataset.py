@@ -11,6 +11,7 @@ from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, 
 from marinlm.dataset.loader import PackedSource, TokenLoader, open_sources
 from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
 from marinlm.tokenizer import MarinTokenizer, train_bpe
+from marinlm.utils.io import OutputInUseError
 
 from conftest import SAMPLE_TEXTS, write_corpus
 
@@ -76,6 +77,24 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
     assert not list(out.rglob("*.tmp"))
+
+
+def test_tokenize_into_a_folder_made_with_another_tokenizer_is_refused(dataset, tok_dir, tmp_path):
+    """It used to skip every input as done and relabel the old shards with the new tokenizer."""
+    root, _, _ = dataset
+    other = tmp_path / "other-tok"
+    MarinTokenizer(train_bpe([t.upper() for t in SAMPLE_TEXTS] * 40, vocab_size=700)).save(other)
+    out = root / "tokens"
+    manifest = (out / "manifest.json").read_text()
+    config = TokenizeConfig(
+        inputs=[str(root / "corpus")], tokenizer=str(other), output_dir=str(out), val_fraction=0.1, seed=3, workers=1
+    )
+    with pytest.raises(OutputInUseError, match=r"tokens: .*\(tokenizer.hash: "):
+        tokenize(config, progress=False)
+    config.tokenizer, config.seed = str(tok_dir), 4
+    with pytest.raises(OutputInUseError, match=r"\(seed: 3 -> 4\)"):
+        tokenize(config, progress=False)
+    assert (out / "manifest.json").read_text() == manifest
 
 
 def test_corruption_and_mismatch_are_reported_by_file(dataset, tmp_path):

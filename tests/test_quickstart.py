@@ -13,6 +13,10 @@ def test_default_corpus_ships_with_python(tmp_path):
     counts = build_default_corpus(tmp_path)
     assert counts["python_code"] > 500 and counts["python_docs"] > 50
     assert (tmp_path / "python-docs.jsonl").stat().st_size > 100_000
+    # A rerun leaves unchanged files alone, so the quickstart's curation resumes rather than restarts.
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert build_default_corpus(tmp_path) == counts
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
 
 
 @pytest.mark.slow

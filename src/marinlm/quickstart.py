@@ -24,6 +24,7 @@ import torch
 
 from marinlm.config import load_config, save_config
 from marinlm.presets import preset
+from marinlm.utils.io import write_text_atomic
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
 
@@ -43,18 +44,21 @@ def build_default_corpus(folder: Path) -> dict[str, int]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
     shards = 4
-    handles = [open(folder / f"python-code-{i}.jsonl", "w") for i in range(shards)]  # noqa: SIM115
-    try:
-        for n, path in enumerate(files):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            record = {"id": str(path.relative_to(stdlib)), "text": text, "path": str(path)}
-            handles[n % shards].write(json.dumps(record, ensure_ascii=False) + "\n")
-    finally:
-        for h in handles:
-            h.close()
-    with open(folder / "python-docs.jsonl", "w") as f:
-        for name, text in sorted(topics.items()):
-            f.write(json.dumps({"id": f"pydoc:{name}", "text": text}, ensure_ascii=False) + "\n")
+    code: list[list[str]] = [[] for _ in range(shards)]
+    for n, path in enumerate(files):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        record = {"id": str(path.relative_to(stdlib)), "text": text, "path": str(path)}
+        code[n % shards].append(json.dumps(record, ensure_ascii=False) + "\n")
+    outputs = {f"python-code-{i}.jsonl": "".join(lines) for i, lines in enumerate(code)}
+    outputs["python-docs.jsonl"] = "".join(
+        json.dumps({"id": f"pydoc:{name}", "text": text}, ensure_ascii=False) + "\n"
+        for name, text in sorted(topics.items())
+    )
+    for name, text in outputs.items():
+        # Unchanged files keep their mtime, so a rerun's curation resumes instead of starting over.
+        path = folder / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            write_text_atomic(path, text)
     return {"python_code": len(files), "python_docs": len(topics)}
 
 
@@ -141,7 +145,7 @@ def run_quickstart(
     data_config = load_config(PipelineConfig, preset("data", "quickstart"), [f"--output_dir={root / 'curated'}"])
     data_config.sources = sources
     save_config(data_config, root / "curation.yaml")
-    curation = run_pipeline(data_config)
+    curation = run_pipeline(data_config, restart=True)  # another corpus or recipe: curate again
     acc = curation["accounting"]
     if sum(a["kept"] for a in acc.values()) == 0:
         seen = sum(a["in"] for a in acc.values())
@@ -184,7 +188,8 @@ def run_quickstart(
             output_dir=str(root / "tokens"),
             val_fraction=VAL_FRACTION,
             seed=seed,
-        )
+        ),
+        restart=True,  # a retrained tokenizer or another seed: tokenize again
     )
     if manifest["train_docs"] == 0 or manifest["val_docs"] == 0:
         raise ValueError(

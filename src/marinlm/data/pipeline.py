@@ -36,7 +36,13 @@ from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, Normaliz
 from marinlm.data.pii import MaskPII, PIIConfig
 from marinlm.data.readers import Document, expand_inputs, read_documents
 from marinlm.data.steps import ShardContext
-from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
+from marinlm.utils.io import (
+    atomic_path,
+    claim_output,
+    remove_stale_temporaries,
+    sha256_file,
+    write_json_atomic,
+)
 from marinlm.utils.progress import progress_bar
 
 PARAGRAPH = re.compile(r"\n{2,}")
@@ -384,19 +390,38 @@ def _done(path: Path) -> dict | None:
     return None
 
 
-def run_pipeline(config: PipelineConfig) -> dict:
-    """Run (or resume) the pipeline; returns the report (also written as report.json/.md/.png)."""
+def job_settings(config: PipelineConfig, tasks: list[dict]) -> dict:
+    """What the outputs depend on: every setting but where and how the work runs, and the inputs
+    (path, size, mtime). A resume must see the same, or it would mix two curations."""
+    from marinlm.config import to_dict
+
+    settings = to_dict(config)
+    for how in ("output_dir", "workers", "executor", "ray_address", "progress"):
+        settings.pop(how)
+    inputs = []
+    for task in tasks:
+        stat = Path(task["path"]).stat()
+        inputs.append({"path": str(Path(task["path"]).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return {"job": "curate", "config": settings, "inputs": inputs}
+
+
+def run_pipeline(config: PipelineConfig, restart: bool = False) -> dict:
+    """Run (or resume) the pipeline; returns the report (also written as report.json/.md/.png).
+
+    An output folder that holds a curation with other settings or inputs is an error (resuming
+    would mix the two); `restart` empties it instead.
+    """
     from marinlm.data.reduce import reduce
     from marinlm.data.report import write_report
 
     start = time.perf_counter()
     out = Path(config.output_dir)
     work = out / ".work"
-    if out.exists():
+    tasks = _tasks(config, work)
+    if claim_output(out, job_settings(config, tasks), restart=restart):
         remove_stale_temporaries(out)  # from a run that was killed mid-write
     for sub in ("stage1", "stage2", "stage3"):
         (work / sub).mkdir(parents=True, exist_ok=True)
-    tasks = _tasks(config, work)
     index_path = work / "decontam_index.npz"
     if config.decontam.enabled and config.decontam.eval_paths and not index_path.exists():
         index = NgramIndex.build(config.decontam.eval_paths, config.decontam.ngram, config.decontam.min_words)

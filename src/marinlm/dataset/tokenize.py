@@ -20,7 +20,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import atomic_path, remove_stale_temporaries, sha256_file, write_json_atomic
+from marinlm.utils.io import atomic_path, claim_output, remove_stale_temporaries, sha256_file, write_json_atomic
 from marinlm.utils.progress import progress_bar
 
 
@@ -158,15 +158,28 @@ def _marker_valid(marker: Path, stamp: dict, out: Path) -> bool:
     return same_input and files_there
 
 
-def tokenize(config: TokenizeConfig, progress: bool = True) -> dict:
-    """Run the job; returns the manifest (also written to OUTPUT_DIR/manifest.json)."""
+def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = False) -> dict:
+    """Run the job; returns the manifest (also written to OUTPUT_DIR/manifest.json).
+
+    A rerun resumes input by input. An output folder made with another tokenizer, split or fields
+    is an error (its shards would be mixed with, or mislabelled as, the new ones); `restart`
+    empties it instead.
+    """
     from marinlm.data.readers import expand_inputs
     from marinlm.tokenizer import MarinTokenizer
 
     tok = MarinTokenizer.load(config.tokenizer)
     paths = expand_inputs(config.inputs)
     out = Path(config.output_dir)
-    if out.exists():
+    settings = {
+        "job": "tokenize",
+        "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size},
+        "text_field": config.text_field,
+        "id_field": config.id_field,
+        "seed": config.seed,
+        "val_fraction": config.val_fraction,
+    }
+    if claim_output(out, settings, restart=restart):
         remove_stale_temporaries(out)  # from a run that was killed mid-write
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)

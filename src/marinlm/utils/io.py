@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ def atomic_path(path: str | Path):
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
@@ -57,3 +58,69 @@ def remove_stale_temporaries(root: str | Path) -> int:
             path.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+JOB_FILE = ".marinlm-job.json"
+
+
+class OutputInUseError(ValueError):
+    """An output folder holds the results of a job with other settings or inputs."""
+
+
+def _shown(mapping: dict, key: Any) -> str:
+    return repr(mapping[key]) if key in mapping else "absent"
+
+
+def _first_difference(old: Any, new: Any, key: str = "") -> str | None:
+    """The dotted key of the first place `old` and `new` differ, with both values; None if equal."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new), key=str):
+            sub = f"{key}.{k}" if key else str(k)
+            if k not in old or k not in new:
+                return f"{sub}: {_shown(old, k)} -> {_shown(new, k)}"
+            if (found := _first_difference(old[k], new[k], sub)) is not None:
+                return found
+        return None
+    if isinstance(old, list) and isinstance(new, list):
+        for i, (a, b) in enumerate(zip(old, new)):
+            if (found := _first_difference(a, b, f"{key}[{i}]")) is not None:
+                return found
+        return None if len(old) == len(new) else f"{key}: {len(old)} items -> {len(new)} items"
+    return None if old == new else f"{key}: {old!r} -> {new!r}"
+
+
+def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -> bool:
+    """Make `folder` the output of the job described by `settings` (JSON-able), or resume it there.
+
+    A folder that already holds another job's outputs (other settings or inputs, or files without
+    a job record) is an OutputInUseError naming the first difference, because resuming would mix
+    the two and overwriting could destroy work; with `restart`, the folder is emptied instead (for
+    drivers such as the quickstart that own their folders). Returns True when resuming.
+    """
+    folder = Path(folder)
+    record = folder / JOB_FILE
+    settings = json.loads(json.dumps(settings))  # the form it takes on disk (tuples -> lists)
+    if record.is_file():
+        try:
+            old = json.loads(record.read_text())
+        except json.JSONDecodeError:
+            old = {"unreadable": str(record)}
+        difference = _first_difference(old, settings)
+        if difference is None:
+            return True
+        problem = f"holds the outputs of a job with other settings or inputs ({difference})"
+    elif folder.is_dir() and any(folder.iterdir()):
+        problem = f"is not empty and has no {JOB_FILE} recording what made its files"
+    else:
+        problem = None
+    if problem is not None:
+        if not restart:
+            raise OutputInUseError(
+                f"{folder}: {problem}; resuming there would mix two jobs. Give another output folder, "
+                "or remove this one to start over"
+            )
+        print(f"{folder}: {problem}; starting it over", flush=True)
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(record, settings)
+    return False
