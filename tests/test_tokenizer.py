@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marinlm.tokenizer import EOS, SPECIAL_TOKENS, MarinTokenizer, TokenizerTrainConfig, train_bpe, train_tokenizer
+from marinlm.utils.io import OutputInUseError
 
 from conftest import SAMPLE_TEXTS, shared_data, stdlib_python_texts
 
@@ -93,3 +94,9 @@ def test_train_tokenizer_command_writes_loadable_folder(tmp_path):
     assert json.loads((tmp_path / "tok" / "train_report.json").read_text())["hash"] == tok.hash
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         MarinTokenizer.load(tmp_path / "nothing")
+    # A second training run into the same folder would orphan shards made with the first tokenizer.
+    with pytest.raises(OutputInUseError, match=r"tok: already holds a tokenizer \(sha256 "):
+        train_tokenizer(TokenizerTrainConfig(inputs=config.inputs, output_dir=config.output_dir, vocab_size=300))
+    assert MarinTokenizer.load(tmp_path / "tok").hash == tok.hash
+    replaced, _ = train_tokenizer(config, replace=True)
+    assert replaced.hash == tok.hash  # training is deterministic

@@ -171,7 +171,7 @@ def run_quickstart(
         output_dir=str(root / "tokenizer"),
         vocab_size=train_config.model.vocab_size,
     )
-    tok, tok_report = train_tokenizer(tok_config)
+    tok, tok_report = train_tokenizer(tok_config, replace=True)  # deterministic: same data, same tokenizer
     stages.append(
         Stage(
             "tokenizer",

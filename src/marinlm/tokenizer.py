@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from marinlm.config import check
-from marinlm.utils.io import sha256_bytes, write_text_atomic
+from marinlm.utils.io import OutputInUseError, sha256_bytes, write_text_atomic
 from marinlm.utils.progress import is_terminal
 
 CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
@@ -184,10 +184,20 @@ def iter_training_texts(inputs: list[str], text_field: str, max_bytes: int) -> I
                     return
 
 
-def train_tokenizer(config: TokenizerTrainConfig) -> tuple[MarinTokenizer, dict]:
-    """Train and save a tokenizer; returns it and a small report (bytes, seconds, vocab)."""
+def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tuple[MarinTokenizer, dict]:
+    """Train and save a tokenizer; returns it and a small report (bytes, seconds, vocab).
+
+    An output folder that already holds a tokenizer is refused before training: token shards made
+    with it name it by hash and cannot be read without it. `replace` overwrites it instead.
+    """
     if not config.inputs:
         raise ValueError("inputs: give at least one file, folder or glob to train on")
+    existing = Path(config.output_dir) / "tokenizer.json"
+    if existing.is_file() and not replace:
+        raise OutputInUseError(
+            f"{config.output_dir}: already holds a tokenizer (sha256 {sha256_bytes(existing.read_bytes())[:12]}…), "
+            "which token shards made with it need; give another output_dir, or remove it to train a new one"
+        )
     start = time.perf_counter()
     counted = {"bytes": 0, "docs": 0}
 
