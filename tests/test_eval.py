@@ -324,6 +324,17 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
     run_training(config, resume="none")
     logged = [r for r in read_metrics(tmp_path / "run") if "eval/arc_easy/acc" in r]
     assert [r["step"] for r in logged] == [2, 4]
+    # The run's model loads with its own tokenizer, and refuses another one.
+    from marinlm.train.checkpoint import CheckpointError
+    from marinlm.train.inference import load_model
+
+    loaded = load_model(tmp_path / "run")
+    assert loaded.checkpoint.name == "step-00000004"
+    MarinTokenizer(train_bpe([t.upper() for t in SAMPLE_TEXTS] * 30, vocab_size=600)).save(
+        tmp_path / "run" / "tokenizer"
+    )
+    with pytest.raises(CheckpointError, match=r"run/tokenizer: tokenizer .* is not the one step-00000004 was trained"):
+        load_model(tmp_path / "run")
 
 
 @pytest.mark.slow

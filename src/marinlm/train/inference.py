@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,12 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     model.eval()
     run_dir = folder.parent.parent
     tokenizer = MarinTokenizer.load(run_dir / "tokenizer")
+    trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
+    if trained_with is not None and tokenizer.hash != trained_with:
+        raise CheckpointError(
+            f"{run_dir / 'tokenizer'}: tokenizer {tokenizer.hash[:12]}… (vocab {tokenizer.vocab_size}) is not the one "
+            f"{folder.name} was trained with ({trained_with[:12]}…); text would be encoded with the wrong vocabulary"
+        )
     return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
 
 
