@@ -382,3 +382,17 @@ def test_task_rows_from_hf_datasets_on_local_files(tmp_path):
                 hf_datasets={"arc_easy.jsonl": f"json:{bad}:train"},
             )
         )
+
+
+def test_cli_output_may_be_a_folder(tmp_path, loaded, monkeypatch):
+    """`--output DIR` writes DIR/eval.json (it was an IsADirectoryError)."""
+    import marinlm.train.inference as inference
+    from marinlm.cli import main
+
+    monkeypatch.setattr(inference, "load_model", lambda run, device: loaded)
+    (tmp_path / "text.txt").write_text(" ".join(SAMPLE_TEXTS))
+    (tmp_path / "out").mkdir()
+    assert main(["eval", "run", "--tasks", f"bpb:{tmp_path / 'text.txt'}", "--output", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["results"][f"bpb:{tmp_path / 'text.txt'}"]["bits_per_byte"] > 0
+    assert (tmp_path / "out" / "eval.md").is_file()

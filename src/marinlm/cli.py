@@ -146,7 +146,9 @@ def _eval(args, overrides) -> int:
         progress=True,
     )
     loaded = load_model(args.run, device=args.device)
-    output = args.output or (loaded.checkpoint / "eval.json")
+    output = Path(args.output) if args.output else loaded.checkpoint / "eval.json"
+    if output.is_dir():  # like `cp FILE DIR/`
+        output = output / "eval.json"
     report = run_eval(loaded, options, output)
     print(markdown_table(report))
     print(f"results: {output}")
@@ -210,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE=NAME[:CONFIG]:SPLIT",
         help="read a task file from HF datasets, e.g. hellaswag_val.jsonl=org/hellaswag-marinlm:validation",
     )
-    ev.add_argument("--output", default=None, help="results JSON (default: CHECKPOINT/eval.json)")
+    ev.add_argument(
+        "--output", default=None, help="results JSON, or a folder for eval.json (default: CHECKPOINT/eval.json)"
+    )
     ev.add_argument("--device", default="cpu")
     ev.set_defaults(func=_eval)
 
