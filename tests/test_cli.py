@@ -36,6 +36,18 @@ def test_overrides_reach_the_config(capsys):
     assert "num_layerz" in capsys.readouterr().err
 
 
+def test_model_summary_of_a_training_config_uses_its_model_and_seq_len(capsys):
+    from marinlm.config import load_config
+    from marinlm.train.config import TrainConfig
+
+    train = load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--data.seq_len=96"])
+    assert main(["model", "summary", str(CONFIGS / "train" / "tiny.yaml"), "--data.seq_len=96"]) == 0
+    out = capsys.readouterr().out
+    assert train.model.max_seq_len != 96 and "at seq_len 96:" in out
+    assert main(["model", "summary", str(CONFIGS / "train" / "tiny.yaml"), "--model.num_layers=1"]) == 0
+    assert capsys.readouterr().out != out
+
+
 def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, tmp_path, capsys):
     from marinlm.config import save_config
 

@@ -156,12 +156,18 @@ def _eval(args, overrides) -> int:
 
 
 def _model_summary(args, overrides) -> int:
-    from marinlm.config import load_config
+    from marinlm.config import load_config, read_yaml
     from marinlm.model.config import MarinConfig
     from marinlm.model.summary import summarize
+    from marinlm.train.config import TrainConfig
 
-    config = load_config(MarinConfig, args.config, overrides)
-    print(summarize(config, args.seq_len).table())
+    seq_len = args.seq_len
+    if "model" in read_yaml(args.config):  # a training config (or a run's config.yaml): its model
+        train = load_config(TrainConfig, args.config, overrides)
+        config, seq_len = train.model, seq_len or train.data.seq_len
+    else:
+        config = load_config(MarinConfig, args.config, overrides)
+    print(summarize(config, seq_len).table())
     return 0
 
 
@@ -186,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
-    summary.add_argument("config", help="model YAML, e.g. configs/model/marin-535b-a23b.yaml")
+    summary.add_argument(
+        "config", help="model YAML (e.g. configs/model/marin-535b-a23b.yaml), or a training config or run config.yaml"
+    )
     summary.add_argument(
         "--seq-len", type=_positive(int, "an integer"), default=None, help="sequence length for attention FLOPs"
     )
