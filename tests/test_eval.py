@@ -337,6 +337,21 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
         load_model(tmp_path / "run")
 
 
+def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):
+    """A missing task file used to surface at step N, ending the run with the steps since the last
+    checkpoint lost."""
+    from marinlm.train.trainer import Trainer
+
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 4},
+        eval={"every_n_steps": 3, "tasks": ["hellaswag"], "data_dir": str(tmp_path / "missing")},
+    )
+    with pytest.raises(TaskDataError, match=r"missing/hellaswag_val.jsonl: task file not found"):
+        Trainer(config, resume="none")
+
+
 @pytest.mark.slow
 def test_real_task_files_parse_and_score(loaded):
     data_dir = shared_data("eval")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marinlm.eval.runner import EvalOptions, run_eval
+from marinlm.eval.runner import EvalOptions, prepare, run_eval
 
 
 class _Live:
@@ -21,16 +21,19 @@ class _Live:
 
 def make_eval_hook(trainer, config):
     """Every N steps: score the tasks on rank 0's model and log `eval/<task>/<metric>`."""
+    if trainer.world > 1:
+        raise ValueError(
+            "eval.every_n_steps: in-training evaluation runs on one process; "
+            "evaluate a checkpoint with `marinlm eval` for sharded runs"
+        )
     options = EvalOptions(tasks=list(config.tasks), data_dir=config.data_dir, limit=config.limit)
+    # Read and check the task files now: a missing or malformed one must stop the run before its
+    # first step, not at step N with the steps since the last checkpoint lost.
+    prepared = prepare(options)
 
     def hook(result=None):
-        if trainer.world > 1:
-            raise ValueError(
-                "eval.every_n_steps: in-training evaluation runs on one process; "
-                "evaluate a checkpoint with `marinlm eval` for sharded runs"
-            )
         was_training = trainer.model.training
-        report = run_eval(_Live(trainer), options, val_source=trainer.val_source)
+        report = run_eval(_Live(trainer), options, val_source=trainer.val_source, prepared=prepared)
         trainer.model.train(was_training)
         if trainer.sinks is not None:
             scalars = {

@@ -96,9 +96,14 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
     return prepared
 
 
-def run_eval(loaded, options: EvalOptions, output: str | Path | None = None, val_source=None) -> dict:
-    """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given."""
-    prepared = prepare(options)
+def run_eval(
+    loaded, options: EvalOptions, output: str | Path | None = None, val_source=None, prepared: list | None = None
+) -> dict:
+    """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given.
+
+    `prepared` is `prepare(options)` done ahead (the training hook loads its tasks once, at start).
+    """
+    prepared = prepare(options) if prepared is None else prepared
     scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size, progress=options.progress)
     results, predictions, files = {}, {}, {}
     start = time.perf_counter()
