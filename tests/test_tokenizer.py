@@ -38,15 +38,21 @@ def test_special_tokens_and_chat_template_match_transformers(tokenizer):
     transformers = pytest.importorskip("transformers")
     tok, folder = tokenizer
     hf = transformers.AutoTokenizer.from_pretrained(folder)
-    for text in SAMPLE_TEXTS + ["<|user|>\nhi<|end|>", "  leading spaces", "x" * 500]:
-        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
-        assert hf.decode(tok.encode(text)) == text
+    for text in SAMPLE_TEXTS + ["<|user|>\nhi<|end|>", "a <|eos|>b<|bos|>", "  leading spaces", "x" * 500]:
+        # transformers maps special-token strings to their ids; marinlm does so only when asked
+        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, allow_special=True)
+        assert hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == tok.encode(text)
+        assert hf.decode(tok.encode(text)) == text == hf.decode(tok.encode(text, allow_special=True))
     assert hf.bos_token_id == tok.bos_id and hf.eos_token_id == tok.eos_id and hf.pad_token_id == tok.pad_id
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == tok.apply_chat_template(messages, add_generation_prompt=True)
-    assert tok.encode(EOS) == [tok.eos_id]
-    assert all(len(tok.encode(t)) == 1 for t in SPECIAL_TOKENS)
+    assert tok.encode(EOS, allow_special=True) == [tok.eos_id]
+    assert all(len(tok.encode(t, allow_special=True)) == 1 for t in SPECIAL_TOKENS)
+    # In data, a special token's text is ordinary text: no EOS in the middle of a document.
+    for t in SPECIAL_TOKENS:
+        assert not set(tok.encode(f"see {t} here")) & set(tok.special_ids.values())
+        assert not set(tok.encode_batch([f"see {t} here"])[0]) & set(tok.special_ids.values())
 
 
 def test_pretokenizer_splits_digits_cjk_and_indentation(tokenizer):

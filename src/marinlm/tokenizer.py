@@ -14,6 +14,7 @@ Pre-tokenisation (a regex split, then bytes):
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -108,6 +109,10 @@ class MarinTokenizer:
             raise ValueError(f"tokenizer lacks special tokens {missing}; was it trained by marinlm?")
         self.bos_id, self.eos_id, self.pad_id = vocab[BOS], vocab[EOS], vocab[PAD]
         self.special_ids = {t: vocab[t] for t in SPECIAL_TOKENS}
+        # Text is text: a document that happens to contain "<|eos|>" must not end there. (Not
+        # saved with the tokenizer, so the hash and what transformers loads are unchanged.)
+        self.backend.encode_special_tokens = True
+        self._special_split = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 
     @property
     def vocab_size(self) -> int:
@@ -118,10 +123,21 @@ class MarinTokenizer:
         """sha256 of the canonical tokenizer.json; token shards record it."""
         return sha256_bytes(self.backend.to_str().encode())
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in it are ordinary text unless `allow_special`
+        (for markup such as a rendered chat template), which maps each to its id as transformers does."""
+        if not allow_special:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece in self._special_split.split(text):
+            if piece in self.special_ids:
+                ids.append(self.special_ids[piece])
+            elif piece:
+                ids.extend(self.backend.encode(piece, add_special_tokens=False).ids)
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text (special-token strings are text), on all cores."""
         return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

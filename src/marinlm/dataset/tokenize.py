@@ -173,7 +173,7 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
     out = Path(config.output_dir)
     settings = {
         "job": "tokenize",
-        "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size},
+        "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size, "special_token_strings": "text"},
         "text_field": config.text_field,
         "id_field": config.id_field,
         "seed": config.seed,
