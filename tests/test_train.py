@@ -15,6 +15,7 @@ from marinlm.config import save_config
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, list_checkpoints
 from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer, run_training
+from marinlm.utils.io import folder_lock
 
 from conftest import ROOT, train_config
 
@@ -100,6 +101,13 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
     with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(newest step-00000004\)"):
         Trainer(train_config(token_data, tmp_path / "run", train={"steps": 2}), resume="none")
+    # While one job writes the run folder, a second `marinlm train` on it stops at once.
+    save_config(train_config(token_data, tmp_path / "run", train={"steps": 6}), tmp_path / "run.yaml")
+    with folder_lock(tmp_path / "run"):
+        second = cli(tmp_path / "run.yaml")
+        out, _ = second.communicate(timeout=300)
+    assert second.returncode != 0 and "another marinlm job is writing here" in out
+    assert max(losses(tmp_path / "run")) == 4  # it trained nothing
     # An attempt that died before its first checkpoint left metrics behind; the next start replaces them.
     attempt = tmp_path / "attempt"
     attempt.mkdir()

@@ -39,6 +39,7 @@ from marinlm.data.steps import ShardContext
 from marinlm.utils.io import (
     atomic_path,
     claim_output,
+    folder_lock,
     remove_stale_temporaries,
     sha256_file,
     write_json_atomic,
@@ -409,8 +410,13 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> dict:
     """Run (or resume) the pipeline; returns the report (also written as report.json/.md/.png).
 
     An output folder that holds a curation with other settings or inputs is an error (resuming
-    would mix the two); `restart` empties it instead.
+    would mix the two); `restart` empties it instead. One job at a time may write the folder.
     """
+    with folder_lock(config.output_dir):
+        return _run_pipeline(config, restart)
+
+
+def _run_pipeline(config: PipelineConfig, restart: bool) -> dict:
     from marinlm.data.reduce import reduce
     from marinlm.data.report import write_report
 

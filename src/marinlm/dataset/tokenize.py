@@ -20,7 +20,14 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import atomic_path, claim_output, remove_stale_temporaries, sha256_file, write_json_atomic
+from marinlm.utils.io import (
+    atomic_path,
+    claim_output,
+    folder_lock,
+    remove_stale_temporaries,
+    sha256_file,
+    write_json_atomic,
+)
 from marinlm.utils.progress import progress_bar
 
 
@@ -163,8 +170,13 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
 
     A rerun resumes input by input. An output folder made with another tokenizer, split or fields
     is an error (its shards would be mixed with, or mislabelled as, the new ones); `restart`
-    empties it instead.
+    empties it instead. One job at a time may write the folder.
     """
+    with folder_lock(config.output_dir):
+        return _tokenize(config, progress, restart)
+
+
+def _tokenize(config: TokenizeConfig, progress: bool, restart: bool) -> dict:
     from marinlm.data.readers import expand_inputs
     from marinlm.tokenizer import MarinTokenizer
 

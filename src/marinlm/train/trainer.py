@@ -38,7 +38,7 @@ from marinlm.train.checkpoint import CheckpointManager, list_checkpoints
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import write_json_atomic
+from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -64,6 +64,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._locked = False
+        if self.info.is_main:  # one job at a time writes a run folder (a second `train` would interleave)
+            lock_folder(self.run_dir)
+            self._locked = True
         self.world = self.info.world_size
         micro = c.train.micro_batch or c.train.global_batch // self.world
         if c.train.global_batch % (micro * self.world):
@@ -319,6 +323,15 @@ class Trainer:
             self.sinks.log(self.step, metrics)
         return metrics
 
+    def close(self) -> None:
+        """Give up the run folder (another job may write it now). Idempotent; also on collection."""
+        if getattr(self, "_locked", False):
+            self._locked = False
+            unlock_folder(self.run_dir)
+
+    def __del__(self):
+        self.close()
+
     # --- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict:
@@ -420,12 +433,15 @@ class Trainer:
 def run_training(config: TrainConfig, resume: str = "auto") -> dict:
     """Entry point for `marinlm train` (also under torchrun)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trainer = Trainer(config, resume)
+    trainer = None
     try:
+        trainer = Trainer(config, resume)
         return trainer.fit()
     finally:
         from marinlm.parallel import shutdown_distributed
 
+        if trainer is not None:
+            trainer.close()
         shutdown_distributed()
 
 

@@ -4,10 +4,12 @@ either the previous file or the complete new one, never a torn one."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,56 @@ def remove_stale_temporaries(root: str | Path) -> int:
 
 
 JOB_FILE = ".marinlm-job.json"
+LOCK_FILE = ".marinlm.lock"
+_HELD: dict[str, list] = {}  # resolved folder -> [open lock file, holders in this process]
+
+
+def lock_folder(folder: str | Path) -> None:
+    """Take this process's exclusive claim on writing `folder` (an advisory flock on a file in it).
+
+    A second job writing the same folder (the same command started twice) would delete the first's
+    temporaries and interleave outputs; it gets an OutputInUseError naming the holder instead.
+    Re-entrant within a process; `unlock_folder` releases (process exit does too).
+    """
+    folder = Path(folder).resolve()
+    key = str(folder)
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 - held until unlock_folder
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise OutputInUseError(
+            f"{folder}: another marinlm job is writing here ({holder}); wait for it to end, or use another folder"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    _HELD[key] = [handle, 1]
+
+
+def unlock_folder(folder: str | Path) -> None:
+    key = str(Path(folder).resolve())
+    if key not in _HELD:
+        return
+    _HELD[key][1] -= 1
+    if _HELD[key][1] == 0:
+        _HELD.pop(key)[0].close()  # closing the file releases the flock
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path):
+    lock_folder(folder)
+    try:
+        yield
+    finally:
+        unlock_folder(folder)
 
 
 class OutputInUseError(ValueError):
@@ -109,7 +161,7 @@ def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -
         if difference is None:
             return True
         problem = f"holds the outputs of a job with other settings or inputs ({difference})"
-    elif folder.is_dir() and any(folder.iterdir()):
+    elif folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir()):
         problem = f"is not empty and has no {JOB_FILE} recording what made its files"
     else:
         problem = None
@@ -120,7 +172,13 @@ def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -
                 "or remove this one to start over"
             )
         print(f"{folder}: {problem}; starting it over", flush=True)
-        shutil.rmtree(folder)
+        for path in folder.iterdir():
+            if path.name == LOCK_FILE:  # ours, held
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(record, settings)
     return False

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from marinlm.utils.io import (
+    JOB_FILE,
+    LOCK_FILE,
+    OutputInUseError,
+    claim_output,
+    folder_lock,
+    lock_folder,
+    unlock_folder,
+)
+
+from conftest import ROOT
+
+
+def try_lock_elsewhere(folder) -> subprocess.CompletedProcess:
+    code = f"from marinlm.utils.io import lock_folder; lock_folder({str(folder)!r}); print('locked')"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_one_job_at_a_time_writes_a_folder(tmp_path):
+    with folder_lock(tmp_path / "out"):
+        lock_folder(tmp_path / "out")  # re-entrant in the holding process: now held twice
+        other = try_lock_elsewhere(tmp_path / "out")
+        assert other.returncode != 0
+        assert "another marinlm job is writing here (pid " in other.stderr
+    assert try_lock_elsewhere(tmp_path / "out").returncode != 0  # one hold left
+    unlock_folder(tmp_path / "out")
+    assert try_lock_elsewhere(tmp_path / "out").stdout.strip() == "locked"
+
+
+def test_claim_output_resumes_the_same_job_and_names_a_difference(tmp_path):
+    out = tmp_path / "out"
+    settings = {"job": "x", "config": {"a": 1, "nested": {"b": [1, 2]}}, "inputs": [{"path": "p", "size": 3}]}
+    assert claim_output(out, settings) is False  # a new job
+    assert (out / JOB_FILE).is_file()
+    (out / "result.txt").write_text("work")
+    assert claim_output(out, settings) is True  # the same job: resume
+    changed = {**settings, "config": {"a": 1, "nested": {"b": [1, 5]}}}
+    with pytest.raises(OutputInUseError, match=r"\(config.nested.b\[1\]: 2 -> 5\)"):
+        claim_output(out, changed)
+    more = {**settings, "inputs": settings["inputs"] * 3}
+    with pytest.raises(OutputInUseError, match=r"\(inputs: 1 items -> 3 items\)"):
+        claim_output(out, more)
+    assert (out / "result.txt").read_text() == "work"  # refusing loses nothing
+    with folder_lock(out):
+        assert claim_output(out, changed, restart=True) is False
+        assert sorted(p.name for p in out.iterdir()) == sorted([JOB_FILE, LOCK_FILE])  # the held lock stays
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / LOCK_FILE).write_text("")  # a lock file alone is not someone's output
+    assert claim_output(foreign, settings) is False
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(OutputInUseError, match=rf"notes: is not empty and has no {JOB_FILE}"):
+        claim_output(tmp_path / "notes", settings)
