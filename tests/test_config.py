@@ -94,6 +94,10 @@ def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):
     # The file's num_kv_heads no longer divides the overridden num_heads: both sources are named.
     with pytest.raises(ConfigError, match=r"num_kv_heads: .*tiny.yaml, with the command-line overrides\)$"):
         load_config(MarinConfig, path, ["--attention.num_heads=3"])
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight: .* \(set on the command line\)$"):
+        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--data.sources=[{path: x, weight: 0}]"])
     bad = tmp_path / "bad.yaml"
     bad.write_text(path.read_text().replace("top_k: 2", "top_k: 999"))
     with pytest.raises(ConfigError, match=r"moe.top_k: .*bad.yaml\)$"):

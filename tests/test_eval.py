@@ -229,8 +229,10 @@ def test_malformed_task_files_name_file_and_line(tmp_path, file, content, messag
         prepare(EvalOptions(tasks=[task.split("/")[0]], data_dir=str(tmp_path)))
 
 
-def test_mmlu_without_subject_files_and_empty_bpb_texts_are_errors(tmp_path):
+def test_mmlu_short_of_shots_or_subjects_and_empty_bpb_texts_are_errors(tmp_path):
     write_tasks(tmp_path)
+    with pytest.raises(TaskDataError, match=r"astronomy_dev.csv: 2 dev examples, fewer than the 3 shots"):
+        prepare(EvalOptions(tasks=["mmlu"], data_dir=str(tmp_path), num_fewshot=3))  # it ran 2-shot as "3-shot"
     for csv_file in (tmp_path / "mmlu" / "test").glob("*.csv"):
         csv_file.unlink()
     with pytest.raises(TaskDataError, match=r"mmlu/test: no SUBJECT_test.csv files"):

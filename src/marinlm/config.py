@@ -349,9 +349,12 @@ def _overridden(tree: dict[str, Any], key: str) -> bool:
     """Whether the dotted `key`, or a section above it, was given as a command-line override."""
     node: Any = tree
     for part in key.split("."):
+        part = part.split("[", 1)[0]  # "sources[0]": the override set the whole list
         if not isinstance(node, dict) or part not in node:
             return False
         node = node[part]
+        if not isinstance(node, dict):
+            return True
     return bool(key)
 
 

@@ -258,6 +258,10 @@ class MMLU(Task):
                 if not dev.is_file():
                     raise TaskDataError(f"{dev}: dev file needed for {self.num_fewshot}-shot MMLU")
                 examples = self._rows(dev)[: self.num_fewshot]
+                if len(examples) < self.num_fewshot:
+                    raise TaskDataError(
+                        f"{dev}: {len(examples)} dev examples, fewer than the {self.num_fewshot} shots asked for"
+                    )
                 shots = "".join(f"{self.format(q, c)} {self.LETTERS[g]}\n\n" for q, c, g, _ in examples)
             for q, choices, gold, _ in self._rows(path):
                 prompt = header + shots + self.format(q, choices)
