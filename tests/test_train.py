@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from marinlm.config import save_config
-from marinlm.train.checkpoint import CheckpointError, CheckpointManager, list_checkpoints
+from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints
 from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer, run_training
 from marinlm.utils.io import folder_lock
@@ -115,6 +115,31 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):
     run_training(train_config(token_data, attempt, train={"steps": 2}), resume="auto")
     steps = [r["step"] for r in read_metrics(attempt) if "train/loss" in r]
     assert steps == sorted(set(steps)) and 99.0 not in losses(attempt).values() and 7 not in losses(attempt)
+
+
+def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path, capsys):
+    """DCP loads only what the target asks for: a model with a layer fewer used to resume in silence."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
+    capsys.readouterr()
+    cases = [
+        (
+            {"model": {"num_layers": 1}},
+            r"entries only in the checkpoint, e\.g\. model\.layers\.1\..*model\.num_layers: 2 -> 1",
+        ),
+        ({"model": {"moe": {"expert_dim": 8}}}, r"model\.layers\.0\.mlp\.experts\.\w+ is \[.*\] in the checkpoint"),
+        ({"optim": {"type": "adamw", "lr": 1e-3}}, r"entries missing from it, e\.g\. optim\.state\..*exp_avg"),
+    ]
+    for change, message in cases:
+        with pytest.raises(CheckpointMismatch, match=message):
+            Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6}, **change), resume="auto")
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]  # untouched
+    # A setting that leaves every tensor's shape alone resumes, with a warning that names it.
+    trainer = Trainer(
+        train_config(token_data, tmp_path / "run", train={"steps": 6}, model={"attention": {"qk_mult": 2.0}}),
+        resume="auto",
+    )
+    assert trainer.step == 4
+    assert "resuming step-00000004 with a changed setting: model.attention.qk_mult" in capsys.readouterr().out
 
 
 def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):

@@ -56,6 +56,41 @@ class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete, truncated or corrupt; the message names it."""
 
 
+class CheckpointMismatch(ValueError):
+    """A sound checkpoint of another model or optimizer than the one it is loaded into. Older
+    checkpoints of the same run would not fit either, so nothing falls back past it."""
+
+    def __init__(self, folder: Path, detail: str):
+        super().__init__(f"{folder}: {detail}")
+        self.folder, self.detail = folder, detail
+
+
+def check_same_structure(folder: Path, tensors: dict) -> None:
+    """Raise CheckpointMismatch unless the checkpoint holds every model tensor of `tensors` with its
+    shape and nothing more, and the same optimizer state tensors. (DCP alone loads what the target
+    asks for and ignores the rest: a model with a layer fewer would resume in silence.)"""
+    metadata = SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    saved = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+    wanted: dict[str, tuple | None] = {f"model.{k}": tuple(v.shape) for k, v in tensors.get("model", {}).items()}
+    for param, state in tensors.get("optim", {}).get("state", {}).items():
+        for k in state:
+            wanted[f"optim.state.{param}.{k}"] = None  # presence only: a scalar may be saved as bytes
+    problems = []
+    for prefix in ("model.", "optim.state."):
+        have = {k for k in metadata if k.startswith(prefix)}
+        want = {k for k in wanted if k.startswith(prefix)}
+        if only_saved := sorted(have - want):
+            problems.append(f"{len(only_saved)} entries only in the checkpoint, e.g. {only_saved[0]}")
+        if only_wanted := sorted(want - have):
+            problems.append(f"{len(only_wanted)} entries missing from it, e.g. {only_wanted[0]}")
+    for k, shape in wanted.items():
+        if shape is not None and k in saved and saved[k] != shape:
+            problems.append(f"{k} is {list(saved[k])} in the checkpoint, {list(shape)} here")
+            break
+    if problems:
+        raise CheckpointMismatch(folder, f"not a checkpoint of this model and optimizer: {'; '.join(problems)}")
+
+
 _DCP_METADATA_CLASSES = (
     "Metadata",
     "TensorStorageMetadata",
@@ -230,6 +265,7 @@ class CheckpointManager:
         saved_world = json.loads((folder / "COMPLETE.json").read_text()).get("world_size", 1)
         if saved_world != self.world_size:
             raise CheckpointError(f"{folder}: saved with world size {saved_world}, loading with {self.world_size}")
+        check_same_structure(folder, tensors)
         try:
             with quiet_single_process():
                 dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())

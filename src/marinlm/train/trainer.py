@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
-from marinlm.config import dump_config, to_dict
+from marinlm.config import ConfigError, dump_config, load_config, to_dict
 from marinlm.dataset.loader import build_loader, open_sources, validation_batches
 from marinlm.dataset.shards import TokenDataset
 from marinlm.model.cpu_bf16 import gemm_dtype
@@ -34,11 +34,11 @@ from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
-from marinlm.train.checkpoint import CheckpointManager, list_checkpoints
+from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic
+from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -171,16 +171,35 @@ class Trainer:
         self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
         return path
 
+    def _config_change(self, folder: Path) -> str | None:
+        """The first model or optimizer setting that differs from the checkpoint's config.yaml."""
+        try:
+            saved = load_config(TrainConfig, folder / "config.yaml")
+        except (ConfigError, OSError):
+            return None
+        for section in ("model", "optim"):
+            if change := first_difference(to_dict(getattr(saved, section)), to_dict(getattr(self.config, section))):
+                return f"{section}.{change}"
+        return None
+
     def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
         """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
         tensors = self._state_tensors()
-        if folder is None:
-            loaded = self.checkpoints.load_latest(tensors)
-            if loaded is None:
-                return None
-        else:
-            loaded = (folder, self.checkpoints.load(folder, tensors))
+        try:
+            if folder is None:
+                loaded = self.checkpoints.load_latest(tensors)
+                if loaded is None:
+                    return None
+            else:
+                loaded = (folder, self.checkpoints.load(folder, tensors))
+        except CheckpointMismatch as e:
+            change = self._config_change(e.folder)
+            hint = f"; its config.yaml differs first at {change}" if change else ""
+            advice = "Resume with the run's own settings, or start a new run_dir"
+            raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
         folder, state = loaded
+        if self.info.is_main and (change := self._config_change(folder)):
+            print(f"warning: resuming {folder.name} with a changed setting: {change}", flush=True)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.bad_steps = state["step"], state["bad_steps"]

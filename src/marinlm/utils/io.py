@@ -123,19 +123,19 @@ def _shown(mapping: dict, key: Any) -> str:
     return repr(mapping[key]) if key in mapping else "absent"
 
 
-def _first_difference(old: Any, new: Any, key: str = "") -> str | None:
+def first_difference(old: Any, new: Any, key: str = "") -> str | None:
     """The dotted key of the first place `old` and `new` differ, with both values; None if equal."""
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new), key=str):
             sub = f"{key}.{k}" if key else str(k)
             if k not in old or k not in new:
                 return f"{sub}: {_shown(old, k)} -> {_shown(new, k)}"
-            if (found := _first_difference(old[k], new[k], sub)) is not None:
+            if (found := first_difference(old[k], new[k], sub)) is not None:
                 return found
         return None
     if isinstance(old, list) and isinstance(new, list):
         for i, (a, b) in enumerate(zip(old, new)):
-            if (found := _first_difference(a, b, f"{key}[{i}]")) is not None:
+            if (found := first_difference(a, b, f"{key}[{i}]")) is not None:
                 return found
         return None if len(old) == len(new) else f"{key}: {len(old)} items -> {len(new)} items"
     return None if old == new else f"{key}: {old!r} -> {new!r}"
@@ -157,7 +157,7 @@ def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -
             old = json.loads(record.read_text())
         except json.JSONDecodeError:
             old = {"unreadable": str(record)}
-        difference = _first_difference(old, settings)
+        difference = first_difference(old, settings)
         if difference is None:
             return True
         problem = f"holds the outputs of a job with other settings or inputs ({difference})"
