@@ -76,7 +76,7 @@ def check_same_structure(folder: Path, tensors: dict) -> None:
         for k in state:
             wanted[f"optim.state.{param}.{k}"] = None  # presence only: a scalar may be saved as bytes
     problems = []
-    for prefix in ("model.", "optim.state."):
+    for prefix in [p for p, top in (("model.", "model"), ("optim.state.", "optim")) if top in tensors]:
         have = {k for k in metadata if k.startswith(prefix)}
         want = {k for k in wanted if k.startswith(prefix)}
         if only_saved := sorted(have - want):
@@ -88,7 +88,8 @@ def check_same_structure(folder: Path, tensors: dict) -> None:
             problems.append(f"{k} is {list(saved[k])} in the checkpoint, {list(shape)} here")
             break
     if problems:
-        raise CheckpointMismatch(folder, f"not a checkpoint of this model and optimizer: {'; '.join(problems)}")
+        what = "model and optimizer" if "optim" in tensors else "model"
+        raise CheckpointMismatch(folder, f"not a checkpoint of this {what}: {'; '.join(problems)}")
 
 
 _DCP_METADATA_CLASSES = (

@@ -17,6 +17,7 @@ from marinlm.train.checkpoint import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    check_same_structure,
     list_checkpoints,
     quiet_single_process,
     validate,
@@ -60,6 +61,7 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     model.to_empty(device=device)
     model.init_weights(seed=0)  # every tensor is overwritten by the load below
     state = {"model": model.state_dict()}
+    check_same_structure(folder, state)  # its config.yaml must still describe its tensors
     with quiet_single_process():
         dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
     model.load_state_dict(state["model"])
