@@ -172,12 +172,13 @@ class Trainer:
         return path
 
     def _config_change(self, folder: Path) -> str | None:
-        """The first model or optimizer setting that differs from the checkpoint's config.yaml."""
+        """The first model, optimizer, data or schedule setting that differs from the checkpoint's
+        config.yaml (steps, logging and the like change freely)."""
         try:
             saved = load_config(TrainConfig, folder / "config.yaml")
         except (ConfigError, OSError):
             return None
-        for section in ("model", "optim"):
+        for section in ("model", "optim", "data", "schedule"):
             if change := first_difference(to_dict(getattr(saved, section)), to_dict(getattr(self.config, section))):
                 return f"{section}.{change}"
         return None
