@@ -142,6 +142,37 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
     assert "resuming step-00000004 with a changed setting: model.attention.qk_mult" in capsys.readouterr().out
 
 
+def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(token_data, tmp_path, capsys):
+    """A corrupt val shard used to switch validation off with a log line."""
+    import shutil
+
+    from marinlm.dataset import ShardError
+    from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+
+    copy = tmp_path / "tokens"
+    shutil.copytree(token_data, copy)
+    val_shard = next((copy / "val").glob("*.tokens"))
+    with open(val_shard, "r+b") as f:
+        f.truncate(val_shard.stat().st_size - 4)
+    with pytest.raises(ShardError, match=rf"{val_shard.name}: .* truncated"):
+        Trainer(train_config(copy, tmp_path / "run"), resume="none")
+    manifest = json.loads((token_data / "manifest.json").read_text())
+    no_val = tmp_path / "no-val"
+    tokenize(
+        TokenizeConfig(
+            inputs=[s["path"] for s in manifest["sources"]],
+            tokenizer=manifest["tokenizer"]["path"],
+            output_dir=str(no_val),
+            val_fraction=0.0,
+            workers=1,
+        ),
+        progress=False,
+    )
+    trainer = Trainer(train_config(no_val, tmp_path / "run2"), resume="none")
+    assert trainer.val_source is None
+    assert "split 'val' has no documents; validation is off" in capsys.readouterr().out
+
+
 def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):
     config = train_config(token_data, tmp_path / "run", train={"steps": 4})
     run_training(config)

@@ -28,6 +28,10 @@ class ShardError(ValueError):
     """A token dataset that is missing, truncated, corrupt or mismatched; the message names the file."""
 
 
+class EmptySplitError(ShardError):
+    """A well-formed token folder whose requested split holds no documents (e.g. val_fraction 0)."""
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
@@ -95,7 +99,7 @@ class TokenDataset:
         self.num_docs = sum(s.num_docs for s in self.shards)
         self.num_tokens = sum(int(s.doc_ends[-1]) for s in self.shards)
         if self.num_docs == 0:
-            raise ShardError(f"{self.folder}: split {split!r} has no documents")
+            raise EmptySplitError(f"{self.folder}: split {split!r} has no documents")
         # Flat per-document table across shards.
         self.doc_shard = np.concatenate([np.full(s.num_docs, i, dtype=np.int32) for i, s in enumerate(self.shards)])
         starts = [np.concatenate([[0], s.doc_ends[:-1]]) for s in self.shards]

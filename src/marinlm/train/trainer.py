@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import platform
 import shutil
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, load_config, to_dict
 from marinlm.dataset.loader import build_loader, open_sources, validation_batches
-from marinlm.dataset.shards import TokenDataset
+from marinlm.dataset.shards import EmptySplitError, TokenDataset
 from marinlm.model.cpu_bf16 import gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
@@ -41,8 +40,6 @@ from marinlm.train.step import StepResult, param_norm, train_step, validate
 from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
-
-log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -145,10 +142,12 @@ class Trainer:
         return model
 
     def _val_source(self):
+        """The validation split; None when the data has none (a corrupt one is an error, not None)."""
         try:
             return open_sources(self.config.data, "val", self.tokenizer_hash, self.config.model.vocab_size)[0]
-        except ValueError as e:
-            log.warning("no validation split: %s", e)
+        except EmptySplitError as e:
+            if self.info.is_main and self.config.validation.every_steps:
+                print(f"warning: {e}; validation is off (tokenize with val_fraction > 0 to have it)", flush=True)
             return None
 
     def _state_tensors(self) -> dict:
