@@ -106,3 +106,18 @@ def test_train_tokenizer_command_writes_loadable_folder(tmp_path):
     assert MarinTokenizer.load(tmp_path / "tok").hash == tok.hash
     replaced, _ = train_tokenizer(config, replace=True)
     assert replaced.hash == tok.hash  # training is deterministic
+
+
+def test_train_tokenizer_reports_rejects_and_refuses_to_train_on_nothing(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "hello world, hello tokenizer"}\n{broken\n{"body": "no text"}\n')
+    config = TokenizerTrainConfig(inputs=[str(corpus)], output_dir=str(tmp_path / "tok"), vocab_size=600)
+    _, report = train_tokenizer(config)
+    assert report["documents"] == 1 and report["rejected"] == 2
+    assert report["rejected_examples"][0].startswith(f"{corpus}:2: malformed JSON")
+    assert report["vocab_size"] < report["vocab_size_requested"] == 600  # a tiny corpus: fewer merges
+    # A wrong text field rejects every record: an error, and no bytes-only tokenizer is written.
+    wrong = TokenizerTrainConfig(inputs=[str(corpus)], output_dir=str(tmp_path / "tok2"), text_field="content")
+    with pytest.raises(ValueError, match=r"no document to train on .* 3 record\(s\) rejected \(first: .*:1: "):
+        train_tokenizer(wrong)
+    assert not (tmp_path / "tok2").exists()

@@ -49,6 +49,10 @@ def _tokenizer_train(args, overrides) -> int:
         f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
         f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}"
     )
+    if report["vocab_size"] < report["vocab_size_requested"]:
+        print(f"note: {report['vocab_size_requested']} asked; the corpus supports no more merges (add text)")
+    if report["rejected"]:
+        print(f"note: {report['rejected']} input record(s) rejected, e.g. {report['rejected_examples'][0]}")
     return 0
 
 

@@ -187,7 +187,10 @@ class MarinTokenizer:
             raise ValueError(f"{path}: not a valid tokenizers file: {e}") from None
 
 
-def iter_training_texts(inputs: list[str], text_field: str, max_bytes: int) -> Iterator[str]:
+def iter_training_texts(
+    inputs: list[str], text_field: str, max_bytes: int, rejected: list | None = None
+) -> Iterator[str]:
+    """The documents' texts, up to `max_bytes`; unreadable records go to `rejected` (if given)."""
     from marinlm.data.readers import Document, expand_inputs, read_documents
 
     seen = 0
@@ -198,6 +201,8 @@ def iter_training_texts(inputs: list[str], text_field: str, max_bytes: int) -> I
                 seen += len(item.text.encode())
                 if max_bytes and seen >= max_bytes:
                     return
+            elif rejected is not None:
+                rejected.append(item)
 
 
 def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tuple[MarinTokenizer, dict]:
@@ -216,18 +221,28 @@ def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tupl
         )
     start = time.perf_counter()
     counted = {"bytes": 0, "docs": 0}
+    rejected: list = []
 
     def texts():
-        for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes):
+        for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes, rejected):
             counted["bytes"] += len(text.encode())
             counted["docs"] += 1
             yield text
 
-    tok = MarinTokenizer(train_bpe(texts(), config.vocab_size, config.min_frequency))
+    trained = train_bpe(texts(), config.vocab_size, config.min_frequency)
+    if counted["docs"] == 0:  # e.g. a wrong text_field: a bytes-only tokenizer is no result
+        first = f" (first: {rejected[0].location}: {rejected[0].reason})" if rejected else ""
+        raise ValueError(
+            f"inputs: no document to train on in {config.inputs}; {len(rejected)} record(s) rejected{first}"
+        )
+    tok = MarinTokenizer(trained)
     tok.save(config.output_dir)
     report = {
         "vocab_size": tok.vocab_size,
+        "vocab_size_requested": config.vocab_size,
         "documents": counted["docs"],
+        "rejected": len(rejected),
+        "rejected_examples": [f"{r.location}: {r.reason}" for r in rejected[:5]],
         "bytes": counted["bytes"],
         "seconds": round(time.perf_counter() - start, 2),
         "hash": tok.hash,
