@@ -97,6 +97,16 @@ def test_tokenize_into_a_folder_made_with_another_tokenizer_is_refused(dataset, 
     assert (out / "manifest.json").read_text() == manifest
 
 
+def test_tokenize_with_nothing_readable_is_an_error(tok_dir, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"body": "a"}\n{"body": "b"}\n')
+    config = TokenizeConfig(inputs=[str(tmp_path / "in.jsonl")], tokenizer=str(tok_dir), output_dir=str(tmp_path / "t"))
+    with pytest.raises(
+        ValueError, match=r"no document was tokenized .* 2 record\(s\) rejected \(first: .*in.jsonl:1: "
+    ):
+        tokenize(config, progress=False)
+    assert len(json.loads((tmp_path / "t" / "manifest.json").read_text())["rejected"]) == 2  # kept for a look
+
+
 def test_corruption_and_mismatch_are_reported_by_file(dataset, tmp_path):
     import shutil
 

@@ -260,4 +260,11 @@ def _tokenize(config: TokenizeConfig, progress: bool, restart: bool) -> dict:
         manifest[f"{s}_docs"] = sum(e["num_docs"] for e in manifest["splits"][s])
     manifest["seconds"] = round(time.perf_counter() - start, 2)
     write_json_atomic(out / "manifest.json", manifest)
+    if manifest["train_docs"] + manifest["val_docs"] == 0:
+        rejected = manifest["rejected"]
+        first = f" (first: {rejected[0]['location']}: {rejected[0]['reason']})" if rejected else ""
+        raise ValueError(
+            f"{out}: no document was tokenized from {config.inputs}; {len(rejected)} record(s) rejected{first}; "
+            "all are listed in its manifest.json"
+        )
     return manifest
