@@ -173,6 +173,16 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
     assert "split 'val' has no documents; validation is off" in capsys.readouterr().out
 
 
+def test_a_killed_jobs_half_written_save_is_cleaned_up(token_data, tmp_path):
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
+    stale = tmp_path / "run" / "checkpoints" / "step-00000006.tmp"  # killed mid-save, at a step never reached again
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"x" * 1000)
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 8}))
+    assert not stale.exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+
+
 def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):
     config = train_config(token_data, tmp_path / "run", train={"steps": 4})
     run_training(config)

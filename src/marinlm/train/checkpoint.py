@@ -257,6 +257,9 @@ class CheckpointManager:
             os.replace(tmp, final)
             for old in list_checkpoints(self.root)[self.keep_last :]:
                 shutil.rmtree(old, ignore_errors=True)
+            # Half-written saves of a killed job (one save is in flight at a time, and it just ended).
+            for stale in self.root.glob(f"{STEP_PREFIX}*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
         barrier()
 
     def load(self, folder: Path, tensors: dict) -> dict:
