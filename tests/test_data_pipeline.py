@@ -384,6 +384,7 @@ def test_rerun_resumes_only_the_same_curation(tmp_path):
     first = run_pipeline(bare_config(out, sources))
     again = run_pipeline(bare_config(out, sources, workers=2))  # same job, other worker count: resumes
     assert again["accounting"] == first["accounting"]
+    assert first["units_run"] == 3 and again["units_run"] == 0  # map + reduce + write; then nothing left
     manifest = (out / "manifest.json").read_text()
     with pytest.raises(OutputInUseError, match=r"out: .*\(config.min_doc_chars: 1 -> 500\)"):
         run_pipeline(bare_config(out, sources, min_doc_chars=500))

@@ -75,6 +75,7 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     )
     again = tokenize(config, progress=False)
     assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
+    assert again["inputs_tokenized"] == 1  # only the damaged one
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
     assert not list(out.rglob("*.tmp"))
 

@@ -157,7 +157,8 @@ def run_quickstart(
         Stage(
             "curation",
             time.perf_counter() - t,
-            "; ".join(
+            ("resumed: done by an earlier run; " if curation["units_run"] == 0 else "")
+            + "; ".join(
                 f"{s}: {a['in']} in, {a['kept']} kept ({a['dropped']} dropped, {a['rejected']} rejected)"
                 for s, a in acc.items()
             ),
@@ -202,7 +203,8 @@ def run_quickstart(
         Stage(
             "tokenize",
             time.perf_counter() - t,
-            f"train {manifest['train_tokens']:,} tokens / {manifest['train_docs']} docs, val "
+            ("resumed: done by an earlier run; " if manifest["inputs_tokenized"] == 0 else "")
+            + f"train {manifest['train_tokens']:,} tokens / {manifest['train_docs']} docs, val "
             f"{manifest['val_tokens']:,} tokens / {manifest['val_docs']} docs; "
             f"{bytes_per_token:.2f} bytes/token",
         )

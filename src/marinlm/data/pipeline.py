@@ -435,6 +435,7 @@ def _run_pipeline(config: PipelineConfig, restart: bool) -> dict:
             index.save(f)
 
     todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
+    units_run = len(todo)
     _run_tasks(run_map, todo, config, "curate: filter", lambda r: r["docs"])
     stage1 = [_done(work / "stage1" / f"{t['shard']}.done.json") for t in tasks]
 
@@ -442,9 +443,11 @@ def _run_pipeline(config: PipelineConfig, restart: bool) -> dict:
     summary = _done(summary_path)
     if summary is None:
         summary = reduce(work, stage1, config)
+        units_run += 1
         write_json_atomic(summary_path, summary)
 
     todo = [t for t in tasks if _done(work / "stage3" / f"{t['shard']}.done.json") is None]
+    units_run += len(todo)
     _run_tasks(run_write, todo, config, "curate: write", lambda r: r["docs"])
     stage3 = [_done(work / "stage3" / f"{t['shard']}.done.json") for t in tasks]
 
@@ -463,4 +466,6 @@ def _run_pipeline(config: PipelineConfig, restart: bool) -> dict:
         "docs": sum(s["docs"] for s in stage3),
     }
     write_json_atomic(out / "manifest.json", manifest)
-    return write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start)
+    report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start)
+    report["units_run"] = units_run  # this call's work (0: all done by an earlier run); not in report.json
+    return report

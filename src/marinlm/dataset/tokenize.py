@@ -267,4 +267,4 @@ def _tokenize(config: TokenizeConfig, progress: bool, restart: bool) -> dict:
             f"{out}: no document was tokenized from {config.inputs}; {len(rejected)} record(s) rejected{first}; "
             "all are listed in its manifest.json"
         )
-    return manifest
+    return {**manifest, "inputs_tokenized": len(tasks)}  # this call's work; not in manifest.json
