@@ -413,3 +413,13 @@ def test_cli_output_may_be_a_folder(tmp_path, loaded, monkeypatch):
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert report["results"][f"bpb:{tmp_path / 'text.txt'}"]["bits_per_byte"] > 0
     assert (tmp_path / "out" / "eval.md").is_file()
+
+
+def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, monkeypatch):
+    write_tasks(tmp_path / "tasks")
+    config = train_config(tmp_path / "moved-tokens", tmp_path / "run")
+    run = LoadedModel(loaded.model, loaded.tokenizer, config, Path("memory"), loaded.tokenizer_hash)
+    monkeypatch.setattr(Scorer, "loglikelihood", lambda *a, **k: pytest.fail("scored before checking 'val'"))
+    with pytest.raises(TaskDataError, match=r"task 'val' scores the validation split .*moved-tokens"):
+        run_eval(run, EvalOptions(tasks=["arc_easy", "val"], data_dir=str(tmp_path / "tasks")), tmp_path / "out.json")
+    assert not (tmp_path / "out.json").exists()

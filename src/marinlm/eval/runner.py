@@ -104,6 +104,8 @@ def run_eval(
     `prepared` is `prepare(options)` done ahead (the training hook loads its tasks once, at start).
     """
     prepared = prepare(options) if prepared is None else prepared
+    if val_source is None and any(spec == "val" for spec, _, _ in prepared):
+        val_source = _open_val(loaded)  # before any scoring: a missing split must not cost the other tasks
     scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size, progress=options.progress)
     results, predictions, files = {}, {}, {}
     start = time.perf_counter()
@@ -166,13 +168,21 @@ def run_eval(
     return report
 
 
-def _val_metrics(loaded, val_source, batch_size: int) -> dict:
+def _open_val(loaded):
+    """The validation split of the run's training data (a TaskDataError naming it if unreadable)."""
+    from marinlm.dataset import ShardError
+    from marinlm.dataset.loader import open_sources
 
-    from marinlm.dataset.loader import open_sources, validation_batches
+    try:
+        return open_sources(loaded.config.data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
+    except ShardError as e:
+        raise TaskDataError(f"task 'val' scores the validation split of the run's training data: {e}") from None
+
+
+def _val_metrics(loaded, val_source, batch_size: int) -> dict:
+    from marinlm.dataset.loader import validation_batches
     from marinlm.train.step import validate
 
-    if val_source is None:
-        val_source = open_sources(loaded.config.data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
     device = next(loaded.model.parameters()).device
     metrics = validate(
         loaded.model,
