@@ -204,6 +204,13 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
 def test_missing_input_and_bad_config_fail_fast(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         run_pipeline(bare_config(tmp_path / "o", [{"name": "x", "inputs": [str(tmp_path / "nope.jsonl")]}]))
+    assert not (tmp_path / "o").exists()  # nothing written before the inputs check out
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", synthetic_docs(3, seed=1), "a-")
+    with pytest.raises(ValueError, match=r"output_dir .*corpus/curated is inside input folder .*corpus of source 'x'"):
+        run_pipeline(
+            bare_config(tmp_path / "corpus" / "curated", [{"name": "x", "inputs": [str(tmp_path / "corpus")]}])
+        )
+    assert not (tmp_path / "corpus" / "curated").exists()
     with pytest.raises(ConfigError) as info:
         load_config(PipelineConfig, None, ["--dedup.num_bands=27"])
     assert info.value.key == "dedup.num_bands"

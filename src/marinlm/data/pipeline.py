@@ -323,7 +323,14 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
     if not config.sources:
         raise ValueError("sources: give at least one source with inputs")
     tasks = []
+    out = Path(config.output_dir).resolve()
     for spec in config.sources:
+        for given in spec.inputs:
+            if Path(given).is_dir() and out.is_relative_to(Path(given).resolve()):
+                raise ValueError(
+                    f"output_dir {config.output_dir} is inside input folder {given} of source {spec.name!r}: "
+                    "a rerun would read its own outputs; put the output elsewhere"
+                )
         for path in expand_inputs(spec.inputs):  # a missing path fails here, before any work
             tasks.append(
                 {
@@ -412,18 +419,18 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> dict:
     An output folder that holds a curation with other settings or inputs is an error (resuming
     would mix the two); `restart` empties it instead. One job at a time may write the folder.
     """
+    tasks = _tasks(config, Path(config.output_dir) / ".work")  # inputs checked before anything is written
     with folder_lock(config.output_dir):
-        return _run_pipeline(config, restart)
+        return _run_pipeline(config, restart, tasks)
 
 
-def _run_pipeline(config: PipelineConfig, restart: bool) -> dict:
+def _run_pipeline(config: PipelineConfig, restart: bool, tasks: list[dict]) -> dict:
     from marinlm.data.reduce import reduce
     from marinlm.data.report import write_report
 
     start = time.perf_counter()
     out = Path(config.output_dir)
     work = out / ".work"
-    tasks = _tasks(config, work)
     if claim_output(out, job_settings(config, tasks), restart=restart):
         remove_stale_temporaries(out)  # from a run that was killed mid-write
     for sub in ("stage1", "stage2", "stage3"):

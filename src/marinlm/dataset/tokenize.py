@@ -172,16 +172,16 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
     is an error (its shards would be mixed with, or mislabelled as, the new ones); `restart`
     empties it instead. One job at a time may write the folder.
     """
-    with folder_lock(config.output_dir):
-        return _tokenize(config, progress, restart)
-
-
-def _tokenize(config: TokenizeConfig, progress: bool, restart: bool) -> dict:
     from marinlm.data.readers import expand_inputs
     from marinlm.tokenizer import MarinTokenizer
 
-    tok = MarinTokenizer.load(config.tokenizer)
+    tok = MarinTokenizer.load(config.tokenizer)  # inputs checked before anything is written
     paths = expand_inputs(config.inputs)
+    with folder_lock(config.output_dir):
+        return _tokenize(config, progress, restart, tok, paths)
+
+
+def _tokenize(config: TokenizeConfig, progress: bool, restart: bool, tok, paths: list[Path]) -> dict:
     out = Path(config.output_dir)
     settings = {
         "job": "tokenize",
