@@ -116,7 +116,8 @@ def folder_lock(folder: str | Path):
 
 
 class OutputInUseError(ValueError):
-    """An output folder holds the results of a job with other settings or inputs."""
+    """An output folder belongs to another job: one with other settings or inputs, or one that is
+    writing it now. The message names the folder and the difference or the holder."""
 
 
 def _shown(mapping: dict, key: Any) -> str:
