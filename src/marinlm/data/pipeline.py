@@ -36,14 +36,7 @@ from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, Normaliz
 from marinlm.data.pii import MaskPII, PIIConfig
 from marinlm.data.readers import Document, expand_inputs, read_documents
 from marinlm.data.steps import ShardContext
-from marinlm.utils.io import (
-    atomic_path,
-    claim_output,
-    folder_lock,
-    remove_stale_temporaries,
-    sha256_file,
-    write_json_atomic,
-)
+from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.progress import progress_bar
 
 PARAGRAPH = re.compile(r"\n{2,}")
@@ -420,19 +413,17 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> dict:
     would mix the two); `restart` empties it instead. One job at a time may write the folder.
     """
     tasks = _tasks(config, Path(config.output_dir) / ".work")  # inputs checked before anything is written
-    with folder_lock(config.output_dir):
-        return _run_pipeline(config, restart, tasks)
+    with job_output(config.output_dir, job_settings(config, tasks), restart=restart):
+        return _run_pipeline(config, tasks)
 
 
-def _run_pipeline(config: PipelineConfig, restart: bool, tasks: list[dict]) -> dict:
+def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
     from marinlm.data.reduce import reduce
     from marinlm.data.report import write_report
 
     start = time.perf_counter()
     out = Path(config.output_dir)
     work = out / ".work"
-    if claim_output(out, job_settings(config, tasks), restart=restart):
-        remove_stale_temporaries(out)  # from a run that was killed mid-write
     for sub in ("stage1", "stage2", "stage3"):
         (work / sub).mkdir(parents=True, exist_ok=True)
     index_path = work / "decontam_index.npz"

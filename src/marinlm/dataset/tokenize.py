@@ -20,14 +20,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import (
-    atomic_path,
-    claim_output,
-    folder_lock,
-    remove_stale_temporaries,
-    sha256_file,
-    write_json_atomic,
-)
+from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.progress import progress_bar
 
 
@@ -177,12 +170,6 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
 
     tok = MarinTokenizer.load(config.tokenizer)  # inputs checked before anything is written
     paths = expand_inputs(config.inputs)
-    with folder_lock(config.output_dir):
-        return _tokenize(config, progress, restart, tok, paths)
-
-
-def _tokenize(config: TokenizeConfig, progress: bool, restart: bool, tok, paths: list[Path]) -> dict:
-    out = Path(config.output_dir)
     settings = {
         "job": "tokenize",
         "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size, "special_token_strings": "text"},
@@ -191,8 +178,12 @@ def _tokenize(config: TokenizeConfig, progress: bool, restart: bool, tok, paths:
         "seed": config.seed,
         "val_fraction": config.val_fraction,
     }
-    if claim_output(out, settings, restart=restart):
-        remove_stale_temporaries(out)  # from a run that was killed mid-write
+    with job_output(config.output_dir, settings, restart=restart):
+        return _tokenize(config, progress, tok, paths)
+
+
+def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) -> dict:
+    out = Path(config.output_dir)
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
     tasks, records = [], {}

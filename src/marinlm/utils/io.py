@@ -183,3 +183,17 @@ def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(record, settings)
     return False
+
+
+@contextlib.contextmanager
+def job_output(folder: str | Path, settings: dict, *, restart: bool = False):
+    """The output folder of a resumable job, held for the duration of the block.
+
+    Takes the folder's lock, claims it for `settings` (`claim_output`), and on a resume deletes the
+    temporaries a killed run left. Yields True when resuming.
+    """
+    with folder_lock(folder):
+        resuming = claim_output(folder, settings, restart=restart)
+        if resuming:
+            remove_stale_temporaries(folder)
+        yield resuming
