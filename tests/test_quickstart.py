@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from marinlm.quickstart import build_default_corpus, run_quickstart
+from marinlm.quickstart import MARKER, build_default_corpus, run_quickstart
 
 from conftest import write_corpus
 
@@ -24,6 +24,7 @@ def test_quickstart_smoke_run(tmp_path):
     write_corpus(tmp_path / "corpus", num_docs=300, num_files=2)
     stale = tmp_path / "run" / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
     stale.mkdir(parents=True)
+    (tmp_path / "run" / MARKER).touch()
     report = run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")], minutes=1.5)
     text = report.read_text()
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
@@ -43,3 +44,13 @@ def test_too_little_text_stops_with_what_is_missing(tmp_path):
     write_corpus(tmp_path / "few", num_docs=1, num_files=1)  # curated, but one document cannot be split in two
     with pytest.raises(ValueError, match=r"validation documents; the quickstart needs at least one of each"):
         run_quickstart(str(tmp_path / "b"), corpus=[str(tmp_path / "few")], minutes=1)
+
+
+def test_a_folder_the_quickstart_did_not_make_is_left_alone(tmp_path):
+    """It replaces its own earlier training run, so `--run-dir runs` must not reach a real runs/train."""
+    (tmp_path / "runs" / "train").mkdir(parents=True)
+    (tmp_path / "runs" / "train" / "precious.txt").write_text("a week of training")
+    with pytest.raises(ValueError, match=r"runs: exists and was not made by the quickstart"):
+        run_quickstart(str(tmp_path / "runs"), minutes=1)
+    assert (tmp_path / "runs" / "train" / "precious.txt").read_text() == "a week of training"
+    assert not (tmp_path / "runs" / MARKER).exists()

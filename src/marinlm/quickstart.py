@@ -36,6 +36,29 @@ class Stage:
     detail: str
 
 
+MARKER = ".marinlm-quickstart"
+
+
+def claim_run_dir(root: Path) -> None:
+    """Make `root` the quickstart's own folder, whose stages it may start over.
+
+    The quickstart replaces its earlier training run and restarts stages whose inputs changed, so
+    it must never do that in a folder someone else's runs live in (`--run-dir runs` holding a real
+    `runs/train`). A new or empty folder, or one an earlier quickstart made, is claimed with a
+    marker file; anything else is an error.
+    """
+    if root.is_dir() and not (root / MARKER).exists():
+        report = root / "report.md"
+        legacy = report.is_file() and report.read_text(errors="replace").startswith("# marinlm quickstart report")
+        if any(root.iterdir()) and not legacy:
+            raise ValueError(
+                f"{root}: exists and was not made by the quickstart, which replaces what it finds in its run "
+                "folder; give --run-dir a new or empty folder"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).touch()
+
+
 def build_default_corpus(folder: Path) -> dict[str, int]:
     """Write the stdlib sources and pydoc topics as jsonl shards; returns document counts."""
     from pydoc_data.topics import topics
@@ -120,7 +143,7 @@ def run_quickstart(
     tune_cpu_allocator()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     root = Path(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(root)
     began = time.perf_counter()
     stages: list[Stage] = []
 
