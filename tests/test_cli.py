@@ -92,3 +92,20 @@ def test_an_empty_output_folder_is_refused(argv, capsys):
 def test_asking_for_cuda_on_a_cpu_machine_is_a_clear_error(command, capsys):
     assert main([*command, "--device", "cuda"]) == 2  # it used to be torch's AssertionError traceback
     assert "device 'cuda': no CUDA device on this machine" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(monkeypatch, capsys):
+    """`marinlm generate ... | head -1` printed a BrokenPipeError traceback."""
+    import os
+    import sys
+
+    import marinlm.cli as cli
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone
+    with os.fdopen(write_end, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        monkeypatch.setattr(cli, "_model_summary", lambda args, overrides: print("x" * 100_000, flush=True))
+        assert main(["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]) == 141
+        monkeypatch.undo()
+    assert "Traceback" not in capsys.readouterr().err

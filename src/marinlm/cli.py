@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `marinlm generate ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
+        return 141  # 128 + SIGPIPE, as a shell tool reports it
 
 
 if __name__ == "__main__":
