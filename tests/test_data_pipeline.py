@@ -405,3 +405,20 @@ def test_rerun_resumes_only_the_same_curation(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("not a curation")
     with pytest.raises(OutputInUseError, match=r"mine: is not empty and has no \.marinlm-job\.json"):
         run_pipeline(bare_config(tmp_path / "mine", sources))
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("a.jsonl", b'{"q": "fine"}\n{"q": \n', r"a.jsonl:2: malformed JSON in a decontamination eval file"),
+        ("b.json", b'[{"q": "x"},\n oops]', r"b.json:2: malformed JSON in a decontamination eval file"),
+        ("c.csv", b"q,a\n\xff,b\n", r"c.csv:2: decontamination eval file is not UTF-8"),
+    ],
+)
+def test_a_malformed_decontamination_file_names_file_and_line(tmp_path, name, content, message):
+    """It was a bare 'Expecting value: line 1 column 1 (char 0)'."""
+    from marinlm.data.decontam import NgramIndex
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        NgramIndex.build([str(tmp_path / name)])

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,6 +52,11 @@ def test_claim_output_resumes_the_same_job_and_names_a_difference(tmp_path):
     with folder_lock(out):
         assert claim_output(out, changed, restart=True) is False
         assert sorted(p.name for p in out.iterdir()) == sorted([JOB_FILE, LOCK_FILE])  # the held lock stays
+    # A job that failed before writing any output leaves only its record: another job may take over.
+    (tmp_path / "failed" / ".work" / "stage1").mkdir(parents=True)
+    claim_output(tmp_path / "failed", settings)
+    assert claim_output(tmp_path / "failed", changed) is False
+    assert json.loads((tmp_path / "failed" / JOB_FILE).read_text()) == changed
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / LOCK_FILE).write_text("")  # a lock file alone is not someone's output

@@ -11,6 +11,7 @@ either way it is counted under that benchmark.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -73,15 +74,30 @@ def _item_texts(path: Path) -> list[str]:
             for v in value.values():
                 yield from strings(v)
 
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: decontamination eval file is not UTF-8") from None
     if path.suffix == ".jsonl":
-        return [t for line in path.read_text().splitlines() if line.strip() for t in strings(json.loads(line))]
+        texts = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    texts.extend(strings(json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: malformed JSON in a decontamination eval file: {e.msg}") from None
+        return texts
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        return [t for item in (data if isinstance(data, list) else [data]) for t in strings(item)]
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: malformed JSON in a decontamination eval file: {e.msg}") from None
+        return [t for item in (records if isinstance(records, list) else [records]) for t in strings(item)]
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            return [cell for row in csv.reader(f) for cell in row]
-    return [p for p in path.read_text().split("\n\n") if p.strip()]
+        return [cell for row in csv.reader(io.StringIO(text, newline="")) for cell in row]
+    return [p for p in text.split("\n\n") if p.strip()]
 
 
 def _benchmark_name(path: Path, root: Path) -> str:

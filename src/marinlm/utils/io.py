@@ -142,6 +142,10 @@ def first_difference(old: Any, new: Any, key: str = "") -> str | None:
     return None if old == new else f"{key}: {old!r} -> {new!r}"
 
 
+def _holds_no_output(folder: Path) -> bool:
+    return not any(p.is_file() and p.name not in (JOB_FILE, LOCK_FILE) for p in folder.rglob("*"))
+
+
 def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -> bool:
     """Make `folder` the output of the job described by `settings` (JSON-able), or resume it there.
 
@@ -161,8 +165,10 @@ def claim_output(folder: str | Path, settings: dict, *, restart: bool = False) -
         difference = first_difference(old, settings)
         if difference is None:
             return True
-        problem = f"holds the outputs of a job with other settings or inputs ({difference})"
-    elif folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir()):
+        # A job that stopped before writing anything (a bad eval path, say) leaves nothing to mix.
+        empty = _holds_no_output(folder)
+        problem = None if empty else f"holds the outputs of a job with other settings or inputs ({difference})"
+    elif folder.is_dir() and not _holds_no_output(folder):
         problem = f"is not empty and has no {JOB_FILE} recording what made its files"
     else:
         problem = None
