@@ -422,3 +422,22 @@ def test_a_malformed_decontamination_file_names_file_and_line(tmp_path, name, co
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=message):
         NgramIndex.build([str(tmp_path / name)])
+
+
+def test_a_curation_folder_as_input_means_its_shards(tmp_path):
+    """Pointing tokenize or the tokenizer trainer at a curation folder used to read its rejected/ and
+    dropped/ side outputs as documents too (twice the documents on the quickstart corpus)."""
+    from marinlm.data.readers import expand_inputs
+    from marinlm.tokenizer import iter_training_texts
+
+    docs = synthetic_docs(20, seed=3, words=60)
+    write_jsonl(tmp_path / "in" / "a.jsonl", docs + docs[:5], "a-")  # 5 exact duplicates get dropped
+    out = tmp_path / "curated"
+    report = run_pipeline(bare_config(out, [{"name": "web", "inputs": [str(tmp_path / "in")]}]))
+    assert list((out / "dropped").rglob("*.jsonl*"))  # the side output exists ...
+    shards = [out / s["path"] for s in json.loads((out / "manifest.json").read_text())["shards"]]
+    assert expand_inputs([str(out)]) == shards  # ... and is not an input
+    assert len(list(iter_training_texts([str(out)], "text", 0))) == report["accounting"]["web"]["kept"] == 20
+    shards[0].unlink()
+    with pytest.raises(FileNotFoundError, match=r"00000.* listed in .*manifest.json but missing"):
+        expand_inputs([str(out)])

@@ -58,6 +58,25 @@ class Rejected:
     raw: str = ""  # the offending content, clipped
 
 
+def curated_shards(folder: Path) -> list[Path] | None:
+    """The output shards of a finished `marinlm data run` folder, from its manifest; None if
+    `folder` is not one."""
+    manifest = folder / "manifest.json"
+    if not (manifest.is_file() and (folder / "shards").is_dir()):
+        return None
+    try:
+        listed = json.loads(manifest.read_text()).get("shards")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(listed, list) or not all(isinstance(s, dict) and "path" in s for s in listed):
+        return None
+    shards = [folder / s["path"] for s in listed]  # paths relative to the folder (absolute ones stay)
+    for shard in shards:
+        if not shard.is_file():
+            raise FileNotFoundError(f"{shard}: listed in {manifest} but missing")
+    return shards
+
+
 def expand_inputs(inputs: list[str] | str) -> list[Path]:
     """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss."""
     if isinstance(inputs, str):
@@ -70,6 +89,8 @@ def expand_inputs(inputs: list[str] | str) -> list[Path]:
             if not matches:
                 raise FileNotFoundError(f"input glob matched nothing: {spec}")
             paths.extend(m for m in matches if m.is_file())
+        elif p.is_dir() and (shards := curated_shards(p)) is not None:
+            paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
         elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
             if not found:
