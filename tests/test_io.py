@@ -35,6 +35,18 @@ def test_one_job_at_a_time_writes_a_folder(tmp_path):
     assert try_lock_elsewhere(tmp_path / "out").stdout.strip() == "locked"
 
 
+def test_a_filesystem_without_flock_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with folder_lock(tmp_path / "out"):
+        assert "cannot lock (Function not implemented)" in capsys.readouterr().out
+
+
 def test_claim_output_resumes_the_same_job_and_names_a_difference(tmp_path):
     out = tmp_path / "out"
     settings = {"job": "x", "config": {"a": 1, "nested": {"b": [1, 2]}}, "inputs": [{"path": "p", "size": 3}]}

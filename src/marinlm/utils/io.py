@@ -90,6 +90,8 @@ def lock_folder(folder: str | Path) -> None:
         raise OutputInUseError(
             f"{folder}: another marinlm job is writing here ({holder}); wait for it to end, or use another folder"
         ) from None
+    except OSError as e:  # a filesystem without flock (Lustre mounted without -o flock): go on unguarded
+        print(f"warning: {folder}: cannot lock ({e.strerror}); make sure one job at a time writes here", flush=True)
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
