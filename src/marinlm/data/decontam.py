@@ -21,6 +21,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.data.steps import Step
+from marinlm.utils.io import read_utf8
 
 _WORD = re.compile(r"\w+")
 _BASE = np.uint64(1_000_003)
@@ -74,12 +75,7 @@ def _item_texts(path: Path) -> list[str]:
             for v in value.values():
                 yield from strings(v)
 
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: decontamination eval file is not UTF-8") from None
+    text = read_utf8(path, "decontamination eval file is not UTF-8")
     if path.suffix == ".jsonl":
         texts = []
         for n, line in enumerate(text.splitlines(), start=1):

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from marinlm.eval.lm import Request
+from marinlm.utils.io import read_utf8
 
 SEED = 1234  # deterministic --limit subsets
 
@@ -71,12 +72,7 @@ class StrList:
 
 def read_text(path: Path) -> str:
     """The file as UTF-8; a bad byte is a TaskDataError naming the file and line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise TaskDataError(f"{path}:{line}: invalid UTF-8 (byte {e.start} of the file)") from None
+    return read_utf8(path, error=TaskDataError)
 
 
 def _type_error(value, tp: type) -> str | None:

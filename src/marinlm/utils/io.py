@@ -48,6 +48,16 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def read_utf8(path: str | Path, what: str = "invalid UTF-8", error: type[Exception] = ValueError) -> str:
+    """The file as UTF-8 text; a bad byte raises `error` naming the file and line."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise error(f"{path}:{line}: {what} (byte {e.start} of the file)") from None
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
