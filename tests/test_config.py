@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from marinlm.config import ConfigError, from_dict, load_config, parse_overrides, save_config, to_dict
+from marinlm.config import ConfigError, from_dict, load_config, parse_overrides, read_yaml, save_config, to_dict
 from marinlm.model import MarinConfig, QBRouterConfig, SoftmaxTopKRouterConfig
 
 from conftest import CONFIGS, tiny_config
@@ -83,6 +83,17 @@ def test_bad_yaml_file_names_the_file(tmp_path):
     bad.write_bytes(b'd_model: 64\nname: "\xff"\n')
     with pytest.raises(ConfigError, match="bad.yaml: not UTF-8 text"):
         load_config(MarinConfig, bad)
+
+
+def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
+    # PyYAML keeps the last of two equal keys in silence: a `lr:` edited further down would win.
+    path = tmp_path / "twice.yaml"
+    path.write_text("d_model: 64\nattention:\n  num_heads: 4\n  num_kv_heads: 2\n  num_heads: 8\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: .*'num_heads' given twice \(first on line 3, again on line 5"):
+        load_config(MarinConfig, path)
+    # A merge key's fields may still be overridden: that is what `<<:` is for.
+    path.write_text("base: &b {num_heads: 4, num_kv_heads: 2}\nattention:\n  <<: *b\n  num_heads: 8\n")
+    assert read_yaml(path)["attention"] == {"num_heads": 8, "num_kv_heads": 2}
 
 
 def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):

@@ -270,6 +270,26 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"key {key!r} given twice (first on line {seen[key]}, again on line {line})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping with `safe_load`, resolving `include:` (a path or list, relative to the file)."""
     path = Path(path)
@@ -277,7 +297,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("", f"config file not found: {path}")
     try:
         with path.open(encoding="utf-8") as f:  # a stream, so YAML's own messages name the file
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_StrictLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: invalid YAML: {e}") from None
     except UnicodeDecodeError as e:
