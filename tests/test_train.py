@@ -302,6 +302,17 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
     ckpt = list_checkpoints(tmp_path / "fsdp" / "checkpoints")[0]
     assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # sharded save
+    # The 2-process run goes on in 1 process (DCP reshards; the data position is global), and stays
+    # with the 1-process run carried on alike.
+    for name in ("single", "fsdp"):
+        proc = cli(tmp_path / f"{name}.yaml", "--train.steps=6")
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+    assert "(saved by 2 processes, resharded onto 1)" in out
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
+    assert len(a) == len(b) == 6
+    for step in (5, 6):
+        assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
 
 
 @pytest.mark.parametrize("mode", ["full", "every_n"])

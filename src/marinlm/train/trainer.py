@@ -227,7 +227,10 @@ class Trainer:
             )
         self.loader.load_state_dict(state["loader"])
         if self.info.is_main:
-            print(f"resumed from {folder} at step {self.step}", flush=True)
+            saved_world = state.get("world_size", 1)
+            regrid = f" (saved by {saved_world} processes, resharded onto {self.world})"
+            regrid = regrid if saved_world != self.world else ""
+            print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
         return folder
 
     def _rollback(self) -> None:
