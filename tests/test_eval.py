@@ -423,3 +423,14 @@ def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, mo
     with pytest.raises(TaskDataError, match=r"task 'val' scores the validation split .*moved-tokens"):
         run_eval(run, EvalOptions(tasks=["arc_easy", "val"], data_dir=str(tmp_path / "tasks")), tmp_path / "out.json")
     assert not (tmp_path / "out.json").exists()
+
+
+def test_generating_past_max_seq_len_warns(loaded, capsys):
+    from marinlm.model import SamplingConfig
+    from marinlm.train.inference import generate_text
+
+    limit = loaded.model.config.max_seq_len
+    generate_text(loaded, "a b c", SamplingConfig(max_new_tokens=2, temperature=0))
+    assert "max_seq_len" not in capsys.readouterr().err
+    generate_text(loaded, "a b c", SamplingConfig(max_new_tokens=limit, temperature=0))
+    assert f"plus {limit} new ones pass the model's max_seq_len {limit}" in capsys.readouterr().err

@@ -81,6 +81,14 @@ def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, st
     """Generate a continuation of `prompt`; write text to `stream` as tokens arrive."""
     tok = loaded.tokenizer
     ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]], device=next(loaded.model.parameters()).device)
+    limit = loaded.model.config.max_seq_len
+    if ids.shape[1] + sampling.max_new_tokens > limit:
+        print(
+            f"warning: the prompt ({ids.shape[1]} tokens) plus {sampling.max_new_tokens} new ones pass the model's "
+            f"max_seq_len {limit}; positions beyond it are extrapolated",
+            file=sys.stderr,
+            flush=True,
+        )
     generated: list[int] = []
     shown = ""
     for token in stream_generate(loaded.model, ids, sampling, eos_token_id=tok.eos_id):
