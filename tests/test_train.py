@@ -70,6 +70,31 @@ def test_exact_resume_after_sigkill(token_data, tmp_path):
     assert val == [r["val/loss"] for r in read_metrics(tmp_path / "reference") if "val/loss" in r]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_before_the_run_ends(token_data, tmp_path, signum):
+    """A scheduler's SIGTERM (or Ctrl-C) mid-run: the step under way ends, a checkpoint is saved, the
+    exit status says which signal; a rerun resumes there. Before, every step since the last
+    checkpoint was lost."""
+    config = train_config(token_data, tmp_path / "run", train={"steps": 10_000}, checkpoint={"every_steps": 0})
+    save_config(config, tmp_path / "run.yaml")
+    run = cli(tmp_path / "run.yaml")
+    deadline = time.time() + 120
+    while len(losses(tmp_path / "run")) < 3 and time.time() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signum)
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 128 + signum, out
+    stopped = json.loads((tmp_path / "run" / "summary.json").read_text())["steps"]
+    assert 3 <= stopped < 10_000
+    assert f"stopped by {signal.Signals(signum).name} with a checkpoint at step {stopped}" in out
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [f"step-{stopped:08d}"]
+    resumed = cli(tmp_path / "run.yaml", f"--train.steps={stopped + 1}")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step-{stopped:08d} at step {stopped}" in out
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys):
     config = train_config(token_data, tmp_path / "run", train={"steps": 8})
     run_training(config)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 from marinlm.config import ConfigError
+from marinlm.train.signals import StoppedBySignal
 
 
 def config_class_for(path: str | Path) -> type:
@@ -84,6 +86,8 @@ def _train(args, overrides) -> int:
             f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, {trained}"
             + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
         )
+    if summary.get("signal"):
+        raise StoppedBySignal(summary["signal"], summary["steps"])
     return 0
 
 
@@ -306,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoppedBySignal as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, file=sys.stderr)
+        return 128 + signal.Signals[e.name].value  # what a shell reports for a job the signal ended
+    except KeyboardInterrupt:  # Ctrl-C outside training (curation, tokenization): no traceback
+        print("interrupted; the same command resumes from the last finished unit", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `marinlm generate ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 141  # 128 + SIGPIPE, as a shell tool reports it

@@ -137,6 +137,7 @@ def run_quickstart(
     from marinlm.train.config import TrainConfig
     from marinlm.train.inference import generate_text, load_model
     from marinlm.train.metrics import read_metrics
+    from marinlm.train.signals import StoppedBySignal
     from marinlm.train.trainer import Trainer
     from marinlm.utils.perf import tune_cpu_allocator
 
@@ -251,6 +252,10 @@ def run_quickstart(
     trainer = Trainer(train_config, resume="none")
     start_val = trainer.validate()
     summary = trainer.fit()
+    if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
+        raise StoppedBySignal(
+            summary["signal"], summary["steps"], "a rerun keeps the finished stages and trains over"
+        )
     stages.append(
         Stage(
             "training",

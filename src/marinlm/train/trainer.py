@@ -13,8 +13,10 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -33,6 +35,7 @@ from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
+from marinlm.parallel.distributed import all_reduce_
 from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks
@@ -369,6 +372,8 @@ class Trainer:
         )
         profiler = self._profiler()
         stopped_early = False
+        self._signal = None
+        handlers = self._catch_stop_signals()
         try:
             while self.step < c.train.steps:
                 t0 = time.perf_counter()
@@ -409,16 +414,19 @@ class Trainer:
                     loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / self._step_time:,.0f}", refresh=False
                 )
                 bar.update(1)
-                if c.train.max_minutes and time.perf_counter() - start_time > 60 * c.train.max_minutes:
+                over_budget = bool(c.train.max_minutes) and time.perf_counter() - start_time > 60 * c.train.max_minutes
+                if reason := self._stop_reason(over_budget):
                     stopped_early = True
-                    self._log_event(f"time budget of {c.train.max_minutes} min reached")
+                    self._log_event(f"{reason}: stopping at step {self.step} with a checkpoint")
                     break
             if self._last_checkpoint_step != self.step:
                 self.save_checkpoint()
             self.checkpoints.finalize()
-            if self._last_validation_step != self.step:
+            if self._last_validation_step != self.step and not self._signal:  # a preempted job has seconds left
                 self.validate()
         finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
             bar.close()
             if profiler is not None:
                 profiler.stop()
@@ -427,6 +435,7 @@ class Trainer:
         summary = {
             "steps": self.step,
             "stopped_early": stopped_early,
+            "signal": self._signal,
             "seconds": time.perf_counter() - start_time,
             "final_loss": self._last_result.loss if self._last_result else None,
             "events": self.events,
@@ -435,6 +444,31 @@ class Trainer:
         if self.info.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
+
+    def _catch_stop_signals(self) -> dict:
+        """SIGTERM (a scheduler's preemption, torchrun passing on Ctrl-C) and SIGINT end the step under
+        way, then save and stop, instead of losing the steps since the last checkpoint. A second
+        SIGINT interrupts at once. Returns the handlers to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum, frame):
+            self._signal = signal.Signals(signum).name
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop_reason(self, over_budget: bool) -> str | None:
+        """Why to stop after this step, agreed by every rank: ranks that stopped at different steps
+        would hang in mismatched collectives (the checkpoint's against the next step's)."""
+        code = 2 if self._signal else int(over_budget)
+        if self.world > 1:
+            flag = torch.tensor([code], dtype=torch.int32, device=self.device)
+            code = int(all_reduce_(flag, op="max").item())
+            if code == 2 and self._signal is None:
+                self._signal = "SIGTERM"  # another rank's; torchrun sends every worker the same
+        return {0: None, 1: f"time budget of {self.config.train.max_minutes} min reached", 2: self._signal}[code]
 
     def _profiler(self):
         p = self.config.profile
