@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,3 +78,24 @@ def test_claim_output_resumes_the_same_job_and_names_a_difference(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(OutputInUseError, match=rf"notes: is not empty and has no {JOB_FILE}"):
         claim_output(tmp_path / "notes", settings)
+
+
+def _square_or_fail(x: int) -> int:
+    if x == 3:
+        raise ValueError("task 3 is bad")
+    time.sleep(0.2)
+    return x * x
+
+
+def test_process_map_leaves_no_worker_behind():
+    """A failing task (or Ctrl-C) used to leave the spawned pool's workers running on their tasks."""
+    import multiprocessing as mp
+
+    from marinlm.utils.pool import process_map
+
+    assert sorted(process_map(_square_or_fail, [0, 1, 2], workers=2)) == [0, 1, 4]
+    assert list(process_map(_square_or_fail, [2, 1], workers=1)) == [4, 1]
+    with pytest.raises(ValueError, match="task 3 is bad"):
+        for _ in process_map(_square_or_fail, [3, *range(10, 40)], workers=2):
+            pass
+    assert not mp.active_children()  # terminated and joined, not left to the garbage collector

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
 import os
 import re
 import time
@@ -37,6 +36,7 @@ from marinlm.data.pii import MaskPII, PIIConfig
 from marinlm.data.readers import Document, expand_inputs, read_documents
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
+from marinlm.utils.pool import process_map
 from marinlm.utils.progress import progress_bar
 
 PARAGRAPH = re.compile(r"\n{2,}")
@@ -366,17 +366,9 @@ def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of
                 bar.update(unit_of(result))
         else:
             workers = min(config.workers or os.cpu_count() or 1, len(tasks))
-            if workers <= 1:
-                iterator = map(fn, tasks)
-            else:
-                pool = mp.get_context("spawn").Pool(workers)
-                iterator = pool.imap_unordered(fn, tasks)
-            for result in iterator:
+            for result in process_map(fn, tasks, workers):
                 results.append(result)
                 bar.update(unit_of(result))
-            if workers > 1:
-                pool.close()
-                pool.join()
     finally:
         bar.close()
     return sorted(results, key=lambda r: r["shard"])

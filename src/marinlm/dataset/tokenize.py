@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
+from marinlm.utils.pool import process_map
 from marinlm.utils.progress import progress_bar
 
 
@@ -214,20 +214,13 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     new_tokens = 0
     try:
-        if workers <= 1:
-            results = map(tokenize_file, tasks)  # in-process: tokenizers' own threads use every core
-            pool = None
-        else:
-            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(max(1, cores // workers),))
-            results = pool.imap_unordered(tokenize_file, tasks)
-        for record in results:
+        # In one process (workers <= 1) tokenizers' own threads use every core.
+        init = (_worker_init, (max(1, cores // workers),)) if workers > 1 else (None, ())
+        for record in process_map(tokenize_file, tasks, workers, *init):
             records[record["name"]] = record
             new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
             bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
             bar.update(record["input"]["size"])
-        if pool is not None:
-            pool.close()
-            pool.join()
     finally:
         bar.close()
     manifest = {
