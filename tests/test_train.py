@@ -303,6 +303,7 @@ def test_run_outputs_and_router_state(token_data, tmp_path):
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 5}), resume="auto")
     bias = trainer.model.layers[0].mlp.router.bias
     assert trainer.step == 4 and bias.abs().sum() > 0
+    assert info["data"][0]["epochs"] == pytest.approx(4 * 4 / trainer.loader.sources[0].rows_per_epoch)  # 4 x 4 rows
 
 
 @pytest.mark.slow

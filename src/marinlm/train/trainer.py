@@ -89,6 +89,7 @@ class Trainer:
             c.data, micro * self.world, self.info.rank, self.world, self.tokenizer_hash, c.model.vocab_size
         )
         self.val_source = self._val_source()
+        self.epochs_planned = self._epochs_planned()
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", self.info.rank, self.world, c.checkpoint.keep_last, c.checkpoint.async_save
         )
@@ -152,6 +153,23 @@ class Trainer:
             if self.info.is_main and self.config.validation.every_steps:
                 print(f"warning: {e}; validation is off (tokenize with val_fraction > 0 to have it)", flush=True)
             return None
+
+    def _epochs_planned(self) -> list[float]:
+        """Passes over each source that `train.steps` reads; more than one is said once at start."""
+        c, loader = self.config, self.loader
+        share = loader.weights / loader.weights.sum()
+        epochs = [
+            float(w * c.train.steps * c.train.global_batch / src.rows_per_epoch)
+            for w, src in zip(share, loader.sources, strict=True)
+        ]
+        for spec, src, e in zip(c.data.sources, loader.sources, epochs, strict=True):
+            if e > 1 and self.info.is_main:
+                print(
+                    f"note: {spec.path}: {src.rows_per_epoch:,} rows of {c.data.seq_len} tokens per epoch; "
+                    f"{c.train.steps:,} steps read it {e:,.1f} times",
+                    flush=True,
+                )
+        return epochs
 
     def _state_tensors(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -265,11 +283,13 @@ class Trainer:
         except (OSError, subprocess.TimeoutExpired):
             commit = None
         data = []
-        for src in self.config.data.sources:
+        for src, epochs in zip(self.config.data.sources, self.epochs_planned, strict=True):
             manifest = Path(src.path) / "manifest.json"
             from marinlm.utils.io import sha256_file
 
-            data.append({"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest)})
+            data.append(
+                {"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest), "epochs": epochs}
+            )
         record = {
             "git_commit": commit,
             "packages": packages,
