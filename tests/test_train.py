@@ -306,6 +306,44 @@ def test_run_outputs_and_router_state(token_data, tmp_path):
     assert info["data"][0]["epochs"] == pytest.approx(4 * 4 / trainer.loader.sources[0].rows_per_epoch)  # 4 x 4 rows
 
 
+@pytest.mark.parametrize("optim", ["marin", "adamw"])
+def test_a_fresh_run_trains_alike_with_resume_auto_or_none(token_data, tmp_path, optim):
+    """`--resume auto` with nothing to resume used to call get_state_dict() on the empty optimizer,
+    which steps it once at lr 0: Adam's first real step then ran as step 2 (bias correction)."""
+    runs = {}
+    for resume in ("auto", "none"):
+        config = train_config(token_data, tmp_path / resume, train={"steps": 3}, optim={"type": optim})
+        trainer = Trainer(config, resume=resume)
+        assert not trainer.optimizer.state
+        trainer.fit()
+        trainer.close()
+        runs[resume] = losses(tmp_path / resume)
+    assert runs["auto"] == runs["none"]  # bitwise
+
+
+def test_continued_training_starts_from_another_runs_weights(token_data, tmp_path, capsys):
+    from marinlm.train.inference import load_model
+
+    run_training(train_config(token_data, tmp_path / "base", train={"steps": 4}), resume="none")
+    base = load_model(tmp_path / "base").model.state_dict()
+    later = {"checkpoint": {"init_from": str(tmp_path / "base")}, "optim": {"lr": 0.01}}
+    trainer = Trainer(train_config(token_data, tmp_path / "next", **later), resume="auto")
+    # Fresh optimizer, schedule and data position.
+    assert trainer.step == 0 and trainer.loader.rows_consumed == 0 and not trainer.optimizer.state
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, base[name]), name  # QB biases included
+    trainer.fit()
+    trainer.close()
+    assert "model initialised from" in capsys.readouterr().out
+    info = json.loads((tmp_path / "next" / "run_info.json").read_text())
+    assert info["initialized_from"].endswith("step-00000004")
+    # Its own checkpoints win from then on; another model's weights are refused.
+    Trainer(train_config(token_data, tmp_path / "next", train={"steps": 9}, **later), resume="auto").close()
+    assert "init_from is not used" in capsys.readouterr().out
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint.init_from: not a checkpoint of this model"):
+        Trainer(train_config(token_data, tmp_path / "other", model={"num_layers": 3}, **later), resume="auto")
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_two_processes_match_one(token_data, tmp_path):

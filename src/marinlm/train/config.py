@@ -52,6 +52,9 @@ class CheckpointConfig:
     every_steps: int = 100  # 0 = only at the end
     keep_last: int = 3
     async_save: bool = False
+    # Continued training: a checkpoint (or run) folder whose model weights start this run; the
+    # optimizer, schedule and data position start fresh. Unused once the run has checkpoints of its own.
+    init_from: str | None = None
 
     def __post_init__(self):
         check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")

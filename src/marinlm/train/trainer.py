@@ -24,7 +24,13 @@ from pathlib import Path
 
 import psutil
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, load_config, to_dict
@@ -36,11 +42,20 @@ from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
-from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints
+from marinlm.train.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatch,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_same_structure,
+    list_checkpoints,
+    quiet_single_process,
+)
+from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic
+from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -100,6 +115,7 @@ class Trainer:
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_flops = matmul_peak_flops(gemm_dtype(dtype, self.device), self.device.type)
+        self.initialized_from: str | None = None
         resumed_from = self._resume(resume)
         self.sinks = None
         if self.info.is_main:
@@ -205,6 +221,11 @@ class Trainer:
 
     def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
         """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
+        if folder is None and not list_checkpoints(self.checkpoints.root):
+            # Nothing to load: leave the optimizer untouched. get_state_dict() fills an empty one's
+            # state by stepping it once with zero gradients and lr 0, which leaves Adam's step count
+            # at 1: a fresh `--resume auto` run took its first real step as step 2 (bias correction).
+            return None
         tensors = self._state_tensors()
         try:
             if folder is None:
@@ -227,6 +248,35 @@ class Trainer:
         self._last_checkpoint_step = self.step
         return folder, state
 
+    def _init_from(self) -> None:
+        """Load the model weights of `checkpoint.init_from` (continued training); the optimizer,
+        schedule, data position and step start fresh."""
+        source = self.config.checkpoint.init_from
+        if not source:
+            return None
+        from marinlm.train.inference import resolve_checkpoint
+
+        folder = resolve_checkpoint(source)
+        validate_checkpoint(folder)
+        tensors = {"model": get_model_state_dict(self.model)}
+        try:
+            check_same_structure(folder, tensors)
+        except CheckpointMismatch as e:
+            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}") from None
+        trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
+        if trained_with is not None and trained_with != self.tokenizer_hash:
+            raise ValueError(
+                f"checkpoint.init_from: {folder} was trained with tokenizer {trained_with[:12]}…, this run's data "
+                f"uses {self.tokenizer_hash[:12]}…: its embeddings would mean other tokens"
+            )
+        with quiet_single_process():
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+        set_model_state_dict(self.model, tensors["model"])
+        self.initialized_from = str(folder)
+        if self.info.is_main:
+            print(f"model initialised from {folder}; optimizer, schedule and data start fresh", flush=True)
+        return None
+
     def _resume(self, resume: str) -> Path | None:
         if resume == "none":
             if earlier := list_checkpoints(self.run_dir / "checkpoints"):
@@ -236,10 +286,12 @@ class Trainer:
                     f"{self.run_dir}: holds checkpoints of an earlier run (newest {earlier[0].name}); continue "
                     "it with --resume auto, or give a new run_dir (or move this one aside) to start over"
                 )
-            return None
+            return self._init_from()
         loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
         if loaded is None:
-            return None
+            return self._init_from()
+        if self.config.checkpoint.init_from and self.info.is_main:
+            print(f"note: checkpoint.init_from is not used: {self.run_dir} resumes from its own checkpoint", flush=True)
         folder, state = loaded
         if state["tokenizer_hash"] != self.tokenizer_hash:
             raise ValueError(
@@ -268,7 +320,7 @@ class Trainer:
         self._log_event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")
 
     def _write_run_record(self, resumed_from) -> None:
-        (self.run_dir / "config.yaml").write_text(dump_config(self.config))
+        write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
         packages = {}
         for name in ("torch", "numpy", "tokenizers", "safetensors", "marinlm", "transformers"):
             with contextlib.suppress(metadata.PackageNotFoundError):
@@ -302,6 +354,7 @@ class Trainer:
             "data": data,
             "command": sys.argv,
             "resumed_from": str(resumed_from) if resumed_from else None,
+            "initialized_from": self.initialized_from,
             "peak_flops_measured": self.peak_flops,
         }
         write_json_atomic(self.run_dir / "run_info.json", record)
