@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from marinlm.config import save_config
-from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints
+from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer, run_training
 from marinlm.utils.io import folder_lock
@@ -104,6 +104,11 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    # Under torchrun the ranks split the hashing; the file's index in the listing says whose it is.
+    index = sorted(json.loads((ckpts[0] / "COMPLETE.json").read_text())["files"]).index("__0_0.distcp")
+    validate(ckpts[0], rank=(index + 1) % 2, world_size=2)  # the other rank's share: not read
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        validate(ckpts[0], rank=index % 2, world_size=2)
     (tmp_path / "run" / "checkpoints" / "step-00000012.tmp").mkdir()  # a half-written save: ignored
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume="auto")
     assert trainer.step == 4
@@ -366,6 +371,10 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
     ckpt = list_checkpoints(tmp_path / "fsdp" / "checkpoints")[0]
     assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # sharded save
+    # The two ranks hashed half the files each; the listing has them all (the resume below checks them).
+    listed = json.loads((ckpt / "COMPLETE.json").read_text())["files"]
+    on_disk = [str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "COMPLETE.json"]
+    assert sorted(listed) == sorted(on_disk)
     # The 2-process run goes on in 1 process (DCP reshards; the data position is global), and stays
     # with the 1-process run carried on alike.
     for name in ("single", "fsdp"):

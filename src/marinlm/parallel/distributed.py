@@ -64,6 +64,15 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (small, picklable), in rank order; `[obj]` without a process group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from marinlm.parallel.distributed import barrier
+from marinlm.parallel.distributed import all_gather_object, barrier
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 STEP_PREFIX = "step-"
@@ -162,8 +162,27 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def validate(folder: Path) -> None:
-    """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash."""
+def validate(folder: Path, rank: int = 0, world_size: int = 1) -> None:
+    """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash.
+
+    Under torchrun every rank calls it, and the ranks split the hashing (rank r reads every
+    world_size-th file): a hero checkpoint is terabytes, which each of thousands of ranks would
+    otherwise read whole. All ranks then raise, or not, together.
+    """
+    if world_size == 1:
+        _validate_share(folder, 0, 1)
+        return
+    problem = None
+    try:
+        _validate_share(folder, rank, world_size)
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [p for p in all_gather_object(problem) if p is not None]
+    if problems:
+        raise CheckpointError(problems[0])
+
+
+def _validate_share(folder: Path, rank: int, world_size: int) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     marker = folder / "COMPLETE.json"
@@ -173,14 +192,25 @@ def validate(folder: Path) -> None:
         listing = json.loads(marker.read_text())["files"]
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"{marker}: unreadable completion marker: {e}") from None
-    for rel, info in listing.items():
+    for i, (rel, info) in enumerate(sorted(listing.items())):
         path = folder / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: missing")
         if path.stat().st_size != info["size"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, expected {info['size']}: truncated")
-        if sha256_file(path) != info["sha256"]:
+        if i % world_size == rank and sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch: corrupt")
+
+
+def file_listing(folder: Path, rank: int = 0, world_size: int = 1) -> dict[str, dict]:
+    """Size and sha256 of every file under `folder`, the hashing split across ranks as in validate()."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    mine = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in files[rank::world_size]
+    }
+    shares = all_gather_object(mine) if world_size > 1 else [mine]
+    return {k: v for share in shares for k, v in share.items()}
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -248,9 +278,8 @@ class CheckpointManager:
 
     def _finish(self, tmp: Path, final: Path) -> None:
         barrier()
+        listing = file_listing(tmp, self.rank, self.world_size)
         if self.rank == 0:
-            files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            listing = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
             write_json_atomic(tmp / "COMPLETE.json", {"files": listing, "world_size": self.world_size})
             if final.exists():
                 shutil.rmtree(final)
@@ -265,7 +294,7 @@ class CheckpointManager:
     def load(self, folder: Path, tensors: dict) -> dict:
         """Validate `folder`, load tensors in place into `tensors`, restore this rank's RNG; return
         the trainer state."""
-        validate(folder)
+        validate(folder, self.rank, self.world_size)
         check_same_structure(folder, tensors)
         try:
             with quiet_single_process():

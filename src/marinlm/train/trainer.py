@@ -257,7 +257,7 @@ class Trainer:
         from marinlm.train.inference import resolve_checkpoint
 
         folder = resolve_checkpoint(source)
-        validate_checkpoint(folder)
+        validate_checkpoint(folder, self.info.rank, self.world)
         tensors = {"model": get_model_state_dict(self.model)}
         try:
             check_same_structure(folder, tensors)
