@@ -109,3 +109,25 @@ def test_a_reader_that_leaves_ends_the_command_quietly(monkeypatch, capsys):
         assert main(["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]) == 141
         monkeypatch.undo()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_print_config_shows_every_key_resolved_and_reloads(tmp_path, capsys):
+    from marinlm.config import load_config
+    from marinlm.train.config import TrainConfig
+
+    path = CONFIGS / "train" / "tiny.yaml"
+    assert main(["train", "--print-config", str(path), "--optim.lr=0.125", "--model.num_layers=2"]) == 0
+    text = capsys.readouterr().out
+    assert "max_consecutive_bad_steps: 3" in text  # a default the file does not set
+    (tmp_path / "resolved.yaml").write_text(text)
+    assert load_config(TrainConfig, tmp_path / "resolved.yaml") == load_config(
+        TrainConfig, path, ["--optim.lr=0.125", "--model.num_layers=2"]
+    )
+    assert main(["data", "run", str(CONFIGS / "data" / "quickstart.yaml"), "--print-config", "--workerz=2"]) == 2
+    assert "workerz" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("marinlm ")

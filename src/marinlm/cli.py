@@ -16,21 +16,26 @@ from marinlm.config import ConfigError
 from marinlm.train.signals import StoppedBySignal
 
 
-def config_class_for(path: str | Path) -> type:
-    """The config class a shipped YAML file holds, from its folder under configs/."""
+def config_classes() -> dict[str, type]:
+    """The config class of each folder under configs/ (and of the command of that name)."""
     from marinlm.data.pipeline import PipelineConfig
     from marinlm.dataset.tokenize import TokenizeConfig
     from marinlm.model.config import MarinConfig
     from marinlm.tokenizer import TokenizerTrainConfig
     from marinlm.train.config import TrainConfig
 
-    classes = {
+    return {
         "model": MarinConfig,
         "tokenizer": TokenizerTrainConfig,
         "tokenize": TokenizeConfig,
         "data": PipelineConfig,
         "train": TrainConfig,
     }
+
+
+def config_class_for(path: str | Path) -> type:
+    """The config class a shipped YAML file holds, from its folder under configs/."""
+    classes = config_classes()
     folder = Path(path).resolve().parent.name
     if folder not in classes:
         raise ValueError(f"{path}: no config class for folder {folder!r}; known: {sorted(classes)}")
@@ -194,8 +199,29 @@ def _positive(cast, what: str):
     return parse
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("marinlm")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _add_print_config(command: argparse.ArgumentParser, kind: str) -> None:
+    command.add_argument(
+        "--print-config",
+        action="store_const",
+        const=kind,
+        default=None,
+        help="print the resolved config (the file, then the overrides, then the defaults) and exit; every key "
+        "shown can be set with --key=value",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinlm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
@@ -252,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
     data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")
     data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/default.yaml")
+    _add_print_config(data_run, "data")
     data_run.set_defaults(func=_data_run, takes_overrides=True)
 
     tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
@@ -259,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_tok = tokenizer.add_parser("train", help="train a byte-level BPE tokenizer")
     train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
+    _add_print_config(train_tok, "tokenizer")
     train_tok.set_defaults(func=_tokenizer_train, takes_overrides=True)
 
     train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
@@ -269,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (the newest good checkpoint, or a fresh start when there is none), none (a fresh start; "
         "the run folder must hold no checkpoint), or a checkpoint path",
     )
+    _add_print_config(train, "train")
     train.set_defaults(func=_train, takes_overrides=True)
 
     gen = commands.add_parser("generate", help="stream a continuation from a trained run or checkpoint")
@@ -284,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")
+    _add_print_config(tok, "tokenize")
     tok.set_defaults(func=_tokenize, takes_overrides=True)
     return parser
 
@@ -303,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not rest[0].startswith("--"):
         parser.error(f"unrecognized arguments: {' '.join(rest)} (config overrides look like --a.b=value)")
     try:
+        if kind := getattr(args, "print_config", None):
+            from marinlm.config import dump_config
+
+            sys.stdout.write(dump_config(_load(config_classes()[kind], args.config, rest)))
+            return 0
         return args.func(args, rest)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
