@@ -294,6 +294,16 @@ def test_resume_after_kill_gives_identical_output(tmp_path):
     assert not list((tmp_path / "killed").rglob("*.tmp"))
 
 
+def test_ray_executor_without_ray_is_a_config_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"executor: 'ray' needs Ray installed"):
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path)]}], executor="ray")
+    assert not (tmp_path / "out").exists()  # refused before any output folder is made
+
+
 @pytest.mark.slow
 def test_ray_executor_matches_local(tmp_path):
     pytest.importorskip("ray")

@@ -16,6 +16,7 @@ Everything dropped or rejected is written to a side output with its reason, and 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -92,6 +93,11 @@ class PipelineConfig:
 
     def __post_init__(self):
         check(self.executor in ("local", "ray"), "executor", f"must be local or ray, got {self.executor!r}")
+        check(
+            self.executor != "ray" or importlib.util.find_spec("ray") is not None,
+            "executor",
+            "'ray' needs Ray installed: `pip install 'marinlm[ray]'`, or use 'local'",
+        )
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         names = [s.name for s in self.sources]

@@ -271,7 +271,10 @@ def read_hf_dataset(
 ) -> Iterator[Document | Rejected]:
     """Stream documents from HF `datasets` (a hub name, or a local builder like "json" with
     data_files=...). Needs network for hub datasets; tested on local files."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"HF dataset {name!r}: needs HF datasets; `pip install datasets`") from None
 
     ds = datasets.load_dataset(name, split=split, streaming=True, **kwargs)
     source = kwargs.get("data_files") and Path(str(kwargs["data_files"])).stem or name.replace("/", "_")

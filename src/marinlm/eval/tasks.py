@@ -53,7 +53,10 @@ HF_SOURCES: dict[str, str] = {}
 
 
 def _hf_rows(spec: str, name: str) -> list[dict]:
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"hf source for {name}: needs HF datasets; `pip install datasets`") from None
 
     parts = spec.split(":")
     if len(parts) not in (2, 3):
