@@ -118,3 +118,13 @@ def test_model_step_matches_bf16_kernels(monkeypatch):
         gb = grads_b[name]
         cosine = F.cosine_similarity(ga.flatten().double(), gb.flatten().double(), dim=0)
         assert cosine > 0.9999, f"{name}: cosine {cosine:.6f}"
+
+
+def test_the_dispatch_is_no_graph_break_in_a_compiled_block():
+    """The bf16-GEMM probe (a torch op returning a bool) broke the graph at every linear layer of a
+    compiled block on CPU, and the resumed frames hit dynamo's recompile limit."""
+    import torch._dynamo
+
+    layer = cpu_bf16.Linear(16, 8)
+    explained = torch._dynamo.explain(lambda x: layer(x).relu())(torch.randn(4, 16))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1

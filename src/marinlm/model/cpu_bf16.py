@@ -20,8 +20,6 @@ Nothing changes on GPUs, on CPUs with a bf16 GEMM, or in fp32.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +27,20 @@ from torch import nn
 BF16 = torch.bfloat16
 
 
-@functools.cache
-def _cpu_has_bf16_gemm() -> bool:
+def _probe_bf16_gemm() -> bool:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # the check moved: assume the kernels are there
         return True
+
+
+# Probed once at import: inside a compiled block the probe (a torch op returning a bool) would be
+# a graph break at every linear layer; a module constant is folded in.
+_CPU_BF16_GEMM = _probe_bf16_gemm()
+
+
+def _cpu_has_bf16_gemm() -> bool:
+    return _CPU_BF16_GEMM
 
 
 def emulated_bf16(device: torch.device | str) -> bool:
