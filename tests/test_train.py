@@ -71,18 +71,28 @@ def test_exact_resume_after_sigkill(token_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_saves_before_the_run_ends(token_data, tmp_path, signum):
+@pytest.mark.parametrize("signum, workers", [(signal.SIGTERM, 2), (signal.SIGINT, 0)])
+def test_a_stop_signal_saves_before_the_run_ends(token_data, tmp_path, signum, workers):
     """A scheduler's SIGTERM (or Ctrl-C) mid-run: the step under way ends, a checkpoint is saved, the
     exit status says which signal; a rerun resumes there. Before, every step since the last
-    checkpoint was lost."""
-    config = train_config(token_data, tmp_path / "run", train={"steps": 10_000}, checkpoint={"every_steps": 0})
+    checkpoint was lost. The SIGTERM goes to the whole process group, as Slurm sends it: the data
+    loader's workers must not die of it."""
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 10_000},
+        checkpoint={"every_steps": 0},
+        data={"num_workers": workers},
+    )
     save_config(config, tmp_path / "run.yaml")
-    run = cli(tmp_path / "run.yaml")
+    cmd = [sys.executable, "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")]
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     deadline = time.time() + 120
     while len(losses(tmp_path / "run")) < 3 and time.time() < deadline and run.poll() is None:
         time.sleep(0.05)
-    run.send_signal(signum)
+    os.killpg(run.pid, signum)
     out, _ = run.communicate(timeout=120)
     assert run.returncode == 128 + signum, out
     stopped = json.loads((tmp_path / "run" / "summary.json").read_text())["steps"]

@@ -23,6 +23,7 @@ with any number of worker processes, and even with a different world size.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -245,6 +246,7 @@ class TokenLoader:
                     num_workers=self.num_workers,
                     persistent_workers=False,
                     prefetch_factor=2,
+                    worker_init_fn=_ignore_stop_signals,
                 )
             )
         for batch in batches:
@@ -270,6 +272,15 @@ class TokenLoader:
             )
         self.rows_consumed = int(state["rows_consumed"])
         self.counts = np.asarray(state["counts"], dtype=np.int64)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A scheduler's SIGTERM (or a terminal's Ctrl-C) reaches the loader's workers too. They leave it
+    to the trainer, which finishes its step and saves; a worker that died of it would end the run
+    at once ("DataLoader worker ... is killed by signal"), with no checkpoint. The loader stops
+    them when the run ends."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _SpecSampler(torch.utils.data.Sampler):
