@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +85,8 @@ def test_claim_output_resumes_the_same_job_and_names_a_difference(tmp_path):
 def _square_or_fail(x: int) -> int:
     if x == 3:
         raise ValueError("task 3 is bad")
+    if x == 4:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
     time.sleep(0.2)
     return x * x
 
@@ -91,7 +95,7 @@ def test_process_map_leaves_no_worker_behind():
     """A failing task (or Ctrl-C) used to leave the spawned pool's workers running on their tasks."""
     import multiprocessing as mp
 
-    from marinlm.utils.pool import process_map
+    from marinlm.utils.pool import WorkerDied, process_map
 
     assert sorted(process_map(_square_or_fail, [0, 1, 2], workers=2)) == [0, 1, 4]
     assert list(process_map(_square_or_fail, [2, 1], workers=1)) == [4, 1]
@@ -99,3 +103,8 @@ def test_process_map_leaves_no_worker_behind():
         for _ in process_map(_square_or_fail, [3, *range(10, 40)], workers=2):
             pass
     assert not mp.active_children()  # terminated and joined, not left to the garbage collector
+    # A worker killed mid-task: an error at once (multiprocessing.Pool waited for its task forever).
+    with pytest.raises(WorkerDied, match=r"a worker process died abruptly .* tasks unfinished"):
+        for _ in process_map(_square_or_fail, [1, 4, *range(10, 20)], workers=2):
+            pass
+    assert not mp.active_children()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from marinlm.config import ConfigError
 from marinlm.train.signals import StoppedBySignal
+from marinlm.utils.pool import WorkerDied
 
 
 def config_classes() -> dict[str, type]:
@@ -345,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except StoppedBySignal as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e, file=sys.stderr)

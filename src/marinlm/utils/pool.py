@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended abruptly (the out-of-memory killer, a crash in native code)."""
 
 
 def process_map(
@@ -12,20 +18,46 @@ def process_map(
     """Yield `fn(task)` for every task, in completion order, from `workers` spawned processes (in this
     process when workers <= 1).
 
-    The pool is closed and joined when every result is in, and terminated when the caller stops
-    early (a task's exception, Ctrl-C, or leaving the loop), so no worker outlives the job.
+    A worker that dies mid-task is a WorkerDied error at once (multiprocessing.Pool would wait
+    for that task forever). When the caller stops early (a task's exception, Ctrl-C, leaving the
+    loop) the workers are stopped too, so none outlives the job.
     """
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, tasks)
         return
-    pool = mp.get_context("spawn").Pool(workers, initializer=initializer, initargs=initargs)
+    executor = ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=initializer, initargs=initargs
+    )
     try:
-        yield from pool.imap_unordered(fn, tasks)
+        futures = [executor.submit(fn, task) for task in tasks]
+        for done, future in enumerate(as_completed(futures)):
+            try:
+                result = future.result()
+            except BrokenProcessPool:
+                raise WorkerDied(
+                    f"a worker process died abruptly (killed, e.g. by the out-of-memory killer?) with "
+                    f"{len(futures) - done} of {len(futures)} tasks unfinished; finished work is kept, and "
+                    "the same command resumes (fewer workers use less memory)"
+                ) from None
+            yield result
     except BaseException:  # also GeneratorExit: the caller left the loop
-        pool.terminate()
-        pool.join()
+        _stop(executor)
         raise
-    pool.close()
-    pool.join()
+    executor.shutdown(wait=True)
+
+
+def _stop(executor: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers now, not after their current task."""
+    # No public handle on the workers before Python 3.14 (terminate_workers).
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    manager = getattr(executor, "_executor_manager_thread", None)
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    if manager is not None:  # it sees the workers end, reaps them and closes its queues
+        manager.join(timeout=30)
+    for process in processes:
+        process.join(timeout=10)
