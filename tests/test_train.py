@@ -314,6 +314,9 @@ def test_run_outputs_and_router_state(token_data, tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
     assert list((tmp_path / "run" / "profile").rglob("*.json*"))  # the profiler trace
     assert summary["validation"]["val/bpb"] > 0
+    assert summary["median_tokens_per_s"] > 0 and 0 < summary["median_mfu"] < 1
+    assert summary["loss_plot"] == str(tmp_path / "run" / "loss.png")
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     # The QB bias computed at the last step is in the checkpoint, ready for the next step.
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 5}), resume="auto")
     bias = trainer.model.layers[0].mlp.router.bias

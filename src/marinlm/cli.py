@@ -92,6 +92,11 @@ def _train(args, overrides) -> int:
             f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, {trained}"
             + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
         )
+        if summary.get("median_tokens_per_s"):
+            print(
+                f"median {summary['median_tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['median_mfu']:.1f}% "
+                f"of the measured matmul peak; loss curve {summary['loss_plot']}"
+            )
     if summary.get("signal"):
         raise StoppedBySignal(summary["signal"], summary["steps"])
     return 0

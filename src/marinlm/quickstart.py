@@ -316,25 +316,9 @@ def run_quickstart(
 def _write_report(
     root, stages, metrics, start_val, end_val, unigram, prompt, sample, summary, peak_gb, total_s, trainer
 ) -> Path:
-    import matplotlib
+    from marinlm.train.metrics import plot_loss
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(m["step"], m["train/loss"]) for m in metrics if "train/loss" in m]
-    val = [(m["step"], m["val/loss"]) for m in metrics if "val/loss" in m]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label="train loss", alpha=0.7)
-    if val:
-        ax.plot(*zip(*val), marker="o", label="validation loss")
-    ax.axhline(unigram[0], color="grey", linestyle="--", label=f"unigram baseline ({unigram[0]:.2f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("marinlm quickstart: tiny hero-shaped MoE")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(root / "loss.png", dpi=110)
-    plt.close(fig)
+    plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
     tps = [m["perf/tokens_per_s"] for m in metrics if "perf/tokens_per_s" in m]
     mfu = [m["perf/mfu"] for m in metrics if "perf/mfu" in m]
     lines = [

@@ -89,3 +89,32 @@ class MetricSinks:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple[str, float] | None = None) -> Path:
+    """Train and validation loss against step, as a PNG (with an optional labelled horizontal line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(m["step"], m["train/loss"]) for m in metrics if "train/loss" in m]
+    val = [(m["step"], m["val/loss"]) for m in metrics if "val/loss" in m]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", alpha=0.7)
+    if val:
+        ax.plot(*zip(*val), marker="o", label="validation loss")
+    if baseline is not None:
+        ax.axhline(baseline[1], color="grey", linestyle="--", label=f"{baseline[0]} ({baseline[1]:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

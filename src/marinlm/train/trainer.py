@@ -53,7 +53,7 @@ from marinlm.train.checkpoint import (
 )
 from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
-from marinlm.train.metrics import MetricSinks
+from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
 from marinlm.train.step import StepResult, param_norm, train_step, validate
 from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
@@ -445,6 +445,8 @@ class Trainer:
         )
         profiler = self._profiler()
         stopped_early = False
+        if self.info.is_main and c.logging.progress:
+            print(self._header(), flush=True)
         self._signal = None
         handlers = self._catch_stop_signals()
         try:
@@ -515,8 +517,24 @@ class Trainer:
             "validation": self.last_validation,
         }
         if self.info.is_main:
+            records = read_metrics(self.run_dir)
+            for key, name in (("perf/tokens_per_s", "median_tokens_per_s"), ("perf/mfu", "median_mfu")):
+                values = sorted(r[key] for r in records if key in r)
+                summary[name] = values[len(values) // 2] if values else None
+            if records:
+                summary["loss_plot"] = str(plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}"))
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
+
+    def _header(self) -> str:
+        c = self.config
+        s = summarize(c.model, c.data.seq_len)
+        start = f"from step {self.step} " if self.step else ""
+        return (
+            f"train: {s.total / 1e6:,.1f}M parameters ({s.active / 1e6:,.1f}M active in the blocks), "
+            f"{c.train.global_batch} x {c.data.seq_len} tokens a step, {start}to step {c.train.steps}; "
+            f"{self.device.type} {self.precision}, {self.world} process{'es' if self.world > 1 else ''}; {self.run_dir}"
+        )
 
     def _catch_stop_signals(self) -> dict:
         """SIGTERM (a scheduler's preemption, torchrun passing on Ctrl-C) and SIGINT end the step under
