@@ -339,6 +339,41 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
         load_model(tmp_path / "run")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tmp_path):
+    """In-training evaluation of an FSDP run (it used to be refused with world size > 1): every rank
+    takes part in each forward; the logged scores equal `marinlm eval` of the same checkpoint."""
+    import subprocess
+    import sys
+
+    from marinlm.config import save_config
+    from marinlm.train.inference import load_model
+    from marinlm.train.metrics import read_metrics
+
+    from conftest import ROOT
+
+    write_tasks(tmp_path / "tasks")
+    tasks = ["arc_easy", "piqa", "val"]
+    hook = {"every_n_steps": 2, "tasks": tasks, "limit": 5, "data_dir": str(tmp_path / "tasks")}
+    save_config(train_config(token_data, tmp_path / "run", train={"steps": 2}, eval=hook), tmp_path / "run.yaml")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29537"]
+    out = subprocess.run(
+        [*cmd, "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    logged = [r for r in read_metrics(tmp_path / "run") if "eval/arc_easy/acc" in r]
+    assert [r["step"] for r in logged] == [2]
+    options = EvalOptions(tasks=tasks, data_dir=str(tmp_path / "tasks"), limit=5)
+    offline = run_eval(load_model(tmp_path / "run"), options)["results"]
+    for task, metric in (("arc_easy", "acc"), ("arc_easy", "acc_norm"), ("piqa", "acc"), ("val", "loss")):
+        assert logged[0][f"eval/{task}/{metric}"] == pytest.approx(offline[task][metric], rel=1e-5), (task, metric)
+
+
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):
     """A missing task file used to surface at step N, ending the run with the steps since the last
     checkpoint lost."""

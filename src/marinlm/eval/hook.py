@@ -20,12 +20,13 @@ class _Live:
 
 
 def make_eval_hook(trainer, config):
-    """Every N steps: score the tasks on rank 0's model and log `eval/<task>/<metric>`."""
-    if trainer.world > 1:
-        raise ValueError(
-            "eval.every_n_steps: in-training evaluation runs on one process; "
-            "evaluate a checkpoint with `marinlm eval` for sharded runs"
-        )
+    """Every N steps: score the tasks and log `eval/<task>/<metric>` (rank 0).
+
+    Under torchrun every rank scores the same items in the same batches: each forward of an FSDP
+    model gathers its weights from all ranks, so all take part in every one. The scores are the
+    same on every rank (the built-in tasks compare log-likelihoods; none samples), and the time is
+    that of one process. For large evaluations, score a checkpoint with `marinlm eval`.
+    """
     options = EvalOptions(tasks=list(config.tasks), data_dir=config.data_dir, limit=config.limit)
     # Read and check the task files now: a missing or malformed one must stop the run before its
     # first step, not at step N with the steps since the last checkpoint lost.
