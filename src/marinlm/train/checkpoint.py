@@ -92,6 +92,19 @@ def check_same_structure(folder: Path, tensors: dict) -> None:
         raise CheckpointMismatch(folder, f"not a checkpoint of this {what}: {'; '.join(problems)}")
 
 
+def load_tensors(folder: Path, tensors: dict) -> None:
+    """Load the DCP state dict `tensors` ({"model": ...} and optionally {"optim": ...}) in place from
+    `folder`, after check_same_structure(); nothing in it is unpickled beyond DCP's metadata."""
+    check_same_structure(folder, tensors)
+    try:
+        with quiet_single_process():
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{folder}: could not load tensors: {type(e).__name__}: {e}") from None
+
+
 _DCP_METADATA_CLASSES = (
     "Metadata",
     "TensorStorageMetadata",
@@ -295,14 +308,7 @@ class CheckpointManager:
         """Validate `folder`, load tensors in place into `tensors`, restore this rank's RNG; return
         the trainer state."""
         validate(folder, self.rank, self.world_size)
-        check_same_structure(folder, tensors)
-        try:
-            with quiet_single_process():
-                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{folder}: could not load tensors: {type(e).__name__}: {e}") from None
+        load_tensors(folder, tensors)
         # Another world size is fine: DCP reshards the tensors, and the data position is global. A
         # rank the saving job did not have keeps the RNG seeded at start (training draws no random
         # numbers; the state is kept for code that does).

@@ -8,20 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from marinlm.config import load_config
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import (
-    CheckpointError,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_same_structure,
-    list_checkpoints,
-    quiet_single_process,
-    validate,
-)
+from marinlm.train.checkpoint import CheckpointError, list_checkpoints, load_tensors, validate
 from marinlm.train.config import TrainConfig
 from marinlm.utils.device import resolve_device
 
@@ -61,9 +52,7 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     model.to_empty(device=device)
     model.init_weights(seed=0)  # every tensor is overwritten by the load below
     state = {"model": model.state_dict()}
-    check_same_structure(folder, state)  # its config.yaml must still describe its tensors
-    with quiet_single_process():
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+    load_tensors(folder, state)  # its config.yaml must still describe its tensors
     model.load_state_dict(state["model"])
     model.eval()
     run_dir = folder.parent.parent

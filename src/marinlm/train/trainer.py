@@ -24,7 +24,6 @@ from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -42,15 +41,7 @@ from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
-from marinlm.train.checkpoint import (
-    CheckpointManager,
-    CheckpointMismatch,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_same_structure,
-    list_checkpoints,
-    quiet_single_process,
-)
+from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints, load_tensors
 from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
@@ -111,7 +102,8 @@ class Trainer:
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
         self.last_validation: dict[str, float] | None = None
-        self.flops_per_token = summarize(c.model, c.data.seq_len).flops_per_token
+        self.model_summary = summarize(c.model, c.data.seq_len)
+        self.flops_per_token = self.model_summary.flops_per_token
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_flops = matmul_peak_flops(gemm_dtype(dtype, self.device), self.device.type)
@@ -258,19 +250,17 @@ class Trainer:
 
         folder = resolve_checkpoint(source)
         validate_checkpoint(folder, self.info.rank, self.world)
-        tensors = {"model": get_model_state_dict(self.model)}
-        try:
-            check_same_structure(folder, tensors)
-        except CheckpointMismatch as e:
-            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}") from None
         trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
         if trained_with is not None and trained_with != self.tokenizer_hash:
             raise ValueError(
                 f"checkpoint.init_from: {folder} was trained with tokenizer {trained_with[:12]}…, this run's data "
                 f"uses {self.tokenizer_hash[:12]}…: its embeddings would mean other tokens"
             )
-        with quiet_single_process():
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+        tensors = {"model": get_model_state_dict(self.model)}
+        try:
+            load_tensors(folder, tensors)
+        except CheckpointMismatch as e:
+            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}") from None
         set_model_state_dict(self.model, tensors["model"])
         self.initialized_from = str(folder)
         if self.info.is_main:
@@ -527,8 +517,7 @@ class Trainer:
         return summary
 
     def _header(self) -> str:
-        c = self.config
-        s = summarize(c.model, c.data.seq_len)
+        c, s = self.config, self.model_summary
         start = f"from step {self.step} " if self.step else ""
         return (
             f"train: {s.total / 1e6:,.1f}M parameters ({s.active / 1e6:,.1f}M active in the blocks), "
