@@ -245,7 +245,10 @@ def run_quickstart(
     train_config.train.max_minutes = train_minutes
     train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
     train_config.validation.every_steps = max(10, train_config.train.steps // 10)
-    print(f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps in about {train_minutes:.1f} min")
+    print(
+        f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps, about "
+        f"{train_config.train.steps * step_seconds / 60:.1f} min of the {train_minutes:.1f} min training budget"
+    )
     if (root / "train").exists():  # an earlier quickstart's run: this one starts over (its step count differs)
         print(f"replacing the earlier training run in {root / 'train'}")
         shutil.rmtree(root / "train")
