@@ -322,8 +322,6 @@ def _write_report(
     from marinlm.train.metrics import plot_loss
 
     plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
-    tps = [m["perf/tokens_per_s"] for m in metrics if "perf/tokens_per_s" in m]
-    mfu = [m["perf/mfu"] for m in metrics if "perf/mfu" in m]
     lines = [
         "# marinlm quickstart report",
         "",
@@ -347,7 +345,8 @@ def _write_report(
         f"{abs(unigram[0] - end_val['val/loss']):.3f} nats/token "
         f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline.",
         "",
-        f"Training: {summary['steps']} steps, median {np.median(tps):,.0f} tokens/s, median MFU {np.median(mfu):.1%} "
+        f"Training: {summary['steps']} steps, median {summary['median_tokens_per_s']:,.0f} tokens/s, "
+        f"median MFU {summary['median_mfu']:.1%} "
         f"against this machine's measured fp32 matmul peak ({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
         "",
         "![loss](loss.png)",

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -509,8 +510,8 @@ class Trainer:
         if self.info.is_main:
             records = read_metrics(self.run_dir)
             for key, name in (("perf/tokens_per_s", "median_tokens_per_s"), ("perf/mfu", "median_mfu")):
-                values = sorted(r[key] for r in records if key in r)
-                summary[name] = values[len(values) // 2] if values else None
+                values = [r[key] for r in records if key in r]
+                summary[name] = statistics.median(values) if values else None
             if records:
                 summary["loss_plot"] = str(plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}"))
             write_json_atomic(self.run_dir / "summary.json", summary)
