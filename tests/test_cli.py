@@ -131,3 +131,40 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--version"])
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("marinlm ")
+
+
+def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, tmp_path, capsys, monkeypatch):
+    """`--run_dir`/`--output_dir` naming a file was a FileExistsError traceback; `marinlm eval --output`
+    under a file failed only when writing, after all the scoring."""
+    import marinlm.eval.runner
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    text = tmp_path / "a.txt"
+    text.write_text("some text to train on")
+    commands = [
+        [
+            "train",
+            str(CONFIGS / "train" / "tiny.yaml"),
+            f"--run_dir={afile}",
+            f"--data.sources=[{{path: {token_data}}}]",
+        ],
+        ["tokenize", f"--inputs=[{text}]", f"--tokenizer={token_data.parent / 'tokenizer'}", f"--output_dir={afile}"],
+        ["tokenizer", "train", f"--inputs=[{text}]", f"--output_dir={afile}"],
+        ["data", "run", f"--sources=[{{name: a, inputs: [{text}]}}]", f"--output_dir={afile}"],
+    ]
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"error: {afile}: File exists (a file stands where a folder must go)" in err and "Traceback" not in err
+
+    from marinlm.config import save_config
+
+    config = tmp_path / "train.yaml"
+    save_config(train_config(token_data, tmp_path / "run", train={"steps": 1}), config)
+    assert main(["train", str(config)]) == 0
+    capsys.readouterr()
+    scored = []
+    monkeypatch.setattr(marinlm.eval.runner, "run_eval", lambda *a, **k: scored.append(1))
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "val", "--output", f"{afile}/eval.json"]) == 2
+    assert f"error: {afile}: File exists" in capsys.readouterr().err and not scored

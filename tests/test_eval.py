@@ -9,7 +9,7 @@ import torch
 
 from marinlm.config import ConfigError
 from marinlm.eval.lm import Request, Scorer
-from marinlm.eval.runner import EvalOptions, prepare, run_eval
+from marinlm.eval.runner import EvalOptions, markdown_table, prepare, run_eval
 from marinlm.eval.tasks import MMLU, Item, Lambada, TaskDataError, score, task_registry
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.train.inference import LoadedModel
@@ -372,6 +372,12 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     offline = run_eval(load_model(tmp_path / "run"), options)["results"]
     for task, metric in (("arc_easy", "acc"), ("arc_easy", "acc_norm"), ("piqa", "acc"), ("val", "loss")):
         assert logged[0][f"eval/{task}/{metric}"] == pytest.approx(offline[task][metric], rel=1e-5), (task, metric)
+    assert isinstance(offline["val"]["tokens"], int) and "| val | tokens |" not in markdown_table(
+        {
+            "results": offline,
+            "config": {"checkpoint": "c", "tokenizer_hash": "h", "limit": 5, "num_fewshot": 0, "seconds": 1.0},
+        }
+    )
 
 
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):

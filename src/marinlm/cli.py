@@ -168,6 +168,9 @@ def _eval(args, overrides) -> int:
     output = Path(args.output) if args.output else loaded.checkpoint / "eval.json"
     if output.is_dir():  # like `cp FILE DIR/`
         output = output / "eval.json"
+    # Results are written once, at the end: a folder that cannot be made must fail now, not after
+    # the scoring.
+    output.parent.mkdir(parents=True, exist_ok=True)
     report = run_eval(loaded, options, output)
     print(markdown_table(report))
     print(f"results: {output}")
@@ -350,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # An output path that runs into a file (`--run_dir` naming one) or may not be written.
+        where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        collides = isinstance(e, (FileExistsError, NotADirectoryError))
+        print(f"error: {where}" + (" (a file stands where a folder must go)" if collides else ""), file=sys.stderr)
         return 2
     except WorkerDied as e:
         print(f"error: {e}", file=sys.stderr)

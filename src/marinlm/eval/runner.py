@@ -190,7 +190,8 @@ def _val_metrics(loaded, val_source, batch_size: int) -> dict:
         device=device,
         precision="fp32" if device.type == "cpu" else "bf16",
     )
-    return {"loss": metrics["val/loss"], "bits_per_byte": metrics["val/bpb"], "tokens": metrics["val/tokens"]}
+    # A count, like bpb's: an int in the JSON, and not a row of the markdown table ("260782.0000").
+    return {"loss": metrics["val/loss"], "bits_per_byte": metrics["val/bpb"], "tokens": int(metrics["val/tokens"])}
 
 
 def markdown_table(report: dict) -> str:
