@@ -194,8 +194,10 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
     val_shard = next((copy / "val").glob("*.tokens"))
     with open(val_shard, "r+b") as f:
         f.truncate(val_shard.stat().st_size - 4)
-    with pytest.raises(ShardError, match=rf"{val_shard.name}: .* truncated"):
+    with pytest.raises(ShardError, match=rf"data\.sources\[0\]\.path: .*{val_shard.name}: .* truncated"):
         Trainer(train_config(copy, tmp_path / "run"), resume="none")
+    with pytest.raises(ShardError, match=r"data\.sources\[0\]\.path: .*nowhere/manifest.json: no manifest"):
+        Trainer(train_config(tmp_path / "nowhere", tmp_path / "run"), resume="none")
     manifest = json.loads((token_data / "manifest.json").read_text())
     no_val = tmp_path / "no-val"
     tokenize(

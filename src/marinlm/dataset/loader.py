@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from marinlm.config import check
-from marinlm.dataset.shards import TokenDataset
+from marinlm.dataset.shards import ShardError, TokenDataset
 
 IGNORE_INDEX = -100
 
@@ -291,14 +291,32 @@ class _SpecSampler(torch.utils.data.Sampler):
         return self.specs
 
 
+def open_dataset(
+    config: DataConfig,
+    i: int,
+    split: str = "train",
+    tokenizer_hash: str | None = None,
+    model_vocab_size=None,
+    verify=None,
+) -> TokenDataset:
+    """Source i's token dataset; its errors also name the config key (the path may be relative or a default).
+
+    `verify` overrides `config.verify` (a quick look at the manifest need not hash every shard)."""
+    try:
+        path = config.sources[i].path
+        return TokenDataset(path, split, verify or config.verify, tokenizer_hash, model_vocab_size)
+    except ShardError as e:
+        raise type(e)(f"data.sources[{i}].path: {e}") from None
+
+
 def open_sources(
     config: DataConfig, split: str = "train", tokenizer_hash: str | None = None, model_vocab_size: int | None = None
 ) -> list[PackedSource]:
     if not config.sources:
         raise ValueError("data.sources: give at least one tokenized dataset")
     sources = []
-    for i, src in enumerate(config.sources):
-        data = TokenDataset(src.path, split, config.verify, tokenizer_hash, model_vocab_size)
+    for i in range(len(config.sources)):
+        data = open_dataset(config, i, split, tokenizer_hash, model_vocab_size)
         sources.append(
             PackedSource(
                 data,

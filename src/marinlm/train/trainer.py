@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, load_config, to_dict
-from marinlm.dataset.loader import build_loader, open_sources, validation_batches
-from marinlm.dataset.shards import EmptySplitError, TokenDataset
+from marinlm.dataset.loader import build_loader, open_dataset, open_sources, validation_batches
+from marinlm.dataset.shards import EmptySplitError
 from marinlm.model.cpu_bf16 import gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
@@ -84,7 +84,7 @@ class Trainer:
             )
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.world)
 
-        first = TokenDataset(c.data.sources[0].path, "train") if c.data.sources else None
+        first = open_dataset(c.data, 0, verify="size") if c.data.sources else None
         if first is None:
             raise ValueError("data.sources: give at least one tokenized dataset")
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
