@@ -17,6 +17,7 @@ from marinlm.utils.io import (
     folder_lock,
     lock_folder,
     unlock_folder,
+    write_json_atomic,
 )
 
 from conftest import ROOT
@@ -108,3 +109,17 @@ def test_process_map_leaves_no_worker_behind():
         for _ in process_map(_square_or_fail, [1, 4, *range(10, 20)], workers=2):
             pass
     assert not mp.active_children()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_get_the_mode_of_a_plain_write(tmp_path, umask, mode):
+    """Every output (curated shards, token shards, tokenizer, checkpoint metadata) was written 0600
+    through mkstemp: unreadable to the team or to workers running as another user on shared storage."""
+    old = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "out.json", {"a": 1})
+        with open(tmp_path / "plain.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == (tmp_path / "plain.txt").stat().st_mode & 0o777 == mode

@@ -15,12 +15,24 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask), not
+    mkstemp's private 0o600: curated data, token shards and checkpoints on shared storage must be
+    readable by the team and by workers running as another user.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     try:
         yield Path(tmp)
