@@ -475,3 +475,18 @@ def test_generating_past_max_seq_len_warns(loaded, capsys):
     assert "max_seq_len" not in capsys.readouterr().err
     generate_text(loaded, "a b c", SamplingConfig(max_new_tokens=limit, temperature=0))
     assert f"plus {limit} new ones pass the model's max_seq_len {limit}" in capsys.readouterr().err
+
+
+def test_without_data_dir_tasks_come_from_the_env_or_an_error_says_how(tmp_path, monkeypatch):
+    """An installed package has no ../shared/data/eval: the error named a path inside site-packages."""
+    import marinlm.eval.runner as runner
+
+    write_tasks(tmp_path / "tasks")
+    monkeypatch.setattr(runner, "DEFAULT_DATA_DIR", tmp_path / "site-packages" / "shared" / "data" / "eval")
+    monkeypatch.delenv(runner.DATA_ENV, raising=False)
+    with pytest.raises(TaskDataError, match=r"no --data-dir was given, MARINLM_EVAL_DATA is not set.*--hf"):
+        prepare(EvalOptions(tasks=["arc_easy"]))
+    monkeypatch.setenv(runner.DATA_ENV, str(tmp_path / "tasks"))
+    assert len(prepare(EvalOptions(tasks=["arc_easy"]))[0][2]) > 0
+    with pytest.raises(TaskDataError, match=r"elsewhere/arc_easy.jsonl: task file not found \(point"):
+        prepare(EvalOptions(tasks=["arc_easy"], data_dir=str(tmp_path / "elsewhere")))  # no hint: it was given

@@ -251,7 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH",
     )
-    ev.add_argument("--data-dir", default="", help="folder with the task files (default: ../shared/data/eval)")
+    ev.add_argument(
+        "--data-dir",
+        default="",
+        help="folder with the task files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval beside the source)",
+    )
     ev.add_argument("--limit", type=int, default=None, help="score a deterministic subset of N items per task")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")

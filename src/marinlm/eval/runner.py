@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, read_text, score, subset, task_registry
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
+# Where task files are found without --data-dir: $MARINLM_EVAL_DATA, else ../shared/data/eval beside
+# a source checkout (an installed package has no such folder).
+DATA_ENV = "MARINLM_EVAL_DATA"
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"
 
 
@@ -42,8 +46,9 @@ class EvalOptions:
 
 
 def _data_dir(options: EvalOptions) -> Path:
-    path = Path(options.data_dir) if options.data_dir else DEFAULT_DATA_DIR
-    return path
+    if options.data_dir:
+        return Path(options.data_dir)
+    return Path(os.environ[DATA_ENV]) if os.environ.get(DATA_ENV) else DEFAULT_DATA_DIR
 
 
 def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
@@ -80,7 +85,16 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             prepared.append((spec, path, texts[: options.limit] if options.limit else texts))
         elif spec in registry:
             task = registry[spec]
-            items = task.load(_data_dir(options))
+            try:
+                items = task.load(_data_dir(options))
+            except TaskDataError as e:
+                if options.data_dir or os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR.is_dir():
+                    raise
+                raise TaskDataError(
+                    f"{e}: no --data-dir was given, {DATA_ENV} is not set, and there is no ../shared/data/eval "
+                    "beside the source (an installed package has none); give one of the first two, or load "
+                    "the task from HF datasets with --hf"
+                ) from None
             if not items:
                 raise TaskDataError(f"{_data_dir(options) / task.files[0]}: task {spec!r} has no items")
             if isinstance(task, MMLU) and options.limit:  # the harness limits each subject

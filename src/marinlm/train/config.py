@@ -108,7 +108,7 @@ class EvalHookConfig:
     every_n_steps: int = 0  # 0 = off
     tasks: list[str] = field(default_factory=list)
     limit: int = 50
-    data_dir: str = ""
+    data_dir: str = ""  # "" = $MARINLM_EVAL_DATA, else ../shared/data/eval beside the source
 
     def __post_init__(self):
         check(self.every_n_steps >= 0, "every_n_steps", f"must be >= 0 (0 = off), got {self.every_n_steps}")
