@@ -155,3 +155,24 @@ def test_bad_train_settings_fail_at_load(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", [override])
     assert info.value.key == key
+
+
+def test_shipped_configs_load_from_any_folder_and_a_local_file_wins(tmp_path, monkeypatch):
+    """With a plain `pip install` there is no configs/ folder: the README's `configs/train/tiny.yaml`
+    was 'config file not found' everywhere but in a checkout."""
+    from marinlm.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml")
+    for spelling in ("configs/train/tiny.yaml", "train/tiny.yaml", "train/tiny"):
+        assert load_config(TrainConfig, spelling) == shipped, spelling
+    (tmp_path / "configs" / "train").mkdir(parents=True)
+    # The user's own file wins. It includes the shipped one, whose `model: ../model/tiny.yaml` is
+    # relative to the shipped file (it was taken relative to the including file: not found).
+    (tmp_path / "configs" / "train" / "tiny.yaml").write_text(
+        f"include: {CONFIGS / 'train' / 'tiny.yaml'}\noptim:\n  lr: 0.125\n"
+    )
+    mine = load_config(TrainConfig, "configs/train/tiny.yaml")
+    assert mine.optim.lr == 0.125 and mine.model == shipped.model
+    with pytest.raises(ConfigError, match=r"config file not found: train/tny \(shipped configs: .*train/tiny\.yaml"):
+        load_config(TrainConfig, "train/tny")

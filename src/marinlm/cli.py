@@ -181,10 +181,11 @@ def _model_summary(args, overrides) -> int:
     from marinlm.config import load_config, read_yaml
     from marinlm.model.config import MarinConfig
     from marinlm.model.summary import summarize
+    from marinlm.presets import find_config
     from marinlm.train.config import TrainConfig
 
     seq_len = args.seq_len
-    if "model" in read_yaml(args.config):  # a training config (or a run's config.yaml): its model
+    if "model" in read_yaml(find_config(args.config)):  # a training config (or a run's config.yaml): its model
         train = load_config(TrainConfig, args.config, overrides)
         config, seq_len = train.model, seq_len or train.data.seq_len
     else:

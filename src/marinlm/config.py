@@ -308,8 +308,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     includes = [includes] if isinstance(includes, str) else includes
     merged: dict[str, Any] = {}
     for inc in includes:
-        merged = merge(merged, read_yaml(path.parent / inc))
+        included = path.parent / inc
+        merged = merge(merged, _rebase_file_refs(read_yaml(included), included.parent))
     return merge(merged, data)
+
+
+def _rebase_file_refs(value: Any, base_dir: Path) -> Any:
+    """An included file's relative `*.yaml` references, made absolute from that file's folder: they are
+    relative to the file that names them, not to the file that includes it."""
+    if isinstance(value, dict):
+        return {k: _rebase_file_refs(v, base_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebase_file_refs(v, base_dir) for v in value]
+    if isinstance(value, str) and value.endswith((".yaml", ".yml")) and not Path(value).is_absolute():
+        return str(base_dir / value)
+    return value
 
 
 def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[str, Any]:
@@ -343,11 +356,16 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         path: YAML file mirroring `cls`; sub-configs may be given as paths to other YAML files.
         overrides: `--a.b=c` strings applied on top.
     """
+    from marinlm.presets import find_config, shipped_configs
+
     data: dict[str, Any] = {}
     base_dir = Path.cwd()
     if path is not None:
+        path = find_config(path)
+        if not path.is_file():
+            raise ConfigError("", f"config file not found: {path} (shipped configs: {', '.join(shipped_configs())})")
         data = read_yaml(path)
-        base_dir = Path(path).parent
+        base_dir = path.parent
     data = resolve_file_refs(data, base_dir, cls)
     over: dict[str, Any] = {}
     if overrides:

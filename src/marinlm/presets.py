@@ -14,3 +14,27 @@ def preset(kind: str, name: str) -> Path:
         available = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
         raise FileNotFoundError(f"no {kind} preset {name!r}; available: {available}")
     return path
+
+
+def find_config(path: str | Path) -> Path:
+    """A config path as given, or else the shipped copy: `configs/train/tiny.yaml` (the README's
+    spelling), `train/tiny.yaml` or `train/tiny` work from any folder with a plain `pip install`.
+
+    A file that exists as given always wins; a path that is found nowhere is returned unchanged, for
+    the caller's "not found" error (which `shipped_configs()` can complete)."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute():
+        return path
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    if not parts:
+        return path
+    shipped = CONFIG_DIR.joinpath(*parts)
+    for candidate in (shipped, shipped.with_name(shipped.name + ".yaml")):
+        if candidate.is_file():
+            return candidate
+    return path
+
+
+def shipped_configs() -> list[str]:
+    """The shipped configs as `kind/name.yaml`."""
+    return sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml"))
