@@ -121,3 +121,38 @@ def test_train_tokenizer_reports_rejects_and_refuses_to_train_on_nothing(tmp_pat
     with pytest.raises(ValueError, match=r"no document to train on .* 3 record\(s\) rejected \(first: .*:1: "):
         train_tokenizer(wrong)
     assert not (tmp_path / "tok2").exists()
+
+
+def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
+    """HF tokenizers' training holds the main thread and Python sees no signal until it ends: Ctrl-C
+    took effect only after the whole training (8 s later on this corpus; hours on a real one)."""
+    import random
+    import signal
+    import string
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 12))) for _ in range(300_000)]
+    with open(tmp_path / "corpus.txt", "w") as f:
+        for _ in range(30_000):  # 51 MB: about 9 s of training on 2 cores
+            f.write(" ".join(rng.choices(words, k=200)) + "\n")
+    cmd = [sys.executable, "-m", "marinlm.cli", "tokenizer", "train", f"--inputs=[{tmp_path / 'corpus.txt'}]"]
+    child = subprocess.Popen(
+        [*cmd, f"--output_dir={tmp_path / 'tok'}", "--vocab_size=30000"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as in a terminal
+    )
+    time.sleep(4)  # imports, the spawn, and into the training
+    sent = time.perf_counter()
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err[-2000:]
+    assert time.perf_counter() - sent < 3, "Ctrl-C waited for the training to end"
+    assert not (tmp_path / "tok" / "tokenizer.json").exists()

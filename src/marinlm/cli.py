@@ -373,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             print(e, file=sys.stderr)
         return 128 + signal.Signals[e.name].value  # what a shell reports for a job the signal ended
     except KeyboardInterrupt:  # Ctrl-C outside training (curation, tokenization): no traceback
-        print("interrupted; the same command resumes from the last finished unit", file=sys.stderr)
+        print(
+            "interrupted; the same command carries on (curation and tokenization from the last finished unit)",
+            file=sys.stderr,
+        )
         return 130
     except BrokenPipeError:  # `marinlm generate ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail

@@ -25,6 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from marinlm.config import check
 from marinlm.utils.io import OutputInUseError, sha256_bytes, write_text_atomic
+from marinlm.utils.pool import call_in_child
 from marinlm.utils.progress import is_terminal
 
 CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
@@ -205,6 +206,21 @@ def iter_training_texts(
                 rejected.append(item)
 
 
+def _train_job(config: TokenizerTrainConfig) -> tuple[str, dict, list]:
+    """Child process: read the inputs and train; returns the tokenizer's JSON, counts and rejects."""
+    counted = {"bytes": 0, "docs": 0}
+    rejected: list = []
+
+    def texts():
+        for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes, rejected):
+            counted["bytes"] += len(text.encode())
+            counted["docs"] += 1
+            yield text
+
+    trained = train_bpe(texts(), config.vocab_size, config.min_frequency)
+    return trained.to_str(), counted, rejected
+
+
 def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tuple[MarinTokenizer, dict]:
     """Train and save a tokenizer; returns it and a small report (bytes, seconds, vocab).
 
@@ -220,16 +236,10 @@ def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tupl
             "which token shards made with it need; give another output_dir, or remove it to train a new one"
         )
     start = time.perf_counter()
-    counted = {"bytes": 0, "docs": 0}
-    rejected: list = []
-
-    def texts():
-        for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes, rejected):
-            counted["bytes"] += len(text.encode())
-            counted["docs"] += 1
-            yield text
-
-    trained = train_bpe(texts(), config.vocab_size, config.min_frequency)
+    # In a child process: Ctrl-C (or a scheduler's SIGTERM) during training would otherwise be lost
+    # until training ends, however long that is, and the command would then finish as if asked to.
+    trained_json, counted, rejected = call_in_child(_train_job, config)
+    trained = Tokenizer.from_str(trained_json)
     if counted["docs"] == 0:  # e.g. a wrong text_field: a bytes-only tokenizer is no result
         first = f" (first: {rejected[0].location}: {rejected[0].reason})" if rejected else ""
         raise ValueError(

@@ -13,22 +13,27 @@ class WorkerDied(RuntimeError):
 
 
 def process_map(
-    fn: Callable, tasks: Iterable, workers: int, initializer: Callable | None = None, initargs: tuple = ()
+    fn: Callable,
+    tasks: Iterable,
+    workers: int,
+    initializer: Callable | None = None,
+    initargs: tuple = (),
+    spawn: bool = False,
 ) -> Iterator:
     """Yield `fn(task)` for every task, in completion order, from `workers` spawned processes (in this
-    process when workers <= 1).
+    process when workers <= 1, unless `spawn`).
 
     A worker that dies mid-task is a WorkerDied error at once (multiprocessing.Pool would wait
     for that task forever). When the caller stops early (a task's exception, Ctrl-C, leaving the
     loop) the workers are stopped too, so none outlives the job.
     """
-    if workers <= 1:
+    if workers <= 1 and not spawn:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, tasks)
         return
     executor = ProcessPoolExecutor(
-        workers, mp_context=mp.get_context("spawn"), initializer=initializer, initargs=initargs
+        max(workers, 1), mp_context=mp.get_context("spawn"), initializer=initializer, initargs=initargs
     )
     try:
         futures = [executor.submit(fn, task) for task in tasks]
@@ -61,3 +66,10 @@ def _stop(executor: ProcessPoolExecutor) -> None:
         manager.join(timeout=30)
     for process in processes:
         process.join(timeout=10)
+
+
+def call_in_child(fn: Callable, arg):
+    """`fn(arg)` in one spawned process, for native code that holds the main thread and never lets
+    Python see a signal (HF tokenizers' training swallows Ctrl-C until it ends): this process waits
+    in Python, so Ctrl-C and SIGTERM reach it, and it ends the child."""
+    return next(process_map(fn, [arg], 1, spawn=True))
