@@ -297,7 +297,7 @@ def test_validation_pass_covers_every_token_once(dataset):
         predicted += int(batch["loss_mask"].sum())
         weight += float(batch["byte_weights"].sum())
     data = source.data
-    assert predicted == int(data.doc_len.sum()) + data.num_docs  # each doc's tokens + EOS, nothing else
+    assert predicted == data.num_tokens + data.num_docs  # each doc's tokens + EOS, nothing else
     assert weight == pytest.approx(data.num_bytes, rel=1e-5)  # bits-per-byte denominators add up
 
 
@@ -310,3 +310,91 @@ def test_bad_inputs_fail_fast(tmp_path, tok_dir):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ShardError, match="no manifest"):
         TokenDataset(tmp_path / "empty")
+
+
+def test_stored_epochs_give_the_same_rows_and_are_built_once(dataset, tmp_path, monkeypatch):
+    """With index_dir, shuffled epochs are built by one process, stored, and memory-mapped by the
+    others (ranks, loader workers); the rows are those of the in-memory path."""
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5)
+    reference = collect(build_loader(config, global_batch=4), 60)  # several epochs, in memory
+    epochs = 60 * 4 // source_epochs(config) + 1
+    assert epochs >= 3
+    config.num_workers = 2
+    stored = collect(build_loader(config, global_batch=4, index_dir=tmp_path / "index"), 60)
+    for a, b in zip(stored, reference):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    (folder,) = (tmp_path / "index").iterdir()
+    kept = sorted(p.name for p in folder.glob("*.npy"))
+    assert kept == [f"epoch-{e:06d}.{part}.npy" for e in (epochs - 2, epochs - 1) for part in ("ends", "order")]
+
+    # Another process (a rank, a resume) maps the stored epochs and builds nothing.
+    monkeypatch.setattr(PackedSource, "_build_epoch", lambda self, epoch: pytest.fail(f"rebuilt epoch {epoch}"))
+    loader = build_loader(config, global_batch=4, index_dir=tmp_path / "index")
+    loader.load_state_dict({**loader.state_dict(), "rows_consumed": 50 * 4, "counts": [50 * 4]})
+    for a, b in zip(collect(loader, 10), reference[50:]):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+    monkeypatch.undo()
+
+    # A stored epoch that is not this dataset's (damaged, or a stale file) is rebuilt, not trusted.
+    np.save(folder / f"epoch-{epochs - 1:06d}.order.npy", np.arange(3))
+    loader = build_loader(config, global_batch=4, index_dir=tmp_path / "index")
+    loader.load_state_dict({**loader.state_dict(), "rows_consumed": 55 * 4, "counts": [55 * 4]})
+    for a, b in zip(collect(loader, 5), reference[55:]):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+def write_synthetic_tokens(folder, num_docs: int, shards: int = 2):
+    """A token folder of `num_docs` short documents (sparse token files): for memory tests."""
+    rng = np.random.default_rng(0)
+    entries = []
+    for s in range(shards):
+        (folder / "train").mkdir(parents=True, exist_ok=True)
+        lengths = rng.integers(1, 50, num_docs // shards)
+        index = np.stack([np.cumsum(lengths), lengths * 4], 1).astype(np.int64)
+        np.save(folder / f"train/{s:05d}.docs.npy", index)
+        with open(folder / f"train/{s:05d}.tokens", "wb") as f:
+            f.truncate(int(index[-1, 0]) * 2)
+        entries.append(
+            {
+                "tokens": f"train/{s:05d}.tokens",
+                "docs": f"train/{s:05d}.docs.npy",
+                "num_docs": len(index),
+                "num_tokens": int(index[-1, 0]),
+                "tokens_bytes": int(index[-1, 0]) * 2,
+                "docs_bytes": (folder / f"train/{s:05d}.docs.npy").stat().st_size,
+            }
+        )
+    tokenizer = {"hash": "synthetic", "vocab_size": 1000, "bos_id": 1, "eos_id": 2}
+    manifest = {"tokenizer": tokenizer, "dtype": "uint16", "splits": {"train": entries, "val": []}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path):
+    """Opening a dataset held ~44 bytes a document in every process (concatenated per-document
+    tables), and each epoch 16 more per process and loader worker; at 10^9 documents, tens of GB
+    per rank. Now the index is memory-mapped and stored epochs are shared."""
+    import tracemalloc
+
+    write_synthetic_tokens(tmp_path / "tokens", num_docs=1_000_000)
+    config = DataConfig(sources=[SourceConfig(path=str(tmp_path / "tokens"))], seq_len=64, seed=1)
+    build_loader(config, global_batch=8, index_dir=tmp_path / "index")._specs()  # warm imports
+    tracemalloc.start()
+    try:
+        data = TokenDataset(tmp_path / "tokens")
+        held_open = tracemalloc.get_traced_memory()[0]
+        loader = build_loader(config, global_batch=8, index_dir=tmp_path / "index")
+        batches = collect(loader, 3)  # builds epoch 0 (transient memory), then maps it
+        held_loader = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert data.num_docs == 1_000_000 and len(batches) == 3
+    assert held_open < 1_000_000, held_open  # bytes: about one byte a document is too much
+    assert held_loader < 2_000_000, held_loader
+    # Lookups agree with the index files.
+    index = np.load(tmp_path / "tokens" / "train" / "00001.docs.npy")
+    docs = np.array([500_000, 500_001, 999_999])
+    assert data.doc_len(docs).tolist() == [index[0, 0], index[1, 0] - index[0, 0], index[-1, 0] - index[-2, 0]]
+    assert data.doc_bytes(docs).tolist() == index[[0, 1, -1], 1].tolist()
+    assert data.all_doc_lens().sum() == data.num_tokens

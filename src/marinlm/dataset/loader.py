@@ -15,6 +15,10 @@ BOS) is masked (-100) unless `cross_document_loss` is set.
 (row goes to the source maximising weight / (rows_so_far + 0.5)): the counts track the weights
 within one row at every prefix and never go backwards.
 
+**Memory.** Token files and document indexes are memory-mapped (shards.TokenDataset), and in
+training each shuffled epoch's order is stored once under `index_dir` and mapped by every rank
+and worker (PackedSource): a process's own memory does not grow with the number of documents.
+
 **State.** The state is the number of global rows consumed and the per-source counts. A data-
 parallel rank takes its contiguous slice of each global batch. Because batches are computed
 from that state alone, a restore yields exactly the batches an uninterrupted run would have,
@@ -23,15 +27,18 @@ with any number of worker processes, and even with a different world size.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from marinlm.config import check
 from marinlm.dataset.shards import ShardError, TokenDataset
+from marinlm.utils.io import atomic_path, exclusive, sha256_bytes
 
 IGNORE_INDEX = -100
 
@@ -55,6 +62,9 @@ class DataConfig:
     seed: int = 0
     num_workers: int = 0  # DataLoader worker processes building batches
     verify: str = "size"  # or "full": sha256 and id-range check of every shard at start-up
+    # Where training stores each shuffled epoch's document order, shared by the processes of a
+    # machine (16 bytes a document, two epochs); "" = RUN_DIR/data-index.
+    index_dir: str = ""
 
     def __post_init__(self):
         check(self.seq_len > 0, "seq_len", f"must be positive, got {self.seq_len}")
@@ -63,32 +73,100 @@ class DataConfig:
 
 
 class PackedSource:
-    """Rows of L+1 tokens from one token dataset, epoch after epoch."""
+    """Rows of L+1 tokens from one token dataset, epoch after epoch.
+
+    An epoch's document order and cumulative stream ends take 16 bytes a document. With `index_dir`
+    they are built once, by the first process to need them (the others wait on a file lock), saved
+    there as .npy files and memory-mapped: every rank and loader worker of a machine shares one copy
+    in the page cache instead of holding its own. The two newest epochs are kept. Without it (the
+    unshuffled validation split, tests) each process computes them in memory. Either way the rows
+    are the same.
+    """
 
     def __init__(
-        self, data: TokenDataset, seq_len: int, seed: int, add_bos=True, add_eos=True, shuffle=True, keep_partial=False
+        self,
+        data: TokenDataset,
+        seq_len: int,
+        seed: int,
+        add_bos=True,
+        add_eos=True,
+        shuffle=True,
+        keep_partial=False,
+        index_dir: str | Path | None = None,
     ):
         self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
         self.add_bos, self.add_eos = add_bos, add_eos
         self.extra = int(add_bos) + int(add_eos)
-        total = int(data.doc_len.sum()) + self.extra * data.num_docs
+        total = data.num_tokens + self.extra * data.num_docs
         rows = (total - 1) // seq_len if not keep_partial else -(-(total - 1) // seq_len)
         if rows <= 0:
             raise ValueError(
                 f"{data.folder} ({data.split}): {total} tokens are fewer than one row of seq_len+1 = {seq_len + 1}"
             )
         self.rows_per_epoch = rows
+        self.stream_tokens = total
+        self.index_dir = None if index_dir is None else Path(index_dir) / self._index_name()
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _index_name(self) -> str:
+        """A folder name for what an epoch's order depends on: the dataset (its manifest, which holds
+        every file's hash), the split, the seed and the BOS/EOS framing."""
+        key = {"manifest": self.data.manifest, "split": self.data.split, "seed": self.seed}
+        key |= {"extra": self.extra, "shuffle": self.shuffle}
+        digest = sha256_bytes(json.dumps(key, sort_keys=True).encode())[:16]
+        return f"{self.data.folder.name}-{self.data.split}-{digest}"
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Document order and cumulative stream ends of an epoch (the last two are cached)."""
         if epoch not in self._epochs:
-            n = self.data.num_docs
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            self._epochs[epoch] = (order, np.cumsum(self.data.doc_len[order] + self.extra))
+            self._epochs[epoch] = self._build_epoch(epoch) if self.index_dir is None else self._stored_epoch(epoch)
             while len(self._epochs) > 2:
                 self._epochs.pop(min(self._epochs))
         return self._epochs[epoch]
+
+    def _build_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.data.num_docs
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return order, np.cumsum(self.data.all_doc_lens()[order] + self.extra)
+
+    def _epoch_paths(self, epoch: int) -> tuple[Path, Path]:
+        assert self.index_dir is not None
+        return self.index_dir / f"epoch-{epoch:06d}.order.npy", self.index_dir / f"epoch-{epoch:06d}.ends.npy"
+
+    def _stored_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        assert self.index_dir is not None
+        stored = self._load_epoch(epoch)
+        if stored is None:
+            with exclusive(self.index_dir / f"epoch-{epoch:06d}.lock"):
+                stored = self._load_epoch(epoch)  # another process may have built it meanwhile
+                if stored is None:
+                    for path, array in zip(self._epoch_paths(epoch), self._build_epoch(epoch)):
+                        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                            np.save(f, array)
+                    self._prune(epoch)
+                    stored = self._load_epoch(epoch)
+        if stored is None:
+            raise OSError(f"{self.index_dir}: cannot read back the epoch {epoch} index just written")
+        return stored
+
+    def _load_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The stored epoch, memory-mapped; None if missing or not this dataset's (then it is rebuilt)."""
+        try:
+            order, ends = (np.load(path, mmap_mode="r") for path in self._epoch_paths(epoch))
+        except (OSError, ValueError):
+            return None
+        n = self.data.num_docs
+        if order.shape != (n,) or ends.shape != (n,) or int(ends[-1]) != self.stream_tokens:
+            return None
+        return order, ends
+
+    def _prune(self, epoch: int) -> None:
+        """Remove epochs before the previous one (a process still mapping one keeps its pages)."""
+        assert self.index_dir is not None
+        for path in self.index_dir.glob("epoch-*"):
+            number = path.name.split(".")[0].removeprefix("epoch-")
+            if number.isdigit() and int(number) < epoch - 1:
+                path.unlink(missing_ok=True)
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens [L+1] and global document index per position [L+1] (-1 for padding)."""
@@ -102,7 +180,7 @@ class PackedSource:
         pos = start
         while pos < stop and k < len(order):
             doc = int(order[k])
-            doc_start = int(ends[k]) - (int(self.data.doc_len[doc]) + self.extra)
+            doc_start = int(ends[k - 1]) if k else 0
             local = self._local_stream(doc)
             lo, hi = pos - doc_start, min(stop, int(ends[k])) - doc_start
             tokens[pos - start : pos - start + hi - lo] = local[lo:hi]
@@ -124,7 +202,7 @@ class PackedSource:
 
     def predicted_per_doc(self, docs: np.ndarray) -> np.ndarray:
         """How many of a document's tokens are ever predicted: all but its first stream token."""
-        return self.data.doc_len[docs] + self.extra - 1
+        return self.data.doc_len(docs) + self.extra - 1
 
 
 def build_batch(sources: list[PackedSource], rows: list[tuple[int, int]], cross_document_loss: bool) -> dict:
@@ -150,7 +228,7 @@ def build_batch(sources: list[PackedSource], rows: list[tuple[int, int]], cross_
         real = docs[1:] >= 0
         mask[b] = real if cross_document_loss else real & (docs[1:] == docs[:L])
         label_docs = np.where(mask[b], docs[1:], 0)
-        per_token = source.data.doc_bytes[label_docs] / np.maximum(source.predicted_per_doc(label_docs), 1)
+        per_token = source.data.doc_bytes(label_docs) / np.maximum(source.predicted_per_doc(label_docs), 1)
         byte_weights[b] = np.where(mask[b], per_token, 0.0)
     labels[~mask] = IGNORE_INDEX
     return {
@@ -310,8 +388,13 @@ def open_dataset(
 
 
 def open_sources(
-    config: DataConfig, split: str = "train", tokenizer_hash: str | None = None, model_vocab_size: int | None = None
+    config: DataConfig,
+    split: str = "train",
+    tokenizer_hash: str | None = None,
+    model_vocab_size: int | None = None,
+    index_dir: str | Path | None = None,
 ) -> list[PackedSource]:
+    """The packed sources of a split; `index_dir` stores the shuffled epochs (see PackedSource)."""
     if not config.sources:
         raise ValueError("data.sources: give at least one tokenized dataset")
     sources = []
@@ -326,6 +409,7 @@ def open_sources(
                 config.add_eos,
                 shuffle=split == "train",
                 keep_partial=split != "train",
+                index_dir=index_dir if split == "train" else None,
             )
         )
     return sources
@@ -338,8 +422,12 @@ def build_loader(
     world_size: int = 1,
     tokenizer_hash: str | None = None,
     model_vocab_size: int | None = None,
+    index_dir: str | Path | None = None,
 ) -> TokenLoader:
-    sources = open_sources(config, "train", tokenizer_hash, model_vocab_size)
+    """The training loader of one rank; `index_dir` (else `config.index_dir`, else in memory) stores
+    the shuffled epochs."""
+    index_dir = index_dir or config.index_dir or None
+    sources = open_sources(config, "train", tokenizer_hash, model_vocab_size, index_dir)
     return TokenLoader(
         sources,
         [s.weight for s in config.sources],

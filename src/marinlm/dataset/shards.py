@@ -38,24 +38,39 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 @dataclass
 class Shard:
-    tokens: np.ndarray  # memmap
-    doc_ends: np.ndarray  # [D] int64
-    doc_bytes: np.ndarray  # [D] int64
+    tokens: np.ndarray  # memmap [tokens]
+    index: np.ndarray  # memmap int64 [D, 2]: (end offset in tokens, UTF-8 bytes)
     path: Path
 
     @property
     def num_docs(self) -> int:
-        return len(self.doc_ends)
+        return len(self.index)
+
+    @property
+    def doc_ends(self) -> np.ndarray:
+        return self.index[:, 0]
+
+    @property
+    def doc_bytes(self) -> np.ndarray:
+        return self.index[:, 1]
+
+
+_CHUNK = 1 << 22  # documents per read when a whole index is scanned: bounded memory at any size
 
 
 class TokenDataset:
     """One split of a tokenized dataset, validated on open.
 
+    Tokens and document indexes stay memory-mapped: a process holds O(shards) of its own memory
+    whatever the number of documents, and the pages are shared by every rank and loader worker on
+    a machine. Per-document lengths and byte counts are looked up by global document number.
+
     Args:
         folder: the dataset folder (with manifest.json).
         split: "train" or "val".
-        verify: "size" checks every file's length against the manifest (cheap, always on);
-            "full" also recomputes sha256 and checks every id is below the vocabulary size.
+        verify: "size" checks every file's length against the manifest and that each document
+            index is consistent (cheap, always on); "full" also recomputes sha256 and checks every
+            id is below the vocabulary size.
         tokenizer_hash: when given, must equal the hash recorded at tokenization.
         model_vocab_size: when given, must be at least the tokenizer's vocabulary.
     """
@@ -100,12 +115,8 @@ class TokenDataset:
         self.num_tokens = sum(int(s.doc_ends[-1]) for s in self.shards)
         if self.num_docs == 0:
             raise EmptySplitError(f"{self.folder}: split {split!r} has no documents")
-        # Flat per-document table across shards.
-        self.doc_shard = np.concatenate([np.full(s.num_docs, i, dtype=np.int32) for i, s in enumerate(self.shards)])
-        starts = [np.concatenate([[0], s.doc_ends[:-1]]) for s in self.shards]
-        self.doc_start = np.concatenate(starts).astype(np.int64)
-        self.doc_len = np.concatenate([s.doc_ends for s in self.shards]) - self.doc_start
-        self.doc_bytes = np.concatenate([s.doc_bytes for s in self.shards])
+        # Global document d lives in shard i where first_doc[i] <= d < first_doc[i + 1].
+        self.first_doc = np.cumsum([0] + [s.num_docs for s in self.shards], dtype=np.int64)
 
     def _open(self, entry: dict, verify: str) -> Shard:
         tokens_path = self.folder / entry["tokens"]
@@ -121,26 +132,83 @@ class TokenDataset:
             if verify == "full" and sha256_file(path) != entry[f"{key}_sha256"]:
                 raise ShardError(f"{path}: sha256 differs from the manifest: corrupt")
         try:
-            docs = np.load(docs_path)
+            index = np.load(docs_path, mmap_mode="r")
         except Exception as e:
             raise ShardError(f"{docs_path}: unreadable document index: {e}") from None
-        if docs.ndim != 2 or docs.shape != (entry["num_docs"], 2):
-            raise ShardError(f"{docs_path}: index shape {docs.shape}, expected ({entry['num_docs']}, 2)")
-        ends = docs[:, 0]
-        if len(ends) and (ends[-1] != entry["num_tokens"] or np.any(np.diff(ends) < 0) or ends[0] < 0):
-            raise ShardError(f"{docs_path}: document offsets are inconsistent with {entry['num_tokens']} tokens")
-        if len(docs) and docs[:, 1].min() < 0:
-            raise ShardError(f"{docs_path}: negative byte count for document {int(np.argmin(docs[:, 1]))}")
+        if index.ndim != 2 or index.shape != (entry["num_docs"], 2) or index.dtype != np.int64:
+            raise ShardError(
+                f"{docs_path}: index {index.dtype} {index.shape}, expected int64 ({entry['num_docs']}, 2)"
+            )
+        _check_index(index, entry["num_tokens"], docs_path)
         tokens = np.memmap(tokens_path, dtype=self.dtype, mode="r") if entry["num_tokens"] else np.zeros(0, self.dtype)
         if verify == "full" and len(tokens) and int(tokens.max()) >= self.vocab_size:
             raise ShardError(f"{tokens_path}: token id {int(tokens.max())} >= vocab size {self.vocab_size}")
-        return Shard(tokens, ends.astype(np.int64), docs[:, 1].astype(np.int64), tokens_path)
+        return Shard(tokens, index, tokens_path)
+
+    def _locate(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shard = np.searchsorted(self.first_doc, docs, side="right") - 1
+        return shard, docs - self.first_doc[shard]
+
+    def _lookup(self, docs, column: str) -> np.ndarray:
+        """Per-document `len` or `bytes` of global document numbers (any shape, int64)."""
+        docs = np.asarray(docs, dtype=np.int64)
+        unique, inverse = np.unique(docs, return_inverse=True)  # few distinct documents in a batch
+        shard, local = self._locate(unique)
+        out = np.empty(len(unique), dtype=np.int64)
+        for i in np.unique(shard):
+            here = shard == i
+            index, rows = self.shards[i].index, local[here]
+            if column == "bytes":
+                out[here] = index[rows, 1]
+            else:
+                ends = index[rows, 0]
+                out[here] = ends - np.where(rows > 0, index[np.maximum(rows - 1, 0), 0], 0)
+        return out[inverse].reshape(docs.shape)
+
+    def doc_len(self, docs) -> np.ndarray:
+        """Tokens of each given document (stored without BOS/EOS)."""
+        return self._lookup(docs, "len")
+
+    def doc_bytes(self, docs) -> np.ndarray:
+        """UTF-8 bytes of each given document's text."""
+        return self._lookup(docs, "bytes")
+
+    def all_doc_lens(self) -> np.ndarray:
+        """Every document's length in global order: [num_docs] int64, built on each call (8 bytes a
+        document; for building a shuffled epoch)."""
+        out = np.empty(self.num_docs, dtype=np.int64)
+        for shard, first in zip(self.shards, self.first_doc):
+            ends = shard.doc_ends
+            out[first] = ends[0]
+            out[first + 1 : first + len(ends)] = np.diff(ends)
+        return out
 
     def document(self, index: int) -> np.ndarray:
-        shard = self.shards[self.doc_shard[index]]
-        start = self.doc_start[index]
-        return shard.tokens[start : start + self.doc_len[index]]
+        i = int(np.searchsorted(self.first_doc, index, side="right")) - 1
+        shard, local = self.shards[i], index - int(self.first_doc[i])
+        start = int(shard.index[local - 1, 0]) if local else 0
+        return shard.tokens[start : int(shard.index[local, 0])]
 
     @property
     def num_bytes(self) -> int:
-        return int(self.doc_bytes.sum())
+        return sum(_chunked_sum(s.doc_bytes) for s in self.shards)
+
+
+def _chunked_sum(column: np.ndarray) -> int:
+    return sum(int(column[i : i + _CHUNK].sum()) for i in range(0, len(column), _CHUNK))
+
+
+def _check_index(index: np.ndarray, num_tokens: int, path: Path) -> None:
+    """Offsets start >= 0, never decrease and end at the manifest's token count; byte counts >= 0.
+    Read in chunks: memory stays bounded however many documents the shard has."""
+    if not len(index):
+        return
+    if int(index[-1, 0]) != num_tokens or int(index[0, 0]) < 0:
+        raise ShardError(f"{path}: document offsets are inconsistent with {num_tokens} tokens")
+    for lo in range(0, len(index), _CHUNK):
+        chunk = np.asarray(index[max(lo - 1, 0) : lo + _CHUNK])
+        if np.any(np.diff(chunk[:, 0]) < 0):
+            raise ShardError(f"{path}: document offsets are inconsistent with {num_tokens} tokens")
+        if chunk[:, 1].min() < 0:
+            first = max(lo - 1, 0) + int(np.argmin(chunk[:, 1]))
+            raise ShardError(f"{path}: negative byte count for document {first}")

@@ -93,7 +93,13 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
         # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
         self.loader = build_loader(
-            c.data, micro * self.world, self.info.rank, self.world, self.tokenizer_hash, c.model.vocab_size
+            c.data,
+            micro * self.world,
+            self.info.rank,
+            self.world,
+            self.tokenizer_hash,
+            c.model.vocab_size,
+            index_dir=c.data.index_dir or self.run_dir / "data-index",
         )
         self.val_source = self._val_source()
         self.epochs_planned = self._epochs_planned()

@@ -139,6 +139,19 @@ def folder_lock(folder: str | Path):
         unlock_folder(folder)
 
 
+@contextlib.contextmanager
+def exclusive(path: str | Path):
+    """Hold an exclusive flock on the file `path` (created if missing), waiting while another process
+    holds it. On a filesystem without flock it goes on unguarded: callers write through atomic_path,
+    so two processes doing the same work leave whole files either way."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 class OutputInUseError(ValueError):
     """An output folder belongs to another job: one with other settings or inputs, or one that is
     writing it now. The message names the folder and the difference or the holder."""
