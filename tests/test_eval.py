@@ -70,6 +70,55 @@ def test_progress_bars_count_requests_and_windows_without_changing_scores(loaded
     assert "bpb: 100%" in err and f"{windows + 1}/{windows + 1}" in err and "window/s" in err
 
 
+def test_scoring_is_dealt_across_ranks_with_the_same_forwards_on_each(loaded, monkeypatch):
+    """Under torchrun every rank used to score every request (and validation row): the time of one
+    process. Two ranks are simulated here: each scores a disjoint share, both run the same number of
+    forwards (a sharded model needs all ranks in each), and the gathered scores are the whole."""
+    import marinlm.eval.lm as lm
+
+    # Odd numbers of batches (7 and 3 here), so one rank runs out first; one-token continuations too.
+    requests = REQUESTS * 3 + [Request(f"Number {i}:", " one") for i in range(5)]
+    texts = [" ".join(SAMPLE_TEXTS * 2), "short", " ".join(SAMPLE_TEXTS[:3]), "a b"]
+    single = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3)
+    want_ll, want_rolling = single.loglikelihood(requests), single.loglikelihood_rolling(texts)
+
+    shares, forwards = {}, {}
+    sizes = [len(requests), sum(math.ceil(len(loaded.tokenizer.encode(t)) / 64) for t in texts)]
+
+    def gather_alone(obj, rank):  # a gather that keeps this rank's share; the rest filled with zeros
+        mine = shares.setdefault(rank, [])
+        mine.append(obj)
+        return [obj, {i: 0.0 for i in range(sizes[len(mine) - 1]) if i not in obj}]
+
+    for rank in (0, 1):
+        count: list[int] = []
+        monkeypatch.setattr(lm, "rank_and_world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(lm, "all_gather_object", lambda obj, rank=rank: gather_alone(obj, rank))
+        handle = loaded.model.register_forward_pre_hook(lambda module, args, count=count: count.append(1))
+        try:
+            scorer = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3)
+            scorer.loglikelihood(requests)
+            scorer.loglikelihood_rolling(texts)
+        finally:
+            handle.remove()
+        forwards[rank] = len(count)
+    assert forwards[0] == forwards[1] > 0
+    (ll0, windows0), (ll1, windows1) = shares[0], shares[1]
+    assert not set(ll0) & set(ll1) and set(ll0) | set(ll1) == set(range(len(requests)))
+    assert abs(len(ll0) - len(ll1)) < len(requests) // 2  # a share each, not all on one rank
+    assert not set(windows0) & set(windows1) and windows0 and windows1
+
+    # Rank 0, given rank 1's scores by the gather, returns the one-process results.
+    others = iter(shares[1])
+    monkeypatch.setattr(lm, "rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(lm, "all_gather_object", lambda obj: [obj, next(others)])
+    scorer = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3)
+    for (ll, greedy), (want, want_greedy) in zip(scorer.loglikelihood(requests), want_ll, strict=True):
+        assert ll == pytest.approx(want, abs=1e-5) and greedy == want_greedy
+    for (total, n), (want, want_n) in zip(scorer.loglikelihood_rolling(texts), want_rolling, strict=True):
+        assert total == pytest.approx(want, rel=1e-6) and n == want_n
+
+
 @pytest.mark.parametrize(
     "field, value", [("tasks", []), ("limit", 0), ("limit", -3), ("batch_size", 0), ("num_fewshot", -1)]
 )

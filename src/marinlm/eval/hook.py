@@ -22,10 +22,9 @@ class _Live:
 def make_eval_hook(trainer, config):
     """Every N steps: score the tasks and log `eval/<task>/<metric>` (rank 0).
 
-    Under torchrun every rank scores the same items in the same batches: each forward of an FSDP
-    model gathers its weights from all ranks, so all take part in every one. The scores are the
-    same on every rank (the built-in tasks compare log-likelihoods; none samples), and the time is
-    that of one process. For large evaluations, score a checkpoint with `marinlm eval`.
+    Under torchrun the scoring batches (and validation rows) are dealt across the ranks and the
+    scores gathered (eval/lm.py): each rank does its share, and every forward of the FSDP model has
+    every rank in it. The scores equal those of `marinlm eval` on one process.
     """
     options = EvalOptions(tasks=list(config.tasks), data_dir=config.data_dir, limit=config.limit)
     # Read and check the task files now: a missing or malformed one must stop the run before its

@@ -14,6 +14,10 @@ context once (prefill with the KV cache), then scores all of that context's cont
 cached state; multiple-choice tasks share one context across their choices. In eval mode the MoE is
 dropless, so a request's score does not depend on what it is batched with.
 
+Under torchrun (a process group exists) the batches are dealt across ranks and the scores gathered,
+so every rank returns all of them. A sharded (FSDP) model needs every rank in each forward: all
+ranks run the same number of forwards, a rank out of batches re-scoring one and dropping the result.
+
 With `progress=True` each call shows a bar (requests or windows scored, rate, ETA) on stderr.
 """
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
+from marinlm.parallel.distributed import all_gather_object, rank_and_world
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.utils.progress import progress_bar
 
@@ -51,6 +56,7 @@ class Scorer:
         self.batch_size, self.share_context = batch_size, share_context
         self.progress = progress
         self.device = next(model.parameters()).device
+        self.rank, self.world = rank_and_world()
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         spaces = len(context) - len(context.rstrip())
@@ -75,21 +81,35 @@ class Scorer:
         for i, (ctx, _) in enumerate(encoded):
             groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        batch: list[tuple[int, ...]] = []
+        batches: list[list[tuple[int, ...]]] = [[]]
         rows = 0
-        with progress_bar(total=len(requests), desc=desc, unit="req", disable=not self.progress) as bar:
-            for key in order:
-                if batch and rows + len(groups[key]) > self.batch_size:
-                    self._score_batch(batch, groups, encoded, results)
-                    bar.update(rows)
-                    batch, rows = [], 0
-                batch.append(key)
-                rows += len(groups[key])
-            if batch:
-                self._score_batch(batch, groups, encoded, results)
-                bar.update(rows)
-        return results  # type: ignore[return-value]
+        for key in order:
+            if batches[-1] and rows + len(groups[key]) > self.batch_size:
+                batches.append([])
+                rows = 0
+            batches[-1].append(key)
+            rows += len(groups[key])
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        mine = batches[self.rank :: self.world]
+        total = sum(len(groups[k]) for batch in mine for k in batch)
+        with progress_bar(total=total, desc=desc, unit="req", disable=not self.progress) as bar:
+            for i in range(-(-len(batches) // self.world)):
+                if i < len(mine):
+                    self._score_batch(mine[i], groups, encoded, results)
+                    bar.update(sum(len(groups[k]) for k in mine[i]))
+                else:  # the other ranks run one more batch: take part, drop the scores
+                    self._score_batch(batches[0], groups, encoded, [None] * len(requests))
+        return self._gathered(results)
+
+    def _gathered(self, results: list) -> list:
+        """Every rank's scores merged (each rank filled its own slots); as is on one process."""
+        if self.world == 1:
+            return results
+        merged = list(results)
+        for part in all_gather_object({i: r for i, r in enumerate(results) if r is not None}):
+            for i, r in part.items():
+                merged[i] = r
+        return merged
 
     def _score_batch(self, keys, groups, encoded, results) -> None:
         contexts = [encoded[groups[k][0]][0] for k in keys]
@@ -113,14 +133,18 @@ class Scorer:
         for r, cont in enumerate(conts):
             cont_ids[r, : len(cont)] = torch.tensor(cont)
         logp_rows = [last_logp[rows]]
-        if Lt > 1:  # tokens after the first are predicted from the continuation itself
+        # Tokens after the first are predicted from the continuation itself. Under torchrun this
+        # forward runs even for one-token continuations, so that every rank runs the same forwards.
+        if Lt > 1 or self.world > 1:
+            width = max(Lt - 1, 1)
             row_caches = [c.select(rows) for c in caches]
             start = torch.tensor([len(contexts[g]) for g, _ in members]).unsqueeze(1)
-            pos = (start + torch.arange(Lt - 1)).to(self.device)
+            pos = (start + torch.arange(width)).to(self.device)
             out = self.model(
-                cont_ids[:, :-1].to(self.device), caches=row_caches, doc_ids=torch.ones_like(pos), positions=pos
+                cont_ids[:, :width].to(self.device), caches=row_caches, doc_ids=torch.ones_like(pos), positions=pos
             )
-            logp_rows.append(torch.log_softmax(out.logits.float(), dim=-1))
+            if Lt > 1:
+                logp_rows.append(torch.log_softmax(out.logits.float(), dim=-1))
         logp = torch.cat([logp_rows[0].unsqueeze(1), *logp_rows[1:]], dim=1) if Lt > 1 else logp_rows[0].unsqueeze(1)
         for r, (_, i) in enumerate(members):
             n = len(conts[r])
@@ -133,36 +157,42 @@ class Scorer:
     def loglikelihood_rolling(self, texts: list[str], desc: str = "rolling") -> list[tuple[float, int]]:
         """(total log-likelihood, number of predicted tokens) per text."""
         L = self.max_length
-        per_text = []
-        for text in texts:
+        lengths, windows = [], []  # windows: (text number, inputs, targets), in text order
+        for t, text in enumerate(texts):
             ids = self.tok.encode(text)
             stream = [self.tok.bos_id, *ids]
-            windows = []
             for start in range(0, len(ids), L):
                 end = min(len(ids), start + L)
-                inp = stream[max(0, end - L) : end]  # inputs; the last (end - start) predict ids[start:end]
-                windows.append((inp, ids[start:end]))
-            per_text.append((ids, windows))
-        total_windows = sum(len(windows) for _, windows in per_text)
-        bar = progress_bar(total=total_windows, desc=desc, unit="window", disable=not self.progress)
-        out = []
+                # inputs; the last (end - start) of them predict ids[start:end]
+                windows.append((t, stream[max(0, end - L) : end], ids[start:end]))
+            lengths.append(len(ids))
+        chunks = [
+            list(range(b, min(b + self.batch_size, len(windows)))) for b in range(0, len(windows), self.batch_size)
+        ]
+        mine = chunks[self.rank :: self.world]
+        scores: list[float | None] = [None] * len(windows)
+        bar = progress_bar(total=sum(map(len, mine)), desc=desc, unit="window", disable=not self.progress)
         with bar:
-            for ids, windows in per_text:
-                total = 0.0
-                for b in range(0, len(windows), self.batch_size):
-                    chunk = windows[b : b + self.batch_size]
-                    width = max(len(inp) for inp, _ in chunk)
-                    batch = torch.full((len(chunk), width), self.tok.pad_id, dtype=torch.long)
-                    for r, (inp, _) in enumerate(chunk):
-                        batch[r, : len(inp)] = torch.tensor(inp)
-                    logp = torch.log_softmax(self.model(batch.to(self.device)).logits.float(), dim=-1)
-                    for r, (inp, targets) in enumerate(chunk):
-                        n = len(targets)
-                        rows = logp[r, len(inp) - n : len(inp)]
-                        total += float(rows.gather(-1, torch.tensor(targets, device=self.device).unsqueeze(-1)).sum())
-                    bar.update(len(chunk))
-                out.append((total, len(ids)))
-        return out
+            for i in range(-(-len(chunks) // self.world)):
+                chunk = mine[i] if i < len(mine) else chunks[0]  # past our share: take part, drop (see loglikelihood)
+                width = max(len(windows[w][1]) for w in chunk)
+                batch = torch.full((len(chunk), width), self.tok.pad_id, dtype=torch.long)
+                for r, w in enumerate(chunk):
+                    batch[r, : len(windows[w][1])] = torch.tensor(windows[w][1])
+                logp = torch.log_softmax(self.model(batch.to(self.device)).logits.float(), dim=-1)
+                if i >= len(mine):
+                    continue
+                for r, w in enumerate(chunk):
+                    _, inp, targets = windows[w]
+                    rows = logp[r, len(inp) - len(targets) : len(inp)]
+                    target = torch.tensor(targets, device=self.device).unsqueeze(-1)
+                    scores[w] = float(rows.gather(-1, target).sum())
+                bar.update(len(chunk))
+        scores = self._gathered(scores)
+        totals = [0.0] * len(texts)
+        for (t, _, _), score in zip(windows, scores):
+            totals[t] += score
+        return list(zip(totals, lengths))
 
     @torch.no_grad()
     def generate_until(self, context: str, until: list[str], max_tokens: int = 64) -> str:

@@ -197,10 +197,13 @@ def _val_metrics(loaded, val_source, batch_size: int) -> dict:
     from marinlm.dataset.loader import validation_batches
     from marinlm.train.step import validate
 
+    from marinlm.parallel.distributed import rank_and_world
+
     device = next(loaded.model.parameters()).device
+    rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate() sums them
     metrics = validate(
         loaded.model,
-        validation_batches(val_source, batch_size),
+        validation_batches(val_source, batch_size, rank=rank, world_size=world),
         device=device,
         precision="fp32" if device.type == "cpu" else "bf16",
     )

@@ -57,6 +57,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size; (0, 1) without a process group."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce when a process group exists; identity otherwise."""
     if dist.is_initialized() and dist.get_world_size() > 1:
