@@ -419,6 +419,23 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     assert [r["step"] for r in logged] == [2]
     options = EvalOptions(tasks=tasks, data_dir=str(tmp_path / "tasks"), limit=5)
     offline = run_eval(load_model(tmp_path / "run"), options)["results"]
+    # `marinlm eval` under torchrun: the checkpoint loaded sharded (FSDP2), the items dealt over ranks.
+    evaluate = ["eval", str(tmp_path / "run"), "--tasks", *tasks, "--limit", "5", "--data-dir", str(tmp_path / "tasks")]
+    out = subprocess.run(
+        [*cmd, "-m", "marinlm.cli", *evaluate, "--output", str(tmp_path / "sharded.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("results:") == 1  # rank 0 reports
+    sharded = json.loads((tmp_path / "sharded.json").read_text())
+    assert sharded["config"]["processes"] == 2
+    for task, metrics in offline.items():
+        for name, value in metrics.items():
+            if name != "seconds":
+                assert sharded["results"][task][name] == pytest.approx(value, rel=1e-5, nan_ok=True), (task, name)
     for task, metric in (("arc_easy", "acc"), ("arc_easy", "acc_norm"), ("piqa", "acc"), ("val", "loss")):
         assert logged[0][f"eval/{task}/{metric}"] == pytest.approx(offline[task][metric], rel=1e-5), (task, metric)
     assert isinstance(offline["val"]["tokens"], int) and "| val | tokens |" not in markdown_table(

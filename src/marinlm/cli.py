@@ -152,8 +152,10 @@ def _hf_source(spec: str) -> tuple[str, str]:
 
 def _eval(args, overrides) -> int:
     from marinlm.eval.runner import EvalOptions, markdown_table, run_eval
+    from marinlm.parallel.distributed import shutdown_distributed
     from marinlm.train.inference import load_model
 
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun: the ranks share the work, rank 0 reports
     options = EvalOptions(
         tasks=args.tasks,
         data_dir=args.data_dir,
@@ -162,18 +164,23 @@ def _eval(args, overrides) -> int:
         num_fewshot=args.num_fewshot,
         predictions=args.predictions,
         hf_datasets=dict(_hf_source(spec) for spec in args.hf),
-        progress=True,
+        progress=main_rank,
     )
-    loaded = load_model(args.run, device=args.device)
-    output = Path(args.output) if args.output else loaded.checkpoint / "eval.json"
-    if output.is_dir():  # like `cp FILE DIR/`
-        output = output / "eval.json"
-    # Results are written once, at the end: a folder that cannot be made must fail now, not after
-    # the scoring.
-    output.parent.mkdir(parents=True, exist_ok=True)
-    report = run_eval(loaded, options, output)
-    print(markdown_table(report))
-    print(f"results: {output}")
+    try:
+        loaded = load_model(args.run, device=args.device)
+        output = Path(args.output) if args.output else loaded.checkpoint / "eval.json"
+        if output.is_dir():  # like `cp FILE DIR/`
+            output = output / "eval.json"
+        # Results are written once, at the end: a folder that cannot be made must fail now, not after
+        # the scoring.
+        if main_rank:
+            output.parent.mkdir(parents=True, exist_ok=True)
+        report = run_eval(loaded, options, output if main_rank else None)
+    finally:
+        shutdown_distributed()
+    if main_rank:
+        print(markdown_table(report))
+        print(f"results: {output}")
     return 0
 
 

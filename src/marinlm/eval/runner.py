@@ -19,6 +19,7 @@ from pathlib import Path
 from marinlm.config import check
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, read_text, score, subset, task_registry
+from marinlm.parallel.distributed import rank_and_world
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 # Where task files are found without --data-dir: $MARINLM_EVAL_DATA, else ../shared/data/eval beside
@@ -170,6 +171,7 @@ def run_eval(
             "batch_size": options.batch_size,
             "data_dir": str(_data_dir(options)),
             "task_file_sha256": files,
+            "processes": rank_and_world()[1],  # under torchrun: the model sharded and the items dealt over them
             "seconds": round(time.perf_counter() - start, 2),
         },
     }
@@ -196,8 +198,6 @@ def _open_val(loaded):
 def _val_metrics(loaded, val_source, batch_size: int) -> dict:
     from marinlm.dataset.loader import validation_batches
     from marinlm.train.step import validate
-
-    from marinlm.parallel.distributed import rank_and_world
 
     device = next(loaded.model.parameters()).device
     rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate() sums them

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from marinlm.config import load_config
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
+from marinlm.parallel.distributed import init_distributed
+from marinlm.parallel.fsdp import apply_fsdp
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import CheckpointError, list_checkpoints, load_tensors, validate
 from marinlm.train.config import TrainConfig
-from marinlm.utils.device import resolve_device
 
 
 @dataclass
@@ -26,34 +28,43 @@ class LoadedModel:
     tokenizer_hash: str
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the newest valid one of a run folder."""
+def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
+    """A checkpoint folder as given, or the newest valid one of a run folder (under torchrun the
+    ranks share the hashing and agree on the folder)."""
     path = Path(path)
     if (path / "COMPLETE.json").exists() or path.name.startswith("step-"):
         return path
     candidates = list_checkpoints(path / "checkpoints")
     for folder in candidates:
         try:
-            validate(folder)
+            validate(folder, rank, world_size)
             return folder
         except CheckpointError as e:
-            print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
+            if rank == 0:
+                print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
     raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
 
 
 def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
-    """Build the model of a run on `device` and load the model tensors of its checkpoint."""
-    device = resolve_device(device)
-    folder = resolve_checkpoint(path)
-    validate(folder)
+    """Build the model of a run on `device` and load the model tensors of its checkpoint.
+
+    Under torchrun the model is sharded over all ranks with FSDP2 (built on meta, then each rank
+    loads its shards through DCP): a model too big for one device can be evaluated. Every rank
+    then takes part in each forward.
+    """
+    info = init_distributed(device)
+    folder = resolve_checkpoint(path, info.rank, info.world_size)
+    validate(folder, info.rank, info.world_size)
     config = load_config(TrainConfig, folder / "config.yaml")
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)
-    model.to_empty(device=device)
+    if info.mesh is not None:
+        apply_fsdp(model, info)
+    model.to_empty(device=info.device)
     model.init_weights(seed=0)  # every tensor is overwritten by the load below
-    state = {"model": model.state_dict()}
+    state = {"model": get_model_state_dict(model)}
     load_tensors(folder, state)  # its config.yaml must still describe its tensors
-    model.load_state_dict(state["model"])
+    set_model_state_dict(model, state["model"])
     model.eval()
     run_dir = folder.parent.parent
     tokenizer = MarinTokenizer.load(run_dir / "tokenizer")
