@@ -52,7 +52,7 @@ def _load(cls, path, overrides):
 def _tokenizer_train(args, overrides) -> int:
     from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
 
-    _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides))
+    _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides), in_child=True)
     print(
         f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
         f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}"

@@ -282,7 +282,8 @@ class _StrictLoader(yaml.SafeLoader):
             if key in seen:
                 line = key_node.start_mark.line + 1
                 raise yaml.constructor.ConstructorError(
-                    None, None,
+                    None,
+                    None,
                     f"key {key!r} given twice (first on line {seen[key]}, again on line {line})",
                     key_node.start_mark,
                 )

@@ -196,7 +196,8 @@ def run_quickstart(
         output_dir=str(root / "tokenizer"),
         vocab_size=train_config.model.vocab_size,
     )
-    tok, tok_report = train_tokenizer(tok_config, replace=True)  # deterministic: same data, same tokenizer
+    # Deterministic: same data, same tokenizer. In a child process, so that Ctrl-C stops it at once.
+    tok, tok_report = train_tokenizer(tok_config, replace=True, in_child=True)
     stages.append(
         Stage(
             "tokenizer",
@@ -256,9 +257,7 @@ def run_quickstart(
     start_val = trainer.validate()
     summary = trainer.fit()
     if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
-        raise StoppedBySignal(
-            summary["signal"], summary["steps"], "a rerun keeps the finished stages and trains over"
-        )
+        raise StoppedBySignal(summary["signal"], summary["steps"], "a rerun keeps the finished stages and trains over")
     stages.append(
         Stage(
             "training",

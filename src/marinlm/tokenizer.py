@@ -221,11 +221,18 @@ def _train_job(config: TokenizerTrainConfig) -> tuple[str, dict, list]:
     return trained.to_str(), counted, rejected
 
 
-def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tuple[MarinTokenizer, dict]:
+def train_tokenizer(
+    config: TokenizerTrainConfig, replace: bool = False, in_child: bool = False
+) -> tuple[MarinTokenizer, dict]:
     """Train and save a tokenizer; returns it and a small report (bytes, seconds, vocab).
 
     An output folder that already holds a tokenizer is refused before training: token shards made
     with it name it by hash and cannot be read without it. `replace` overwrites it instead.
+
+    `in_child` (the command line does it) trains in a spawned process: HF tokenizers holds the main
+    thread while it trains, so Ctrl-C would take effect only when training ends. It is off by
+    default because a spawned child re-imports the caller's script, which then needs an
+    `if __name__ == "__main__":` guard.
     """
     if not config.inputs:
         raise ValueError("inputs: give at least one file, folder or glob to train on")
@@ -236,9 +243,7 @@ def train_tokenizer(config: TokenizerTrainConfig, replace: bool = False) -> tupl
             "which token shards made with it need; give another output_dir, or remove it to train a new one"
         )
     start = time.perf_counter()
-    # In a child process: Ctrl-C (or a scheduler's SIGTERM) during training would otherwise be lost
-    # until training ends, however long that is, and the command would then finish as if asked to.
-    trained_json, counted, rejected = call_in_child(_train_job, config)
+    trained_json, counted, rejected = call_in_child(_train_job, config) if in_child else _train_job(config)
     trained = Tokenizer.from_str(trained_json)
     if counted["docs"] == 0:  # e.g. a wrong text_field: a bytes-only tokenizer is no result
         first = f" (first: {rejected[0].location}: {rejected[0].reason})" if rejected else ""

@@ -136,9 +136,7 @@ class TokenDataset:
         except Exception as e:
             raise ShardError(f"{docs_path}: unreadable document index: {e}") from None
         if index.ndim != 2 or index.shape != (entry["num_docs"], 2) or index.dtype != np.int64:
-            raise ShardError(
-                f"{docs_path}: index {index.dtype} {index.shape}, expected int64 ({entry['num_docs']}, 2)"
-            )
+            raise ShardError(f"{docs_path}: index {index.dtype} {index.shape}, expected int64 ({entry['num_docs']}, 2)")
         _check_index(index, entry["num_tokens"], docs_path)
         tokens = np.memmap(tokens_path, dtype=self.dtype, mode="r") if entry["num_tokens"] else np.zeros(0, self.dtype)
         if verify == "full" and len(tokens) and int(tokens.max()) >= self.vocab_size:
