@@ -179,7 +179,11 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
         resume="auto",
     )
     assert trainer.step == 4
-    assert "resuming step-00000004 with a changed setting: model.attention.qk_mult" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # Every change is named, the training loop's too (it used to be the first of model/optim/data only).
+    assert (
+        "resuming step-00000004 with changed settings: model.attention.qk_mult: 1.3 -> 2.0; train.steps: 4 -> 6" in out
+    )
 
 
 def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(token_data, tmp_path, capsys):

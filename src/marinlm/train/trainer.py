@@ -47,7 +47,7 @@ from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import first_difference, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
+from marinlm.utils.io import differences, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -206,17 +206,18 @@ class Trainer:
         self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
         return path
 
-    def _config_change(self, folder: Path) -> str | None:
-        """The first model, optimizer, data or schedule setting that differs from the checkpoint's
-        config.yaml (steps, logging and the like change freely)."""
+    def _config_changes(self, folder: Path) -> list[str]:
+        """The model, optimizer, data, schedule and training-loop settings that differ from the
+        checkpoint's config.yaml, model first (logging, checkpointing and the like change freely)."""
         try:
             saved = load_config(TrainConfig, folder / "config.yaml")
         except (ConfigError, OSError):
-            return None
-        for section in ("model", "optim", "data", "schedule"):
-            if change := first_difference(to_dict(getattr(saved, section)), to_dict(getattr(self.config, section))):
-                return f"{section}.{change}"
-        return None
+            return []
+        return [
+            f"{section}.{change}"
+            for section in ("model", "optim", "data", "schedule", "train")
+            for change in differences(to_dict(getattr(saved, section)), to_dict(getattr(self.config, section)))
+        ]
 
     def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
         """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
@@ -234,13 +235,14 @@ class Trainer:
             else:
                 loaded = (folder, self.checkpoints.load(folder, tensors))
         except CheckpointMismatch as e:
-            change = self._config_change(e.folder)
-            hint = f"; its config.yaml differs first at {change}" if change else ""
+            changes = self._config_changes(e.folder)
+            hint = f"; its config.yaml differs first at {changes[0]}" if changes else ""
             advice = "Resume with the run's own settings, or start a new run_dir"
             raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
         folder, state = loaded
-        if self.info.is_main and (change := self._config_change(folder)):
-            print(f"warning: resuming {folder.name} with a changed setting: {change}", flush=True)
+        if self.info.is_main and (changes := self._config_changes(folder)):
+            settings = "setting" if len(changes) == 1 else "settings"
+            print(f"warning: resuming {folder.name} with changed {settings}: {'; '.join(changes)}", flush=True)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.bad_steps = state["step"], state["bad_steps"]

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,22 +162,27 @@ def _shown(mapping: dict, key: Any) -> str:
     return repr(mapping[key]) if key in mapping else "absent"
 
 
-def first_difference(old: Any, new: Any, key: str = "") -> str | None:
-    """The dotted key of the first place `old` and `new` differ, with both values; None if equal."""
+def differences(old: Any, new: Any, key: str = "") -> Iterator[str]:
+    """Each place `old` and `new` differ, as its dotted key with both values, in key order."""
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new), key=str):
             sub = f"{key}.{k}" if key else str(k)
             if k not in old or k not in new:
-                return f"{sub}: {_shown(old, k)} -> {_shown(new, k)}"
-            if (found := first_difference(old[k], new[k], sub)) is not None:
-                return found
-        return None
-    if isinstance(old, list) and isinstance(new, list):
+                yield f"{sub}: {_shown(old, k)} -> {_shown(new, k)}"
+            else:
+                yield from differences(old[k], new[k], sub)
+    elif isinstance(old, list) and isinstance(new, list):
         for i, (a, b) in enumerate(zip(old, new)):
-            if (found := first_difference(a, b, f"{key}[{i}]")) is not None:
-                return found
-        return None if len(old) == len(new) else f"{key}: {len(old)} items -> {len(new)} items"
-    return None if old == new else f"{key}: {old!r} -> {new!r}"
+            yield from differences(a, b, f"{key}[{i}]")
+        if len(old) != len(new):
+            yield f"{key}: {len(old)} items -> {len(new)} items"
+    elif old != new:
+        yield f"{key}: {old!r} -> {new!r}"
+
+
+def first_difference(old: Any, new: Any, key: str = "") -> str | None:
+    """The dotted key of the first place `old` and `new` differ, with both values; None if equal."""
+    return next(differences(old, new, key), None)
 
 
 def _holds_no_output(folder: Path) -> bool:
