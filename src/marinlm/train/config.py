@@ -24,6 +24,9 @@ class LoopConfig:
     max_consecutive_bad_steps: int = 3  # NaN/Inf steps in a row before rolling back to a checkpoint
     device: str = "auto"
     init: str = "auto"  # full (every rank builds all weights, then shards), sharded (init on shards), auto
+    # Refuse at start a model whose weights, gradients and optimizer state alone cannot fit in a
+    # process's share of memory (it would otherwise allocate until the out-of-memory killer came).
+    memory_check: bool = True
 
     def __post_init__(self):
         check(self.steps > 0, "steps", f"must be positive, got {self.steps}")

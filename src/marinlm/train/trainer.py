@@ -47,9 +47,14 @@ from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
 from marinlm.train.step import StepResult, param_norm, train_step, validate
+from marinlm.utils.device import available_memory
 from marinlm.utils.io import differences, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
+
+# Bytes a parameter holds in training: fp32 weights and gradients, plus the optimizer's fp32 state
+# (AdamW: two moments; Marin: MuonH keeps one momentum for the matrices, which are nearly all).
+STATE_BYTES_PER_PARAM = {"adamw": 16, "marin": 12}
 
 
 class Trainer:
@@ -88,6 +93,9 @@ class Trainer:
         if first is None:
             raise ValueError("data.sources: give at least one tokenized dataset")
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
+        self.model_summary = summarize(c.model, c.data.seq_len)
+        if c.train.memory_check:
+            self._check_memory()
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
@@ -109,7 +117,6 @@ class Trainer:
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
         self.last_validation: dict[str, float] | None = None
-        self.model_summary = summarize(c.model, c.data.seq_len)
         self.flops_per_token = self.model_summary.flops_per_token
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
@@ -159,6 +166,24 @@ class Trainer:
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
         return model
+
+    def _check_memory(self) -> None:
+        """A lower bound on each process's memory (fp32 weights, gradients and optimizer state,
+        sharded over the processes; activations not counted) against what it has available."""
+        c = self.config
+        per_param = STATE_BYTES_PER_PARAM.get(c.optim.type_name, 16)
+        need = self.model_summary.total * per_param / self.world
+        where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
+        available = available_memory(where)
+        if need > available:
+            raise ConfigError(
+                "train.memory_check",
+                f"the model's {self.model_summary.total / 1e9:,.2f}B parameters need at least {need / 1e9:,.1f} GB "
+                f"per process for fp32 weights, gradients and {c.optim.type_name} state ({per_param} bytes each, over "
+                f"{self.world} process(es)), and {where.type} has {available / 1e9:,.1f} GB available per process. "
+                "Train a smaller model, shard it over more processes (torchrun), or set train.memory_check=false "
+                "to try anyway",
+            )
 
     def _val_source(self):
         """The validation split; None when the data has none (a corrupt one is an error, not None)."""

@@ -1,6 +1,9 @@
-"""Turn a device name from a config or the command line into a `torch.device`, or a clear error."""
+"""Turn a device name from a config or the command line into a `torch.device`, or a clear error;
+and how much memory a device has free."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,3 +29,13 @@ def resolve_device(name: str) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
     return device
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes one process may use on `device`: the GPU's free memory, or the host's available memory
+    shared by the processes torchrun started on this machine (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
