@@ -106,6 +106,19 @@ def test_tokenize_with_nothing_readable_is_an_error(tok_dir, tmp_path):
     ):
         tokenize(config, progress=False)
     assert len(json.loads((tmp_path / "t" / "manifest.json").read_text())["rejected"]) == 2  # kept for a look
+    assert len((tmp_path / "t" / "rejected.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_manifest_keeps_examples_of_rejected_records_and_rejected_jsonl_all(tok_dir, tmp_path):
+    """Every rejected record was listed in manifest.json, which every training rank reads."""
+    lines = ['{"id": "ok", "text": "a fine document"}'] + [f'{{"id": "{i}", "body": "x"}}' for i in range(150)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    config = TokenizeConfig(inputs=[str(tmp_path / "in.jsonl")], tokenizer=str(tok_dir), output_dir=str(tmp_path / "t"))
+    manifest = tokenize(config, progress=False)
+    saved = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["rejected_count"] == saved["rejected_count"] == 150 and len(saved["rejected"]) == 100
+    rejected = [json.loads(line) for line in (tmp_path / "t" / "rejected.jsonl").read_text().splitlines()]
+    assert len(rejected) == 150 and rejected[149]["location"].endswith("in.jsonl:151")
 
 
 def test_corruption_and_mismatch_are_reported_by_file(dataset, tmp_path):

@@ -71,7 +71,7 @@ def _tokenize(args, overrides) -> int:
     print(
         f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
         f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
-        f"{len(manifest['rejected'])} rejected inputs; {manifest['seconds']} s"
+        f"{manifest['rejected_count']:,} rejected input records; {manifest['seconds']} s"
     )
     return 0
 

@@ -23,6 +23,8 @@ from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_at
 from marinlm.utils.pool import process_map
 from marinlm.utils.progress import progress_bar
 
+REJECTED_IN_MANIFEST = 100  # examples of rejected input records kept in manifest.json
+
 
 @dataclass(kw_only=True)
 class TokenizeConfig:
@@ -223,6 +225,9 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
             bar.update(record["input"]["size"])
     finally:
         bar.close()
+    rejected = [r for k in sorted(records) for r in records[k]["rejected"]]
+    with atomic_path(out / "rejected.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected)
     manifest = {
         "format": "marinlm-tokens/1",
         "tokenizer": {
@@ -236,7 +241,10 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
         "seed": config.seed,
         "val_fraction": config.val_fraction,
         "sources": [records[k]["input"] for k in sorted(records)],
-        "rejected": [r for k in sorted(records) for r in records[k]["rejected"]],
+        # Every reader of the dataset (each training rank) loads the manifest: it keeps a count and
+        # the first examples; rejected.jsonl lists them all.
+        "rejected_count": len(rejected),
+        "rejected": rejected[:REJECTED_IN_MANIFEST],
         "splits": {s: [records[k]["splits"][s] for k in sorted(records)] for s in SPLITS},
     }
     for s in SPLITS:
@@ -245,10 +253,9 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     manifest["seconds"] = round(time.perf_counter() - start, 2)
     write_json_atomic(out / "manifest.json", manifest)
     if manifest["train_docs"] + manifest["val_docs"] == 0:
-        rejected = manifest["rejected"]
         first = f" (first: {rejected[0]['location']}: {rejected[0]['reason']})" if rejected else ""
         raise ValueError(
             f"{out}: no document was tokenized from {config.inputs}; {len(rejected)} record(s) rejected{first}; "
-            "all are listed in its manifest.json"
+            "all are listed in its rejected.jsonl"
         )
     return {**manifest, "inputs_tokenized": len(tasks)}  # this call's work; not in manifest.json
