@@ -7,6 +7,7 @@ Layout of a tokenized dataset folder:
     train/00000.docs.npy          int64 [num_docs, 2]: (end offset in tokens, UTF-8 bytes of the text)
     val/00000.tokens, ...         the held-out split, chosen per document by hash(seed, id)
     .done/00000.json              completion marker of input shard 0 (lets a rerun skip it)
+    rejected.jsonl                input records that could not be read: location and reason
 
 Documents are stored without BOS/EOS; the loader adds them when packing.
 """
