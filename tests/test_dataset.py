@@ -411,3 +411,30 @@ def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path):
     assert data.doc_len(docs).tolist() == [index[0, 0], index[1, 0] - index[0, 0], index[-1, 0] - index[-2, 0]]
     assert data.doc_bytes(docs).tolist() == index[[0, 1, -1], 1].tolist()
     assert data.all_doc_lens().sum() == data.num_tokens
+
+
+@pytest.mark.slow
+def test_tokenize_on_ray_writes_what_local_processes_write(dataset, tok_dir, tmp_path):
+    """Tokenization ran only on local processes: a corpus beyond one machine had no way through."""
+    pytest.importorskip("ray")
+    import ray
+
+    root, _, _ = dataset
+    config = TokenizeConfig(
+        inputs=[str(root / "corpus")],
+        tokenizer=str(tok_dir),
+        output_dir=str(tmp_path / "ray"),
+        val_fraction=0.1,
+        seed=3,
+        workers=2,
+        executor="ray",
+    )
+    try:
+        on_ray = tokenize(config, progress=False)
+    finally:
+        ray.shutdown()
+    local = json.loads((root / "tokens" / "manifest.json").read_text())  # the fixture's local run
+    for split in ("train", "val"):
+        files = [(e["tokens_sha256"], e["docs_sha256"]) for e in local["splits"][split]]
+        assert [(e["tokens_sha256"], e["docs_sha256"]) for e in on_ray["splits"][split]] == files
+    assert on_ray["rejected_count"] == local["rejected_count"] == 2

@@ -16,7 +16,6 @@ Everything dropped or rejected is written to a side output with its reason, and 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -37,7 +36,7 @@ from marinlm.data.pii import MaskPII, PIIConfig
 from marinlm.data.readers import Document, expand_inputs, read_documents
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
-from marinlm.utils.pool import process_map
+from marinlm.utils.pool import check_executor, process_map, ray_map
 from marinlm.utils.progress import progress_bar
 
 PARAGRAPH = re.compile(r"\n{2,}")
@@ -92,12 +91,7 @@ class PipelineConfig:
     progress: bool = True
 
     def __post_init__(self):
-        check(self.executor in ("local", "ray"), "executor", f"must be local or ray, got {self.executor!r}")
-        check(
-            self.executor != "ray" or importlib.util.find_spec("ray") is not None,
-            "executor",
-            "'ray' needs Ray installed: `pip install 'marinlm[ray]'`, or use 'local'",
-        )
+        check_executor(self.executor)
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         names = [s.name for s in self.sources]
@@ -354,27 +348,12 @@ def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of
         if not tasks:
             return results
         if config.executor == "ray":
-            import ray
-
-            if not ray.is_initialized():
-                ray.init(
-                    address=config.ray_address or None,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    num_cpus=None if config.ray_address else (config.workers or os.cpu_count()),
-                )
-            remote = ray.remote(fn)
-            pending = [remote.remote(t) for t in tasks]
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                result = ray.get(done[0])
-                results.append(result)
-                bar.update(unit_of(result))
+            outcomes = ray_map(fn, tasks, config.ray_address, config.workers or os.cpu_count())
         else:
-            workers = min(config.workers or os.cpu_count() or 1, len(tasks))
-            for result in process_map(fn, tasks, workers):
-                results.append(result)
-                bar.update(unit_of(result))
+            outcomes = process_map(fn, tasks, min(config.workers or os.cpu_count() or 1, len(tasks)))
+        for result in outcomes:
+            results.append(result)
+            bar.update(unit_of(result))
     finally:
         bar.close()
     return sorted(results, key=lambda r: r["shard"])

@@ -20,7 +20,7 @@ import numpy as np
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
-from marinlm.utils.pool import process_map
+from marinlm.utils.pool import check_executor, process_map, ray_map
 from marinlm.utils.progress import progress_bar
 
 REJECTED_IN_MANIFEST = 100  # examples of rejected input records kept in manifest.json
@@ -37,12 +37,17 @@ class TokenizeConfig:
     seed: int = 0
     workers: int = 0  # processes; 0 = one per core (at most one per input file)
     batch_docs: int = 512
+    # local (worker processes) or ray: one Ray task per input file, for tokenizing on a cluster
+    # (inputs, tokenizer and output_dir must then be on storage every node sees)
+    executor: str = "local"
+    ray_address: str = ""  # "" = start Ray on this machine; "auto" or host:port to join a cluster
 
     def __post_init__(self):
         check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         check(self.batch_docs > 0, "batch_docs", f"must be positive, got {self.batch_docs}")
+        check_executor(self.executor)
 
 
 def is_validation(doc_id: str, seed: int, fraction: float) -> bool:
@@ -216,9 +221,13 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     new_tokens = 0
     try:
-        # In one process (workers <= 1) tokenizers' own threads use every core.
-        init = (_worker_init, (max(1, cores // workers),)) if workers > 1 else (None, ())
-        for record in process_map(tokenize_file, tasks, workers, *init):
+        if config.executor == "ray":  # a task per CPU, so tokenizers' own thread pool gets one thread
+            records_done = ray_map(tokenize_file, tasks, config.ray_address, workers, env={"RAYON_NUM_THREADS": "1"})
+        else:
+            # In one process (workers <= 1) tokenizers' own threads use every core.
+            init = (_worker_init, (max(1, cores // workers),)) if workers > 1 else (None, ())
+            records_done = process_map(tokenize_file, tasks, workers, *init)
+        for record in records_done:
             records[record["name"]] = record
             new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
             bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)

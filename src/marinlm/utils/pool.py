@@ -1,11 +1,27 @@
-"""Local worker processes: the embedded default executor of curation and tokenization."""
+"""Where curation and tokenization run their tasks: local worker processes (the embedded default)
+or a Ray cluster, beyond one machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
+
+EXECUTORS = ("local", "ray")
+
+
+def check_executor(executor: str) -> None:
+    """A config's `executor` is known and, for Ray, installed (a ConfigError naming the key)."""
+    from marinlm.config import check
+
+    check(executor in EXECUTORS, "executor", f"must be local or ray, got {executor!r}")
+    check(
+        executor != "ray" or importlib.util.find_spec("ray") is not None,
+        "executor",
+        "'ray' needs Ray installed: `pip install 'marinlm[ray]'`, or use 'local'",
+    )
 
 
 class WorkerDied(RuntimeError):
@@ -73,3 +89,35 @@ def call_in_child(fn: Callable, arg):
     Python see a signal (HF tokenizers' training swallows Ctrl-C until it ends): this process waits
     in Python, so Ctrl-C and SIGTERM reach it, and it ends the child."""
     return next(process_map(fn, [arg], 1, spawn=True))
+
+
+def ray_map(fn: Callable, tasks: Iterable, address: str = "", num_cpus: int | None = None, env: dict | None = None):
+    """Yield `fn(task)` for every task, in completion order, from Ray tasks of one CPU each.
+
+    Args:
+        address: "" starts Ray on this machine (with `num_cpus`); "auto" or host:port joins a cluster.
+        env: environment variables of the Ray workers (e.g. a thread count read at import).
+    When the caller stops early (a task's exception, Ctrl-C, leaving the loop) the tasks still
+    pending are cancelled.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=address or None,
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=None if address else num_cpus,
+        )
+    remote = ray.remote(num_cpus=1)(fn)
+    if env:
+        remote = remote.options(runtime_env={"env_vars": env})
+    pending = [remote.remote(task) for task in tasks]
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(done[0])
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
