@@ -384,7 +384,7 @@ def write_synthetic_tokens(folder, num_docs: int, shards: int = 2):
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path):
+def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path, capsys):
     """Opening a dataset held ~44 bytes a document in every process (concatenated per-document
     tables), and each epoch 16 more per process and loader worker; at 10^9 documents, tens of GB
     per rank. Now the index is memory-mapped and stored epochs are shared."""
@@ -403,6 +403,7 @@ def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path):
     finally:
         tracemalloc.stop()
     assert data.num_docs == 1_000_000 and len(batches) == 3
+    assert "shuffled and stored (1,000,000 documents" in capsys.readouterr().err  # the pause is explained
     assert held_open < 1_000_000, held_open  # bytes: about one byte a document is too much
     assert held_loader < 2_000_000, held_loader
     # Lookups agree with the index files.

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,11 +142,19 @@ class PackedSource:
             with exclusive(self.index_dir / f"epoch-{epoch:06d}.lock"):
                 stored = self._load_epoch(epoch)  # another process may have built it meanwhile
                 if stored is None:
+                    start = time.perf_counter()
                     for path, array in zip(self._epoch_paths(epoch), self._build_epoch(epoch)):
                         with atomic_path(path) as tmp, open(tmp, "wb") as f:
                             np.save(f, array)
                     self._prune(epoch)
                     stored = self._load_epoch(epoch)
+                    if self.data.num_docs >= 1_000_000:  # seconds to minutes: say what the pause was
+                        print(
+                            f"data: epoch {epoch} of {self.data.folder} shuffled and stored "
+                            f"({self.data.num_docs:,} documents, {time.perf_counter() - start:.1f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         if stored is None:
             raise OSError(f"{self.index_dir}: cannot read back the epoch {epoch} index just written")
         return stored
