@@ -328,12 +328,15 @@ def test_bad_inputs_fail_fast(tmp_path, tok_dir):
 def test_stored_epochs_give_the_same_rows_and_are_built_once(dataset, tmp_path, monkeypatch):
     """With index_dir, shuffled epochs are built by one process, stored, and memory-mapped by the
     others (ranks, loader workers); the rows are those of the in-memory path."""
+    import marinlm.dataset.loader as loader_module
+
     root, _, _ = dataset
     config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5)
     reference = collect(build_loader(config, global_batch=4), 60)  # several epochs, in memory
     epochs = 60 * 4 // source_epochs(config) + 1
     assert epochs >= 3
     config.num_workers = 2
+    monkeypatch.setattr(loader_module, "_CHUNK", 7)  # the stream ends summed in chunks, carried over
     stored = collect(build_loader(config, global_batch=4, index_dir=tmp_path / "index"), 60)
     for a, b in zip(stored, reference):
         for key in a:
@@ -384,7 +387,7 @@ def write_synthetic_tokens(folder, num_docs: int, shards: int = 2):
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path, capsys):
+def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path, capsys, monkeypatch):
     """Opening a dataset held ~44 bytes a document in every process (concatenated per-document
     tables), and each epoch 16 more per process and loader worker; at 10^9 documents, tens of GB
     per rank. Now the index is memory-mapped and stored epochs are shared."""
@@ -411,7 +414,13 @@ def test_loader_memory_does_not_grow_with_the_number_of_documents(tmp_path, caps
     docs = np.array([500_000, 500_001, 999_999])
     assert data.doc_len(docs).tolist() == [index[0, 0], index[1, 0] - index[0, 0], index[-1, 0] - index[-2, 0]]
     assert data.doc_bytes(docs).tolist() == index[[0, 1, -1], 1].tolist()
-    assert data.all_doc_lens().sum() == data.num_tokens
+    lengths = data.all_doc_lens()
+    assert lengths.dtype == np.int32 and lengths.sum(dtype=np.int64) == data.num_tokens  # 4 bytes a document
+    import marinlm.dataset.shards as shards_module
+
+    monkeypatch.setattr(shards_module, "_CHUNK", 1000)  # read in chunks across shard boundaries
+    assert np.array_equal(data.all_doc_lens(), lengths)
+    assert lengths[500_000] == index[0, 0] and lengths[-1] == index[-1, 0] - index[-2, 0]
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from marinlm.dataset.shards import ShardError, TokenDataset
 from marinlm.utils.io import atomic_path, exclusive, sha256_bytes
 
 IGNORE_INDEX = -100
+_CHUNK = 1 << 22  # documents per step when an epoch's stream ends are computed
 
 
 @dataclass(kw_only=True)
@@ -126,10 +127,24 @@ class PackedSource:
                 self._epochs.pop(min(self._epochs))
         return self._epochs[epoch]
 
-    def _build_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _order(self, epoch: int) -> np.ndarray:
         n = self.data.num_docs
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return order, np.cumsum(self.data.all_doc_lens()[order] + self.extra)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def _build_epoch(self, epoch: int, ends: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's order and cumulative stream ends, the ends written into `ends` when given (a
+        memory-mapped file), computed a chunk at a time: besides the order (8 bytes a document), only
+        the document lengths (4) are held, and the sums are taken in int64."""
+        order = self._order(epoch)
+        lengths = self.data.all_doc_lens()
+        if ends is None:
+            ends = np.empty(len(order), dtype=np.int64)
+        carry = 0
+        for lo in range(0, len(order), _CHUNK):
+            part = np.cumsum(lengths[order[lo : lo + _CHUNK]] + self.extra, dtype=np.int64) + carry
+            ends[lo : lo + len(part)] = part
+            carry = int(part[-1])
+        return order, ends
 
     def _epoch_paths(self, epoch: int) -> tuple[Path, Path]:
         assert self.index_dir is not None
@@ -143,9 +158,15 @@ class PackedSource:
                 stored = self._load_epoch(epoch)  # another process may have built it meanwhile
                 if stored is None:
                     start = time.perf_counter()
-                    for path, array in zip(self._epoch_paths(epoch), self._build_epoch(epoch)):
-                        with atomic_path(path) as tmp, open(tmp, "wb") as f:
-                            np.save(f, array)
+                    order_path, ends_path = self._epoch_paths(epoch)
+                    with atomic_path(ends_path) as tmp:
+                        ends = np.lib.format.open_memmap(tmp, "w+", np.int64, (self.data.num_docs,))
+                        order, _ = self._build_epoch(epoch, ends)
+                        ends.flush()
+                        del ends
+                    with atomic_path(order_path) as tmp, open(tmp, "wb") as f:
+                        np.save(f, order)
+                    del order
                     self._prune(epoch)
                     stored = self._load_epoch(epoch)
                     if self.data.num_docs >= 1_000_000:  # seconds to minutes: say what the pause was

@@ -173,13 +173,17 @@ class TokenDataset:
         return self._lookup(docs, "bytes")
 
     def all_doc_lens(self) -> np.ndarray:
-        """Every document's length in global order: [num_docs] int64, built on each call (8 bytes a
-        document; for building a shuffled epoch)."""
-        out = np.empty(self.num_docs, dtype=np.int64)
+        """Every document's length in global order, built on each call (for building a shuffled
+        epoch): [num_docs] int32 (4 bytes a document), or int64 if a document is that long."""
+        out = np.empty(self.num_docs, dtype=np.int32)
         for shard, first in zip(self.shards, self.first_doc):
             ends = shard.doc_ends
-            out[first] = ends[0]
-            out[first + 1 : first + len(ends)] = np.diff(ends)
+            for lo in range(0, len(ends), _CHUNK):
+                chunk = np.asarray(ends[max(lo - 1, 0) : lo + _CHUNK])
+                lengths = np.diff(chunk) if lo else np.concatenate([chunk[:1], np.diff(chunk)])
+                if len(lengths) and int(lengths.max()) >= 2**31 - 16 and out.dtype == np.int32:  # room for BOS/EOS
+                    out = out.astype(np.int64)
+                out[first + lo : first + lo + len(lengths)] = lengths
         return out
 
     def document(self, index: int) -> np.ndarray:
