@@ -29,16 +29,14 @@ def dataset(tmp_path_factory, tok_dir):
     texts = write_corpus(root / "corpus", num_docs=300, num_files=3)
     with open(root / "corpus" / "part-bad.jsonl", "w") as f:
         f.write('{"id": "ok1", "text": "fine document"}\n{not json\n{"id": "x", "body": "no text field"}\n')
-    config = TokenizeConfig(
-        inputs=[str(root / "corpus")],
-        tokenizer=str(tok_dir),
-        output_dir=str(root / "tokens"),
-        val_fraction=0.1,
-        seed=3,
-        workers=2,
-    )
-    manifest = tokenize(config, progress=False)
+    manifest = tokenize(corpus_config(root, tok_dir, root / "tokens"), progress=False)
     return root, texts, manifest
+
+
+def corpus_config(root, tok_dir, output_dir, **overrides) -> TokenizeConfig:
+    """How the `dataset` fixture tokenizes its corpus, into `output_dir`."""
+    settings = {"val_fraction": 0.1, "seed": 3, "workers": 2} | overrides
+    return TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(output_dir), **settings)
 
 
 def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
@@ -70,10 +68,7 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     with open(out / "train" / "00001.tokens", "r+b") as f:
         f.truncate(10)
     before = {p: p.stat().st_mtime_ns for p in (out / "train").glob("0000[02].tokens")}
-    config = TokenizeConfig(
-        inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(out), val_fraction=0.1, seed=3, workers=1
-    )
-    again = tokenize(config, progress=False)
+    again = tokenize(corpus_config(root, tok_dir, out, workers=1), progress=False)
     assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
     assert again["inputs_tokenized"] == 1  # only the damaged one
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
@@ -87,9 +82,7 @@ def test_tokenize_into_a_folder_made_with_another_tokenizer_is_refused(dataset, 
     MarinTokenizer(train_bpe([t.upper() for t in SAMPLE_TEXTS] * 40, vocab_size=700)).save(other)
     out = root / "tokens"
     manifest = (out / "manifest.json").read_text()
-    config = TokenizeConfig(
-        inputs=[str(root / "corpus")], tokenizer=str(other), output_dir=str(out), val_fraction=0.1, seed=3, workers=1
-    )
+    config = corpus_config(root, other, out, workers=1)
     with pytest.raises(OutputInUseError, match=r"tokens: .*\(tokenizer.hash: "):
         tokenize(config, progress=False)
     config.tokenizer, config.seed = str(tok_dir), 4
@@ -430,17 +423,8 @@ def test_tokenize_on_ray_writes_what_local_processes_write(dataset, tok_dir, tmp
     import ray
 
     root, _, _ = dataset
-    config = TokenizeConfig(
-        inputs=[str(root / "corpus")],
-        tokenizer=str(tok_dir),
-        output_dir=str(tmp_path / "ray"),
-        val_fraction=0.1,
-        seed=3,
-        workers=2,
-        executor="ray",
-    )
     try:
-        on_ray = tokenize(config, progress=False)
+        on_ray = tokenize(corpus_config(root, tok_dir, tmp_path / "ray", executor="ray"), progress=False)
     finally:
         ray.shutdown()
     local = json.loads((root / "tokens" / "manifest.json").read_text())  # the fixture's local run

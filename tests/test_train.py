@@ -473,7 +473,7 @@ def test_fsdp_options_zero2_sharded_init(token_data, tmp_path):
 def test_a_model_that_cannot_fit_is_refused_before_allocating(token_data, tmp_path, monkeypatch):
     """`--model=configs/model/marin-535b-a23b.yaml` on one machine allocated until the out-of-memory
     killer came; now the weights, gradients and optimizer state are counted first."""
-    import marinlm.train.trainer as trainer_module
+    import marinlm.train.provenance as provenance
     from marinlm.config import ConfigError, load_config, to_dict
     from marinlm.model import MarinConfig
 
@@ -484,7 +484,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(token_data, tmp_pa
         ConfigError, match=r"train\.memory_check: the model's 535\.48B parameters need at least 6,425\.7 GB"
     ):
         Trainer(train_config(token_data, tmp_path / "hero", model=to_dict(hero)), resume="none")
-    monkeypatch.setattr(trainer_module, "available_memory", lambda device: 1_000_000)  # 1 MB free
+    monkeypatch.setattr(provenance, "available_memory", lambda device: 1_000_000)  # 1 MB free
     with pytest.raises(ConfigError, match=r"over 1 process\(es\)\), and cpu has 0\.0 GB available"):
         Trainer(train_config(token_data, tmp_path / "run"), resume="none")
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"memory_check": False}), resume="none")

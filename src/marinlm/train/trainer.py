@@ -8,19 +8,15 @@ model buffer holding the QB beta of the previous step).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -46,15 +42,11 @@ from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list
 from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
+from marinlm.train.provenance import check_training_memory, software_environment
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.device import available_memory
-from marinlm.utils.io import differences, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
+from marinlm.utils.io import differences, lock_folder, sha256_file, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
-
-# Bytes a parameter holds in training: fp32 weights and gradients, plus the optimizer's fp32 state
-# (AdamW: two moments; Marin: MuonH keeps one momentum for the matrices, which are nearly all).
-STATE_BYTES_PER_PARAM = {"adamw": 16, "marin": 12}
 
 
 class Trainer:
@@ -95,7 +87,8 @@ class Trainer:
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
-            self._check_memory()
+            where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
+            check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
@@ -166,24 +159,6 @@ class Trainer:
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
         return model
-
-    def _check_memory(self) -> None:
-        """A lower bound on each process's memory (fp32 weights, gradients and optimizer state,
-        sharded over the processes; activations not counted) against what it has available."""
-        c = self.config
-        per_param = STATE_BYTES_PER_PARAM.get(c.optim.type_name, 16)
-        need = self.model_summary.total * per_param / self.world
-        where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
-        available = available_memory(where)
-        if need > available:
-            raise ConfigError(
-                "train.memory_check",
-                f"the model's {self.model_summary.total / 1e9:,.2f}B parameters need at least {need / 1e9:,.1f} GB "
-                f"per process for fp32 weights, gradients and {c.optim.type_name} state ({per_param} bytes each, over "
-                f"{self.world} process(es)), and {where.type} has {available / 1e9:,.1f} GB available per process. "
-                "Train a smaller model, shard it over more processes (torchrun), or set train.memory_check=false "
-                "to try anyway",
-            )
 
     def _val_source(self):
         """The validation split; None when the data has none (a corrupt one is an error, not None)."""
@@ -345,32 +320,14 @@ class Trainer:
 
     def _write_run_record(self, resumed_from) -> None:
         write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
-        packages = {}
-        for name in ("torch", "numpy", "tokenizers", "safetensors", "marinlm", "transformers"):
-            with contextlib.suppress(metadata.PackageNotFoundError):
-                packages[name] = metadata.version(name)
-        try:
-            commit = (
-                subprocess.run(
-                    ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-                ).stdout.strip()
-                or None
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            commit = None
         data = []
         for src, epochs in zip(self.config.data.sources, self.epochs_planned, strict=True):
             manifest = Path(src.path) / "manifest.json"
-            from marinlm.utils.io import sha256_file
-
             data.append(
                 {"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest), "epochs": epochs}
             )
         record = {
-            "git_commit": commit,
-            "packages": packages,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
+            **software_environment(),
             "world_size": self.world,
             "device": str(self.device),
             "precision": self.precision,
