@@ -55,6 +55,7 @@ def test_loglikelihood_matches_brute_force(loaded, batch_size, share):
         assert ll == pytest.approx(ref_ll, abs=2e-3, rel=1e-4), req
         assert greedy == ref_greedy
     assert all(ll < 0 for ll, _ in got)
+    assert scorer.loglikelihood([]) == [] and scorer.loglikelihood_rolling([]) == []
 
 
 def test_progress_bars_count_requests_and_windows_without_changing_scores(loaded, capsys):

@@ -81,10 +81,10 @@ class Scorer:
         for i, (ctx, _) in enumerate(encoded):
             groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
-        batches: list[list[tuple[int, ...]]] = [[]]
+        batches: list[list[tuple[int, ...]]] = []
         rows = 0
         for key in order:
-            if batches[-1] and rows + len(groups[key]) > self.batch_size:
+            if not batches or rows + len(groups[key]) > self.batch_size:
                 batches.append([])
                 rows = 0
             batches[-1].append(key)
