@@ -85,10 +85,14 @@ def _stop(executor: ProcessPoolExecutor) -> None:
 
 
 def call_in_child(fn: Callable, arg):
-    """`fn(arg)` in one spawned process, for native code that holds the main thread and never lets
-    Python see a signal (HF tokenizers' training swallows Ctrl-C until it ends): this process waits
-    in Python, so Ctrl-C and SIGTERM reach it, and it ends the child."""
-    return next(process_map(fn, [arg], 1, spawn=True))
+    """`fn(arg)` in one spawned process, for native code that holds the main thread and lets Python
+    see no signal until it returns (HF tokenizers' training): this process waits in Python, so
+    Ctrl-C reaches it at once, and it ends the child."""
+    results = process_map(fn, [arg], 1, spawn=True)
+    try:
+        return next(results)
+    finally:
+        results.close()  # the worker is stopped now, not when the generator is collected
 
 
 def ray_map(fn: Callable, tasks: Iterable, address: str = "", num_cpus: int | None = None, env: dict | None = None):
