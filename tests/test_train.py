@@ -345,11 +345,17 @@ def test_a_fresh_run_trains_alike_with_resume_auto_or_none(token_data, tmp_path,
     assert runs["auto"] == runs["none"]  # bitwise
 
 
-def test_continued_training_starts_from_another_runs_weights(token_data, tmp_path, capsys):
+def test_continued_training_starts_from_another_runs_weights(token_data, tmp_path, capsys, monkeypatch):
+    import marinlm.train.checkpoint as checkpoint_module
     from marinlm.train.inference import load_model
 
     run_training(train_config(token_data, tmp_path / "base", train={"steps": 4}), resume="none")
+    hashed = []
+    real_sha256 = checkpoint_module.sha256_file
+    monkeypatch.setattr(checkpoint_module, "sha256_file", lambda path: hashed.append(path) or real_sha256(path))
     base = load_model(tmp_path / "base").model.state_dict()
+    assert hashed and len(hashed) == len(set(hashed))  # each checkpoint file hashed once, not twice
+    monkeypatch.undo()
     later = {"checkpoint": {"init_from": str(tmp_path / "base")}, "optim": {"lr": 0.01}}
     trainer = Trainer(train_config(token_data, tmp_path / "next", **later), resume="auto")
     # Fresh optimizer, schedule and data position.

@@ -295,7 +295,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping with `safe_load`, resolving `include:` (a path or list, relative to the file)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("", f"config file not found: {path}")
+        from marinlm.presets import shipped_configs
+
+        raise ConfigError("", f"config file not found: {path} (shipped configs: {', '.join(shipped_configs())})")
     try:
         with path.open(encoding="utf-8") as f:  # a stream, so YAML's own messages name the file
             data = yaml.load(f, Loader=_StrictLoader) or {}
@@ -357,14 +359,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         path: YAML file mirroring `cls`; sub-configs may be given as paths to other YAML files.
         overrides: `--a.b=c` strings applied on top.
     """
-    from marinlm.presets import find_config, shipped_configs
+    from marinlm.presets import find_config
 
     data: dict[str, Any] = {}
     base_dir = Path.cwd()
     if path is not None:
         path = find_config(path)
-        if not path.is_file():
-            raise ConfigError("", f"config file not found: {path} (shipped configs: {', '.join(shipped_configs())})")
         data = read_yaml(path)
         base_dir = path.parent
     data = resolve_file_refs(data, base_dir, cls)

@@ -455,9 +455,9 @@ def build_loader(
     model_vocab_size: int | None = None,
     index_dir: str | Path | None = None,
 ) -> TokenLoader:
-    """The training loader of one rank; `index_dir` (else `config.index_dir`, else in memory) stores
-    the shuffled epochs."""
-    index_dir = index_dir or config.index_dir or None
+    """The training loader of one rank. The shuffled epochs are stored in `config.index_dir`, else in
+    `index_dir` (the trainer gives RUN_DIR/data-index), else kept in memory."""
+    index_dir = config.index_dir or index_dir or None
     sources = open_sources(config, "train", tokenizer_hash, model_vocab_size, index_dir)
     return TokenLoader(
         sources,

@@ -89,7 +89,7 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             try:
                 items = task.load(_data_dir(options))
             except TaskDataError as e:
-                if options.data_dir or os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR.is_dir():
+                if _data_dir(options) != DEFAULT_DATA_DIR or DEFAULT_DATA_DIR.is_dir():
                     raise
                 raise TaskDataError(
                     f"{e}: no --data-dir was given, {DATA_ENV} is not set, and there is no ../shared/data/eval "

@@ -29,10 +29,12 @@ class LoadedModel:
 
 
 def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
-    """A checkpoint folder as given, or the newest valid one of a run folder (under torchrun the
-    ranks share the hashing and agree on the folder)."""
+    """A checkpoint folder as given, or the newest valid one of a run folder; validated either way
+    (a CheckpointError if the given one is not), so callers need not hash it again. Under torchrun
+    the ranks share the hashing and agree on the folder."""
     path = Path(path)
     if (path / "COMPLETE.json").exists() or path.name.startswith("step-"):
+        validate(path, rank, world_size)
         return path
     candidates = list_checkpoints(path / "checkpoints")
     for folder in candidates:
@@ -54,7 +56,6 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
-    validate(folder, info.rank, info.world_size)
     config = load_config(TrainConfig, folder / "config.yaml")
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)

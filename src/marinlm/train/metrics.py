@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from marinlm.utils.io import write_text_atomic
+from marinlm.utils.io import atomic_path, write_text_atomic
 
 
 class MetricSinks:
@@ -113,8 +113,7 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)
     return path

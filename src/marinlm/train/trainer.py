@@ -39,7 +39,6 @@ from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints, load_tensors
-from marinlm.train.checkpoint import validate as validate_checkpoint
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
 from marinlm.train.provenance import check_training_memory, software_environment
@@ -100,7 +99,7 @@ class Trainer:
             self.world,
             self.tokenizer_hash,
             c.model.vocab_size,
-            index_dir=c.data.index_dir or self.run_dir / "data-index",
+            index_dir=self.run_dir / "data-index",
         )
         self.val_source = self._val_source()
         self.epochs_planned = self._epochs_planned()
@@ -257,8 +256,7 @@ class Trainer:
             return None
         from marinlm.train.inference import resolve_checkpoint
 
-        folder = resolve_checkpoint(source)
-        validate_checkpoint(folder, self.info.rank, self.world)
+        folder = resolve_checkpoint(source, self.info.rank, self.world)
         trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
         if trained_with is not None and trained_with != self.tokenizer_hash:
             raise ValueError(
