@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def timed(fn, device: str, repeats: int = 10) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def train_step_rate(config, peak: float, device: str, batch: int, seq: int):
+def train_step_rate(config, peak: float, device: str, batch: int, seq: int, compile: bool = False):
     """tokens/s, MFU, peak GB, last loss and a fwd+bwd / optimizer split of bf16 MuonH steps.
 
     Also prints a profiler table of one step (top ops by device time) to the part's log.
@@ -63,6 +64,9 @@ def train_step_rate(config, peak: float, device: str, batch: int, seq: int):
         model = MarinForCausalLM(config)
     model.to_empty(device=device)
     model.init_weights(seed=0)
+    if compile:  # regional, as parallel.compile does in training
+        for block in model.layers:
+            block.compile()
     opt = build_optimizer(model, MarinOptimizerConfig(), device)
     tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     losses = []
@@ -152,13 +156,17 @@ def part_steps(device: str, dry: bool) -> None:
         datasheet = measured = matmul_peak_flops(torch.float32)
     else:
         datasheet, measured = matmul_peak_flops(torch.bfloat16, "cuda"), cuda_matmul_peak(torch.bfloat16)
-    ladder = [("small", [], 16, 1024), ("hero-shaped 1.1B", HERO_SHAPED_1B, 8, 4096)]
-    for label, overrides, batch, seq in ladder:
+    ladder = [
+        ("small", [], 16, 1024, False),
+        ("hero-shaped 1.1B", HERO_SHAPED_1B, 8, 4096, False),
+        ("hero-shaped 1.1B, compiled blocks", HERO_SHAPED_1B, 8, 4096, True),
+    ]
+    for label, overrides, batch, seq, compile in ladder:
         if dry:
             batch, seq, overrides = 1, 64, []
         config = load_config(MarinConfig, ROOT / "configs" / "model" / "small.yaml", overrides)
         s = summarize(config)
-        tok_s, mfu, memory, loss, profile = train_step_rate(config, measured, device, batch, seq)
+        tok_s, mfu, memory, loss, profile = train_step_rate(config, measured, device, batch, seq, compile)
         summary(
             f"train step {label} ({s.total / 1e9:.2f}B total, {s.active / 1e9:.2f}B active), {batch}x{seq}, "
             f"bf16 autocast, MuonH: {tok_s:,.0f} tok/s, MFU {mfu:.1%} of measured "
@@ -222,10 +230,10 @@ def run_bench(script: str, args: list[str], keep) -> None:
 
 
 def part_hf(device: str, dry: bool) -> None:
-    args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1"]
+    args = ["--skip-bf16", "--batch", "1", "--seq", "32", "--steps", "1", "--compile"]
     if not dry:
-        args = ["--device", "cuda", "--batch", "16", "--seq", "1024", "--steps", "10"]
-    run_bench("train_step.py", args, lambda line: any(k in line for k in ("tok/s", "marinlm /", "costs")))
+        args = ["--device", "cuda", "--batch", "16", "--seq", "1024", "--steps", "10", "--compile"]
+    run_bench("train_step.py", args, lambda line: any(k in line for k in ("tok/s", "marinlm /", "costs", "ceiling")))
 
 
 def part_loss(device: str, dry: bool) -> None:
@@ -274,6 +282,57 @@ def part_torchrun(device: str, dry: bool) -> None:
             result = [line for line in out.stdout.splitlines() if line.startswith(("done:", "resumed"))]
             status = "ok" if out.returncode == 0 else f"FAILED (exit {out.returncode})"
             summary(f"torchrun + {backend}, tiny, {label}: {status}; {' / '.join(result)}")
+        eval_under_torchrun(Path(tmp), device, backend)
+
+
+def eval_under_torchrun(tmp: Path, device: str, backend: str) -> None:
+    """`marinlm eval` of the run above under torchrun (FSDP2-sharded load, scoring dealt over ranks)
+    against the same eval in one plain process: a multiple-choice task, bits per byte and `val`."""
+    import json
+    import random
+
+    words = (tmp / "raw").rglob("*")
+    text = " ".join(f.read_text(errors="ignore") for f in sorted(words) if f.is_file())[:200_000].split()
+    rng = random.Random(0)
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    with open(tasks / "hellaswag_val.jsonl", "w") as f:
+        for _ in range(40):
+            at = rng.randrange(len(text) - 60)
+            endings = [" ".join(text[at + 20 : at + 30])] + [" ".join(rng.sample(text, 10)) for _ in range(3)]
+            f.write(json.dumps({"ctx": " ".join(text[at : at + 20]), "endings": endings, "label": 0}) + "\n")
+    (tasks / "texts.jsonl").write_text(
+        "".join(json.dumps({"text": " ".join(text[i : i + 400])}) + "\n" for i in (0, 5000))
+    )
+    specs = ["hellaswag", f"bpb:{tasks / 'texts.jsonl'}", "val"]
+    reports = {}
+    for label, launcher in (
+        ("one process", [sys.executable, "-m", "marinlm.cli"]),
+        (
+            f"torchrun + {backend}",
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "marinlm.cli"],
+        ),
+    ):
+        output = tmp / f"eval-{len(reports)}.json"
+        cmd = [*launcher, "eval", str(tmp / "run"), "--tasks", *specs, "--data-dir", str(tasks)]
+        out = subprocess.run(
+            [*cmd, "--device", device, "--output", str(output)], cwd=ROOT, capture_output=True, text=True
+        )
+        print(out.stdout, out.stderr, flush=True)
+        if out.returncode:
+            summary(f"eval, {label}: FAILED (exit {out.returncode})")
+            return
+        reports[label] = json.loads(output.read_text())
+    (one, report), (dist, other) = reports.items()
+    values = {
+        "hellaswag acc": lambda r: r["results"]["hellaswag"]["acc"],
+        "bpb": lambda r: r["results"][specs[1]]["bits_per_byte"],
+        "val loss": lambda r: r["results"]["val"]["loss"],
+    }
+    shown = ", ".join(f"{k} {get(report):.4f} / {get(other):.4f}" for k, get in values.items())
+    worst = max(abs(get(report) - get(other)) / max(abs(get(report)), 1e-9) for get in values.values())
+    status = "ok" if worst < 1e-2 and other["config"]["processes"] == 1 else "MISMATCH"
+    summary(f"eval of the tiny run, {one} / {dist}: {shown}; largest rel. diff {worst:.1e}: {status}")
 
 
 PARTS = {
@@ -286,11 +345,25 @@ PARTS = {
 }
 
 
+def run_part(cmd: list[str], log, env: dict, timeout: float) -> str:
+    """Run one part in its own process group; '' if it passed, else why not. A part that outlives
+    `timeout` is stopped with everything it started (a benchmark script, torchrun's workers)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"stopped after {timeout:.0f} s"
+    return f"exit {code}" if code else ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_logs"), help="folder for each part's log")
+    p.add_argument("--part-timeout", type=float, default=300, help="seconds before a part is stopped")
     p.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
     a = p.parse_args()
     dry = a.device == "cpu"
@@ -308,11 +381,11 @@ def main() -> None:
         log = out_dir / f"{name}.log"
         cmd = [sys.executable, __file__, "--device", a.device, "--part", name]
         with open(log, "w") as f:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+            failure = run_part(cmd, f, env, a.part_timeout)
         found = [line.removeprefix("SUMMARY ") for line in log.read_text().splitlines() if line.startswith("SUMMARY ")]
-        if code:
-            tail = log.read_text().splitlines()[-15:]
-            found.append(f"part {name} FAILED (exit {code}); log {log}; last lines:\n    " + "\n    ".join(tail))
+        if failure:
+            tail = "\n    ".join(log.read_text().splitlines()[-15:])
+            found.append(f"part {name} FAILED ({failure}); log {log}; last lines:\n    {tail}")
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", *found, sep="\n", flush=True)
         lines += found
     print("\n# summary", *lines, sep="\n")

@@ -13,6 +13,9 @@ on such a CPU therefore measures that dispatch, not better kernels; the fp32 rat
 
     python bench/train_step.py [--batch 4] [--seq 256] [--steps 3] [--skip-bf16]
     python bench/train_step.py --device cuda --batch 16 --seq 1024 --steps 10   # bf16 autocast only
+
+`--compile` also times both sides with each decoder block compiled (`torch.compile`, regional, as
+`parallel.compile` does in training) and prints the compiled-against-compiled ratio beside the eager one.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--skip-bf16", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: bf16 autocast only")
+    p.add_argument("--compile", action="store_true", help="also time both sides with compiled decoder blocks")
     a = p.parse_args()
     dev = a.device
     import transformers
@@ -164,6 +168,12 @@ def main() -> None:
         ids = torch.randint(0, qwen.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
         ours = build_ours(qwen, dev)
         steps = {"marinlm": ours_step(ours, ids, dtype)}
+        if a.compile:
+            compiled = build_ours(qwen, dev)
+            compiled.load_state_dict(ours.state_dict())
+            for block in compiled.layers:
+                block.compile()
+            steps["marinlm compiled"] = ours_step(compiled, ids, dtype)
         # HF's batched_mm is not timed: 49 s/step on CPU (35x slower), and on an H200 at 16x1024
         # tokens it copies each token's expert weights (a 9 GiB allocation in one layer).
         for impl in ("eager", "grouped_mm"):
@@ -175,6 +185,13 @@ def main() -> None:
                 print(f"  HF ({impl}) unavailable in transformers {transformers.__version__}: {e}")
                 continue
             steps[f"HF ({impl})"] = hf_step(hf.to(dev), ids, dtype)
+            if a.compile and impl == "grouped_mm":
+                hf_compiled = transformers.Qwen3MoeForCausalLM(qwen3_moe_hf_config(qwen))
+                hf_compiled.load_state_dict(hf.state_dict())
+                hf_compiled.set_experts_implementation(impl)
+                for layer in hf_compiled.model.layers:
+                    layer.compile()
+                steps[f"HF ({impl}) compiled"] = hf_step(hf_compiled.to(dev), ids, dtype)
         if dtype == torch.float32 or dev == "cuda":
             small_ids = torch.randint(0, small.vocab_size, (batch, seq)).to(dev)
             steps["marinlm small"] = ours_step(build_ours(small, dev), small_ids, dtype)
@@ -186,8 +203,11 @@ def main() -> None:
         for contender, t in best.items():
             mfu = "n/a (emulated bf16)" if emulated else f"{flops[contender] / t / peaks[dtype]:6.1%}"
             print(f"  {contender:<20} {tokens / t:8.0f} tok/s  step {t * 1e3:8.1f} ms  MFU {mfu}")
-        hf_best = min((k for k in best if k.startswith("HF")), key=best.get)
+        hf_best = min((k for k in best if k.startswith("HF") and "compiled" not in k), key=best.get)
         print(f"  marinlm / {hf_best}: {best[hf_best] / best['marinlm']:.2f}x  (target >= 1.5x)")
+        if "marinlm compiled" in best and "HF (grouped_mm) compiled" in best:
+            ratio = best["HF (grouped_mm) compiled"] / best["marinlm compiled"]
+            print(f"  compiled: marinlm / HF (grouped_mm): {ratio:.2f}x")
         if not emulated:
             # The same model FLOPs cannot take less than FLOPs / peak: the ceiling on the ratio.
             hf_mfu = flops[hf_best] / best[hf_best] / peaks[dtype]
