@@ -17,7 +17,8 @@ all on an H100/H200:
     python bench/gpu_check.py [--parts kernels,steps,...] [--out DIR]   # on the GPU host
     python bench/gpu_check.py --device cpu    # a small dry run of every part, to catch bugs first
 
-Each part's full output goes to DIR/<part>.log; the summary lines are printed last.
+Each part's full output goes to DIR/<part>.log; the summary lines are printed last. The exit status is 1
+if a part failed, was stopped at --part-timeout, or found a mismatch.
 """
 
 from __future__ import annotations
@@ -375,8 +376,11 @@ def main() -> None:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    parts = a.parts.split(",")
+    if unknown := [name for name in parts if name not in PARTS]:
+        p.error(f"--parts: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     lines = []
-    for name in a.parts.split(","):
+    for name in parts:
         start = time.perf_counter()
         log = out_dir / f"{name}.log"
         cmd = [sys.executable, __file__, "--device", a.device, "--part", name]
@@ -389,6 +393,8 @@ def main() -> None:
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", *found, sep="\n", flush=True)
         lines += found
     print("\n# summary", *lines, sep="\n")
+    if any("FAILED" in line or "MISMATCH" in line for line in lines):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
