@@ -168,3 +168,30 @@ def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, t
     monkeypatch.setattr(marinlm.eval.runner, "run_eval", lambda *a, **k: scored.append(1))
     assert main(["eval", str(tmp_path / "run"), "--tasks", "val", "--output", f"{afile}/eval.json"]) == 2
     assert f"error: {afile}: File exists" in capsys.readouterr().err and not scored
+
+
+def test_a_full_disk_is_one_line_naming_the_path(monkeypatch, capsys):
+    """Curation, tokenization or training that runs out of disk space ended in a traceback."""
+    import errno
+
+    import marinlm.cli as cli
+    from marinlm.train.checkpoint import CheckpointWriteError
+
+    summary = ["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]
+    for error, printed in [
+        (OSError(errno.ENOSPC, "No space left on device", "/data/shard-00001.zst"), "/data/shard-00001.zst: No space"),
+        (OSError(errno.EDQUOT, "Disk quota exceeded", "runs/x/metrics.jsonl"), "runs/x/metrics.jsonl: Disk quota"),
+        (CheckpointWriteError("runs/x/checkpoints/step-00000010.tmp: checkpoint at step 10"), "at step 10"),
+    ]:
+
+        def fail(args, overrides, error=error):
+            raise error
+
+        monkeypatch.setattr(cli, "_model_summary", fail)
+        assert main(summary) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and printed in err and "Traceback" not in err
+    # Any other OSError is a bug or an unexpected failure: its traceback stays.
+    monkeypatch.setattr(cli, "_model_summary", lambda args, overrides: (_ for _ in ()).throw(ConnectionResetError()))
+    with pytest.raises(ConnectionResetError):
+        main(summary)

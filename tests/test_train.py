@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -495,3 +496,118 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(token_data, tmp_pa
         Trainer(train_config(token_data, tmp_path / "run"), resume="none")
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"memory_check": False}), resume="none")
     assert trainer.step == 0
+
+
+def _dcp_failing_with(error):
+    """A stand-in for dcp.save that writes part of a shard, then fails as DCP does on every rank."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def save(state, checkpoint_id):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 4096)
+        raise CheckpointException("write failed", {0: (error, traceback.StackSummary())})
+
+    return save
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_removes_its_partial_folder_and_says_why(tmp_path, monkeypatch, async_save):
+    """A full disk while writing used to end training with DCP's traceback ('unexpected pos 704 vs
+    598') and leave the half-written `.tmp` folder filling the disk."""
+    import errno
+    from concurrent.futures import Future
+
+    import marinlm.train.checkpoint as ck
+
+    manager = CheckpointManager(tmp_path / "ckpts", keep_last=2, async_save=async_save)
+    state = {"model": {"w": torch.arange(10.0)}}
+    manager.save(1, state, {"step": 1}, "x: 1\n")
+    manager.finalize()
+    full = OSError(errno.ENOSPC, "No space left on device", "/run/ckpts/__0_0.distcp")
+    failing = _dcp_failing_with(full)
+    monkeypatch.setattr(ck.dcp, "save", failing)
+
+    def async_failing(state, checkpoint_id):
+        future = Future()
+        try:
+            failing(state, checkpoint_id)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            future.set_exception(e)
+        return future
+
+    monkeypatch.setattr(ck.dcp, "async_save", async_failing)
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 3 << 20 if "ckpts" in str(path) else 0)
+    with pytest.raises(ck.CheckpointWriteError) as caught:
+        manager.save(2, state, {"step": 2}, "x: 1\n")
+        manager.finalize()  # an asynchronous save fails when it is completed
+    message = str(caught.value)
+    assert "step-00000002.tmp: checkpoint at step 2 could not be written" in message
+    assert "(rank 0: /run/ckpts/__0_0.distcp: No space left on device)" in message
+    assert "3.1 MB were free when it failed: the disk is full" in message
+    assert f"newest good checkpoint is {tmp_path / 'ckpts' / 'step-00000001'}" in message
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step-00000001"]
+    validate(tmp_path / "ckpts" / "step-00000001")
+
+
+def test_a_save_without_room_writes_nothing(tmp_path, monkeypatch):
+    import marinlm.train.checkpoint as ck
+
+    manager = CheckpointManager(tmp_path / "ckpts")
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 500_000)
+    with pytest.raises(
+        ck.CheckpointWriteError,
+        match=r"step 1 needs about 5\.0 MB and the disk has 0\.5 MB free; nothing was written\. The run has no",
+    ):
+        manager.save(1, {"model": {"w": torch.zeros(1_000_000)}}, {"step": 1}, "x: 1\n")
+    assert not (tmp_path / "ckpts").exists()
+
+
+@pytest.mark.parametrize(
+    ("step", "last", "every", "keep_last", "existing", "need_mb"),
+    [
+        (0, 30, 10, 2, 0, 30),  # saves at 10, 20, 30: two finished + one in flight, 10 MB each
+        (0, 30, 10, 1, 0, 20),  # one finished + one in flight
+        (0, 30, 0, 3, 0, 10),  # only the final save
+        (20, 35, 10, 3, 0, 20),  # resumed at 20: saves at 30 and at the end, 35
+        (0, 30, 10, 3, 2, 20),  # two there already: a third finished one + one in flight
+        (0, 30, 10, 2, 2, 10),  # two there, keep_last 2: one in flight, then the oldest goes
+        (30, 30, 10, 3, 0, 0),  # nothing left to train: nothing to save
+    ],
+)
+def test_the_room_a_run_needs_for_its_checkpoints(
+    tmp_path, monkeypatch, step, last, every, keep_last, existing, need_mb
+):
+    import marinlm.train.checkpoint as ck
+    from marinlm.config import ConfigError
+
+    root = tmp_path / "ckpts"
+    for n in range(existing):  # earlier checkpoints of 10 MB each (sparse files)
+        folder = root / f"step-{n:08d}"
+        folder.mkdir(parents=True)
+        with open(folder / "__0_0.distcp", "wb") as f:
+            f.truncate(10_000_000)
+    manager = CheckpointManager(root, keep_last=keep_last)
+    estimate = 10_000_000 - (1 << 20)  # the check adds a megabyte for the small files
+    monkeypatch.setattr(ck, "free_bytes", lambda path: need_mb * 1_000_000)
+    manager.check_room_for_run(step, last, every, estimate)  # exactly enough
+    if need_mb:  # a megabyte less is refused, with both numbers
+        monkeypatch.setattr(ck, "free_bytes", lambda path: (need_mb - 1) * 1_000_000)
+        message = rf"checkpoint\.space_check: .* need about {need_mb}\.0 MB more .* has {need_mb - 1}\.0 MB free"
+        with pytest.raises(ConfigError, match=message):
+            manager.check_room_for_run(step, last, every, estimate)
+
+
+def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(token_data, tmp_path, monkeypatch):
+    import marinlm.train.checkpoint as ck
+    from marinlm.config import ConfigError
+
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 1_000_000)  # 1 MB
+    with pytest.raises(ConfigError, match=r"checkpoint\.space_check: .* \(2 x [\d.]+ MB, with checkpoint\.keep_last=3"):
+        Trainer(train_config(token_data, tmp_path / "run"), resume="none")
+    trainer = Trainer(train_config(token_data, tmp_path / "run2", checkpoint={"space_check": False}), resume="none")
+    with pytest.raises(ck.CheckpointWriteError, match=r"checkpoint at step 4 needs about .* 1\.0 MB free; nothing"):
+        trainer.fit()
+    trainer.close()
+    assert not list_checkpoints(tmp_path / "run2" / "checkpoints")
+    assert not list((tmp_path / "run2" / "checkpoints").glob("*.tmp"))

@@ -7,6 +7,7 @@ of it, e.g. `--workers 4`; the others reject arguments they do not know.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -388,6 +389,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `marinlm generate ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 141  # 128 + SIGPIPE, as a shell tool reports it
+    except OSError as e:  # a full disk or quota, a read-only or failing filesystem: say where, no traceback
+        from marinlm.train.checkpoint import CheckpointWriteError
+
+        if isinstance(e, CheckpointWriteError):
+            print(f"error: {e}", file=sys.stderr)
+        elif e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+            print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
+        else:
+            raise
+        return 1
 
 
 if __name__ == "__main__":

@@ -34,13 +34,19 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.tensor import DTensor
 
+from marinlm.config import ConfigError
 from marinlm.parallel.distributed import all_gather_object, barrier
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 STEP_PREFIX = "step-"
+# Free space under which a failed write is put down to a full disk (torch.save reports ENOSPC as
+# "unexpected pos" from its zip writer, not as an OSError).
+FULL_DISK_BYTES = 16 << 20
 
 
 @contextmanager
@@ -54,6 +60,11 @@ def quiet_single_process():
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete, truncated or corrupt; the message names it."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (most often: no space left). Nothing half-written is
+    left behind: the message names the folder, the space there and the newest good checkpoint."""
 
 
 class CheckpointMismatch(ValueError):
@@ -163,6 +174,53 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def local_bytes(tree) -> int:
+    """Bytes of tensor data this rank writes for a (nested) DCP state dict: a DTensor's local shard."""
+    if isinstance(tree, dict):
+        return sum(local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(local_bytes(v) for v in tree)
+    if isinstance(tree, DTensor):
+        return tree.to_local().nbytes
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    return 0
+
+
+def estimate_local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What this rank's share of a checkpoint will take: its weights, buffers and optimizer state.
+    Before the first step the optimizer holds no state yet; a Muon(H) group then counts one
+    momentum per parameter and any other (Adam, AdamW, AdamH) two moments."""
+    tensors = local_bytes(dict(model.state_dict()))
+    if any(optimizer.state.values()):
+        return tensors + local_bytes({i: dict(st) for i, st in enumerate(optimizer.state.values())})
+    for group in optimizer.param_groups:
+        tensors += local_bytes(list(group["params"])) * (1 if group.get("kind") == "muonh" else 2)
+    return tensors
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the filesystem that holds `path` (or would: its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _root_cause(error: BaseException) -> str:
+    """One line for why a save failed: DCP wraps each rank's error (with its traceback) in a
+    CheckpointException; an OSError says which file and why."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner  # DCP's (exception, traceback) pair
+        return f"rank {rank}: {_root_cause(inner)}"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"[:300]
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{STEP_PREFIX}{step:08d}"
 
@@ -258,36 +316,110 @@ class CheckpointManager:
         self._pending = None  # (future, tmp_folder, final_folder)
 
     def save(self, step: int, tensors: dict, trainer_state: dict, config_yaml: str) -> Path:
-        """Write checkpoint `step`. `tensors` is a DCP state dict (model and optimizer)."""
+        """Write checkpoint `step`. `tensors` is a DCP state dict (model and optimizer).
+
+        Raises CheckpointWriteError, on every rank, when the checkpoint would not fit in the free
+        space (nothing is written) or its writing fails (the partial folder is removed).
+        """
         self.finalize()
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
-        if self.rank == 0:
-            write_json_atomic(tmp / "trainer_state.json", trainer_state)
-            write_text_atomic(tmp / "config.yaml", config_yaml)
-        if self.async_save:
-            with quiet_single_process():
-                future = dcp.async_save(tensors, checkpoint_id=str(tmp))
-            self._pending = (future, tmp, final)
-        else:
-            with quiet_single_process():
-                dcp.save(tensors, checkpoint_id=str(tmp))
-            self._finish(tmp, final)
+        self._check_space(step, local_bytes(tensors))
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            barrier()
+            failed = None
+            try:  # the small files first; every rank learns of a failure before DCP's collectives
+                (tmp / "rng").mkdir(exist_ok=True)
+                torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
+                if self.rank == 0:
+                    write_json_atomic(tmp / "trainer_state.json", trainer_state)
+                    write_text_atomic(tmp / "config.yaml", config_yaml)
+            except OSError as e:
+                failed = e
+            if errors := [e for e in all_gather_object(failed) if e is not None]:
+                raise errors[0]
+            if self.async_save:
+                with quiet_single_process():
+                    future = dcp.async_save(tensors, checkpoint_id=str(tmp))
+                self._pending = (future, tmp, final)
+            else:
+                with quiet_single_process():
+                    dcp.save(tensors, checkpoint_id=str(tmp))
+                self._finish(tmp, final)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise self._write_failed(step, tmp, e) from e
         return final
 
     def finalize(self) -> None:
         """Complete a pending asynchronous save (no-op otherwise)."""
         if self._pending is not None:
             future, tmp, final = self._pending
-            future.result()
             self._pending = None
-            self._finish(tmp, final)
+            try:
+                future.result()
+                self._finish(tmp, final)
+            except (Exception, CheckpointException) as e:
+                raise self._write_failed(int(final.name.removeprefix(STEP_PREFIX)), tmp, e) from e
+
+    def _check_space(self, step: int, nbytes: int) -> None:
+        """Refuse, before writing anything and alike on every rank, a checkpoint that cannot fit."""
+        shares = all_gather_object((nbytes, free_bytes(self.root)))
+        need = sum(n for n, _ in shares) + (1 << 20)  # + the small files
+        free = min(f for _, f in shares)
+        if need > free:
+            raise CheckpointWriteError(
+                f"{self.root}: checkpoint at step {step} needs about {need / 1e6:,.1f} MB and the disk has "
+                f"{free / 1e6:,.1f} MB free; nothing was written. {self._newest()} Free some space (or "
+                "lower checkpoint.keep_last) and resume with the same command"
+            )
+
+    def check_room_for_run(self, step: int, last_step: int, every: int, local_estimate: int) -> None:
+        """Refuse to start a run whose checkpoints cannot fit: a ConfigError naming
+        checkpoint.space_check, before any training time is spent.
+
+        The saves from `step` to `last_step` (every `every` steps, and at the end) hold at most
+        keep_last finished checkpoints plus the one being written; those already there count. A
+        checkpoint's size is the newest existing one's, else the ranks' `local_estimate`s summed.
+        """
+        done = list_checkpoints(self.root)
+        shares = all_gather_object((local_estimate, free_bytes(self.root)))
+        free = min(f for _, f in shares)
+        size = (
+            sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file())
+            if done
+            else sum(n for n, _ in shares) + (1 << 20)
+        )
+        saves = (last_step // every - step // every if every else 0) + (not every or last_step % every != 0)
+        if step >= last_step or not saves:
+            return
+        peak = min(len(done) + saves - 1, self.keep_last) + 1  # finished ones + the one in flight
+        need = max(peak - len(done), 1) * size
+        if need > free:
+            raise ConfigError(
+                "checkpoint.space_check",
+                f"{self.root}: this run's checkpoints need about {need / 1e6:,.1f} MB more ({max(peak - len(done), 1)} "
+                f"x {size / 1e6:,.1f} MB, with checkpoint.keep_last={self.keep_last}) and the disk has "
+                f"{free / 1e6:,.1f} MB free. Free some space, lower checkpoint.keep_last, point run_dir elsewhere, "
+                "or set checkpoint.space_check=false to start anyway",
+            )
+
+    def _write_failed(self, step: int, tmp: Path, error: BaseException) -> CheckpointWriteError:
+        free = free_bytes(self.root)  # before the partial folder goes: a full disk reads (nearly) 0
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = ": the disk is full" if free < FULL_DISK_BYTES else ""
+        return CheckpointWriteError(
+            f"{tmp}: checkpoint at step {step} could not be written ({_root_cause(error)}); "
+            f"{free / 1e6:,.1f} MB were free when it failed{full}. The partial folder was removed. "
+            f"{self._newest()} Fix the cause and resume with the same command"
+        )
+
+    def _newest(self) -> str:
+        done = list_checkpoints(self.root)
+        return f"The newest good checkpoint is {done[0]}." if done else "The run has no checkpoint yet."
 
     def _finish(self, tmp: Path, final: Path) -> None:
         barrier()

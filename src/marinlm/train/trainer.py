@@ -38,7 +38,13 @@ from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
-from marinlm.train.checkpoint import CheckpointManager, CheckpointMismatch, list_checkpoints, load_tensors
+from marinlm.train.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatch,
+    estimate_local_bytes,
+    list_checkpoints,
+    load_tensors,
+)
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
 from marinlm.train.provenance import check_training_memory, software_environment
@@ -115,6 +121,9 @@ class Trainer:
         self.peak_flops = matmul_peak_flops(gemm_dtype(dtype, self.device), self.device.type)
         self.initialized_from: str | None = None
         resumed_from = self._resume(resume)
+        if c.checkpoint.space_check:
+            estimate = estimate_local_bytes(self.model, self.optimizer)
+            self.checkpoints.check_room_for_run(self.step, c.train.steps, c.checkpoint.every_steps, estimate)
         self.sinks = None
         if self.info.is_main:
             self._write_run_record(resumed_from)
