@@ -123,3 +123,65 @@ def test_atomic_writes_get_the_mode_of_a_plain_write(tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert (tmp_path / "out.json").stat().st_mode & 0o777 == (tmp_path / "plain.txt").stat().st_mode & 0o777 == mode
+
+
+class _FullDisk:
+    """A file object on a full disk: writes and the flush at close fail with ENOSPC, naming no file
+    (as a real full disk does)."""
+
+    closed = False
+
+    def write(self, data):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.closed = True
+        self.write(b"")
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path):
+    """Tokenizing or curating onto a full disk said only '[Errno 28] No space left on device', and
+    left the half-written temporaries taking the space."""
+    import errno
+
+    import numpy as np
+
+    from marinlm.dataset.tokenize import _SplitWriter
+    from marinlm.utils.io import atomic_path
+
+    with pytest.raises(OSError, match=r"No space left on device") as caught, atomic_path(tmp_path / "shard.npz") as tmp:
+        tmp.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert caught.value.filename == str(tmp_path / "shard.npz") and caught.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+    for ok in (True, False):
+        writer = _SplitWriter(tmp_path / f"00001-{ok}.tokens", np.uint16)
+        real = writer.file
+        real.write(b"partial")
+        real.close()
+        writer.file = _FullDisk()
+        with pytest.raises(OSError) as caught:
+            writer.add(np.arange(4), 4)
+        assert caught.value.filename == str(tmp_path / f"00001-{ok}.tokens")
+        if ok:  # the close that would keep the file fails too: the error names it
+            with pytest.raises(OSError, match="No space left") as caught:
+                writer.close(True)
+            assert caught.value.filename == str(tmp_path / f"00001-{ok}.tokens")
+        else:  # a failing job's own error is the one reported
+            writer.close(False)
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_job_deletes_its_temporaries_before_letting_go(tmp_path):
+    from marinlm.utils.io import job_output
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt), job_output(out, {"job": 1}):
+        (out / "shards").mkdir()
+        (out / "shards" / ".00002.tokens.1234.tmp").write_bytes(b"x" * 1000)  # a stopped worker's
+        (out / "shards" / "00001.tokens").write_bytes(b"done")
+        raise KeyboardInterrupt
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["00001.tokens"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
+from marinlm.utils.io import atomic_path, job_output, named, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
 from marinlm.utils.progress import progress_bar
 
@@ -75,16 +75,25 @@ class _SplitWriter:
         self.count = 0
 
     def add(self, ids: np.ndarray, num_bytes: int) -> None:
-        self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        try:
+            self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        except OSError as e:  # a full disk: a write's error names no file
+            raise named(e, self.final) from None
         self.count += len(ids)
         self.ends.append(self.count)
         self.bytes.append(num_bytes)
 
     def close(self, ok: bool) -> np.ndarray:
-        self.file.close()
-        if ok:
-            os.replace(self.tmp, self.final)
-        else:
+        """Rename the finished file into place (`ok`), or remove it. Nothing is left behind either
+        way: closing can fail too (the buffered tail on a full disk)."""
+        try:
+            self.file.close()
+            if ok:
+                os.replace(self.tmp, self.final)
+        except OSError as e:
+            if ok:  # when the job is failing already, its own error is the one to report
+                raise named(e, self.final) from None
+        finally:
             self.tmp.unlink(missing_ok=True)
         return np.asarray(list(zip(self.ends, self.bytes)), dtype=np.int64).reshape(-1, 2)
 
@@ -122,7 +131,14 @@ def tokenize_file(task: dict) -> dict:
         flush()
         ok = True
     finally:
-        indexes = {s: w.close(ok) for s, w in writers.items()}
+        indexes = {}
+        try:
+            for split, writer in writers.items():
+                indexes[split] = writer.close(ok)
+        finally:  # a failed close still removes the other splits' files
+            for writer in writers.values():
+                if not writer.file.closed:
+                    writer.close(False)
     record = {"name": name, "input": task["stamp"], "documents": docs, "rejected": rejected, "splits": {}}
     for split, index in indexes.items():
         docs_path = out / split / f"{name}.docs.npy"

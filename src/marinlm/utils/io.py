@@ -38,10 +38,23 @@ def atomic_path(path: str | Path):
     try:
         yield Path(tmp)
         os.replace(tmp, path)
+    except OSError as e:  # a write that fails on a full disk names no file: say which
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if e.filename:
+            raise
+        raise named(e, path) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def named(error: OSError, path: str | Path) -> OSError:
+    """`error` with the file it concerns: a failed write or close (a full disk) names none."""
+    if error.filename:
+        return error
+    return type(error)(error.errno, error.strerror or str(error), str(path))
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -239,10 +252,15 @@ def job_output(folder: str | Path, settings: dict, *, restart: bool = False):
     """The output folder of a resumable job, held for the duration of the block.
 
     Takes the folder's lock, claims it for `settings` (`claim_output`), and on a resume deletes the
-    temporaries a killed run left. Yields True when resuming.
+    temporaries a killed run left. Yields True when resuming. A job that fails (a full disk, a bad
+    input, Ctrl-C) deletes its own temporaries before it lets go, the stopped workers' too.
     """
     with folder_lock(folder):
         resuming = claim_output(folder, settings, restart=restart)
         if resuming:
             remove_stale_temporaries(folder)
-        yield resuming
+        try:
+            yield resuming
+        except BaseException:
+            remove_stale_temporaries(folder)
+            raise
