@@ -370,9 +370,10 @@ class CheckpointManager:
         need = sum(n for n, _ in shares) + (1 << 20)  # + the small files
         free = min(f for _, f in shares)
         if need > free:
+            digits = next(d for d in (1, 2, 3, 6) if round(need / 1e6, d) != round(free / 1e6, d) or d == 6)
             raise CheckpointWriteError(
-                f"{self.root}: checkpoint at step {step} needs about {need / 1e6:,.1f} MB and the disk has "
-                f"{free / 1e6:,.1f} MB free; nothing was written. {self._newest()} Free some space (or "
+                f"{self.root}: checkpoint at step {step} needs about {need / 1e6:,.{digits}f} MB and the disk has "
+                f"{free / 1e6:,.{digits}f} MB free; nothing was written. {self._newest()} Free some space (or "
                 "lower checkpoint.keep_last) and resume with the same command"
             )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from marinlm.utils.io import atomic_path, write_text_atomic
+from marinlm.utils.io import atomic_path, named, write_text_atomic
 
 
 class MetricSinks:
@@ -55,8 +55,11 @@ class MetricSinks:
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray] | None = None) -> None:
         clean = {k: (float(v) if v is not None and math.isfinite(float(v)) else None) for k, v in scalars.items()}
-        self.file.write(json.dumps({"step": step, **clean}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({"step": step, **clean}) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: say which file
+            raise named(e, self.file.name) from None
         if self.tb is not None:
             for key, value in clean.items():
                 if value is not None:
