@@ -557,3 +557,33 @@ def test_without_data_dir_tasks_come_from_the_env_or_an_error_says_how(tmp_path,
     assert len(prepare(EvalOptions(tasks=["arc_easy"]))[0][2]) > 0
     with pytest.raises(TaskDataError, match=r"elsewhere/arc_easy.jsonl: task file not found \(point"):
         prepare(EvalOptions(tasks=["arc_easy"], data_dir=str(tmp_path / "elsewhere")))  # no hint: it was given
+
+
+def test_cli_results_outlive_checkpoint_retention_and_never_overwrite(tmp_path, loaded, monkeypatch):
+    """`marinlm eval RUN` wrote CHECKPOINT/eval.json: while training went on, retention
+    (checkpoint.keep_last) deleted that checkpoint folder and the results with it, and a second
+    eval of the same checkpoint overwrote the first."""
+    import marinlm.train.inference as inference
+    from marinlm.cli import main
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000050"
+    checkpoint.mkdir(parents=True)
+    standalone = tmp_path / "exported"
+    standalone.mkdir()
+    (tmp_path / "text.txt").write_text(" ".join(SAMPLE_TEXTS))
+    task = f"bpb:{tmp_path / 'text.txt'}"
+    for folder in (checkpoint, standalone):
+        run = LoadedModel(loaded.model, loaded.tokenizer, loaded.config, folder, loaded.tokenizer_hash)
+        monkeypatch.setattr(inference, "load_model", lambda run_arg, device, run=run: run)
+        for _ in range(2):
+            assert main(["eval", "run", "--tasks", task, "--limit", "1"]) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "eval").iterdir()) == [
+        "step-00000050-2.json",
+        "step-00000050-2.md",
+        "step-00000050.json",
+        "step-00000050.md",
+    ]
+    assert list(checkpoint.iterdir()) == []  # the checkpoint folder is left as training wrote it
+    assert sorted(p.name for p in standalone.iterdir()) == ["eval-2.json", "eval-2.md", "eval.json", "eval.md"]
+    report = json.loads((tmp_path / "run" / "eval" / "step-00000050.json").read_text())
+    assert report["config"]["checkpoint"] == str(checkpoint)

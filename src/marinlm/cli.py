@@ -169,7 +169,7 @@ def _eval(args, overrides) -> int:
     )
     try:
         loaded = load_model(args.run, device=args.device)
-        output = Path(args.output) if args.output else loaded.checkpoint / "eval.json"
+        output = Path(args.output) if args.output else _default_eval_output(loaded.checkpoint)
         if output.is_dir():  # like `cp FILE DIR/`
             output = output / "eval.json"
         # Results are written once, at the end: a folder that cannot be made must fail now, not after
@@ -215,6 +215,20 @@ def _positive(cast, what: str):
         return value
 
     return parse
+
+
+def _default_eval_output(checkpoint: Path) -> Path:
+    """RUN/eval/step-N.json for a run's checkpoint: a checkpoint folder is deleted by retention
+    (checkpoint.keep_last) while training goes on, and results kept in it would go with it.
+    CHECKPOINT/eval.json for a checkpoint outside a run. Never over an earlier result: -2, -3, ..."""
+    if checkpoint.parent.name == "checkpoints":
+        folder, stem = checkpoint.parent.parent / "eval", checkpoint.name
+    else:
+        folder, stem = checkpoint, "eval"
+    path, n = folder / f"{stem}.json", 2
+    while path.exists() or path.with_suffix(".md").exists():
+        path, n = folder / f"{stem}-{n}.json", n + 1
+    return path
 
 
 def _version() -> str:
@@ -277,7 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="read a task file from HF datasets, e.g. hellaswag_val.jsonl=org/hellaswag-marinlm:validation",
     )
     ev.add_argument(
-        "--output", default=None, help="results JSON, or a folder for eval.json (default: CHECKPOINT/eval.json)"
+        "--output",
+        default=None,
+        help="results JSON, or a folder for eval.json (default: RUN/eval/STEP.json, or CHECKPOINT/eval.json for a "
+        "checkpoint outside a run; never over an earlier result)",
     )
     ev.add_argument("--device", default="cpu")
     ev.set_defaults(func=_eval)
