@@ -208,7 +208,7 @@ def main() -> None:
         emulated = dev == "cpu" and peaks[dtype] < peaks[torch.float32]  # MFU against an emulated peak means nothing
         for contender, t in best.items():
             mfu = "n/a (emulated bf16)" if emulated else f"{flops[contender] / t / peaks[dtype]:6.1%}"
-            print(f"  {contender:<20} {tokens / t:8.0f} tok/s  step {t * 1e3:8.1f} ms  MFU {mfu}")
+            print(f"  {contender:<26} {tokens / t:8.0f} tok/s  step {t * 1e3:8.1f} ms  MFU {mfu}")
         hf_best = min((k for k in best if k.startswith("HF") and "compiled" not in k), key=best.get)
         print(f"  marinlm / {hf_best}: {best[hf_best] / best['marinlm']:.2f}x  (target >= 1.5x)")
         if "marinlm compiled" in best and "HF (grouped_mm) compiled" in best:
