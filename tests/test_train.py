@@ -611,3 +611,55 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(token_dat
     trainer.close()
     assert not list_checkpoints(tmp_path / "run2" / "checkpoints")
     assert not list((tmp_path / "run2" / "checkpoints").glob("*.tmp"))
+
+
+def _save_on_two_ranks(rank: int, root: str, port: int, failing_rank: int) -> None:
+    """One rank of a 2-process gloo save in which `failing_rank` cannot write its RNG file."""
+    import errno
+
+    import torch.distributed as dist
+
+    import marinlm.train.checkpoint as ck
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == failing_rank:
+            real = torch.save
+
+            def full_disk(obj, f, *args, **kwargs):
+                if "rng" in str(f):
+                    raise OSError(errno.ENOSPC, "No space left on device", str(f))
+                return real(obj, f, *args, **kwargs)
+
+            torch.save = full_disk
+        manager = ck.CheckpointManager(Path(root) / "ckpts", rank=rank, world_size=2)
+        try:
+            manager.save(1, {"model": {"w": torch.arange(4.0) + rank}}, {"step": 1}, "x: 1\n")
+        except ck.CheckpointWriteError as e:
+            (Path(root) / f"error-{rank}.txt").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, failing_rank):
+    """A rank whose small files failed (a full disk) raised alone, and the others waited forever in
+    DCP's collectives."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(_save_on_two_ranks, (str(tmp_path), port, failing_rank), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a rank hung after another failed to write its checkpoint files")
+    for rank in (0, 1):
+        message = (tmp_path / f"error-{rank}.txt").read_text()
+        assert f"rank-{failing_rank:05d}.pt: No space left on device" in message
+    assert list((tmp_path / "ckpts").iterdir()) == []  # the partial folder is gone

@@ -325,22 +325,30 @@ class CheckpointManager:
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         self._check_space(step, local_bytes(tensors))
-        try:
+
+        def make_folder():
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-            barrier()
-            failed = None
-            try:  # the small files first; every rank learns of a failure before DCP's collectives
-                (tmp / "rng").mkdir(exist_ok=True)
-                torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
-                if self.rank == 0:
-                    write_json_atomic(tmp / "trainer_state.json", trainer_state)
-                    write_text_atomic(tmp / "config.yaml", config_yaml)
-            except OSError as e:
-                failed = e
-            if errors := [e for e in all_gather_object(failed) if e is not None]:
-                raise errors[0]
+
+        def small_files():
+            (tmp / "rng").mkdir(exist_ok=True)
+            torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
+            if self.rank == 0:
+                write_json_atomic(tmp / "trainer_state.json", trainer_state)
+                write_text_atomic(tmp / "config.yaml", config_yaml)
+
+        try:
+            # The folder, then the small files: every rank learns of a failure in either (a full
+            # disk) before it goes on, instead of waiting forever in a collective the failed rank left.
+            for part in (make_folder, small_files):
+                failed = None
+                try:
+                    part()
+                except OSError as e:
+                    failed = e
+                if errors := [e for e in all_gather_object(failed) if e is not None]:
+                    raise errors[0]
             if self.async_save:
                 with quiet_single_process():
                     future = dcp.async_save(tensors, checkpoint_id=str(tmp))
