@@ -432,3 +432,53 @@ def test_tokenize_on_ray_writes_what_local_processes_write(dataset, tok_dir, tmp
         files = [(e["tokens_sha256"], e["docs_sha256"]) for e in local["splits"][split]]
         assert [(e["tokens_sha256"], e["docs_sha256"]) for e in on_ray["splits"][split]] == files
     assert on_ray["rejected_count"] == local["rejected_count"] == 2
+
+
+def test_a_full_disk_while_storing_an_epoch_is_an_error_naming_the_file(dataset, tmp_path, monkeypatch):
+    """The stored epoch is written through a memory map of a sparse file: on a full disk the first
+    write into an unbacked page killed the training process with SIGBUS (measured on a 100 MB
+    tmpfs with 40M documents). The file's blocks are now reserved first."""
+    import errno
+    import os
+
+    root, _, _ = dataset
+    config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5)
+    calls = []
+
+    def full_disk(fd, offset, length):
+        calls.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full_disk, raising=False)
+    loader = build_loader(config, global_batch=4, index_dir=tmp_path / "index")
+    with pytest.raises(OSError, match=r"No space left on device") as caught:
+        collect(loader, 1)
+    assert caught.value.filename.endswith("epoch-000000.ends.npy") and calls and calls[0] > 0
+    assert not [p for p in (tmp_path / "index").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+    def unsupported(fd, offset, length):  # a filesystem that cannot preallocate: written as before
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported, raising=False)
+    assert len(collect(build_loader(config, global_batch=4, index_dir=tmp_path / "index"), 2)) == 2
+
+
+def test_a_malformed_manifest_names_the_file_and_key(dataset, tmp_path):
+    import json
+    import shutil
+
+    root, _, _ = dataset
+    shutil.copytree(root / "tokens", tmp_path / "tokens")
+    manifest = tmp_path / "tokens" / "manifest.json"
+    good = json.loads(manifest.read_text())
+    for edit, message in [
+        (lambda m: m.pop("dtype"), r"manifest\.json: missing key 'dtype'"),
+        (lambda m: m["tokenizer"].pop("vocab_size"), r"manifest\.json: missing key 'vocab_size'"),
+        (lambda m: m["splits"].update(train=[{"tokens": "train/x.tokens"}]), r"manifest\.json: missing key 'num_docs'"),
+        (lambda m: m.update(tokenizer=["not", "a", "dict"]), r"manifest\.json: malformed"),
+    ]:
+        broken = json.loads(json.dumps(good))
+        edit(broken)
+        manifest.write_text(json.dumps(broken))
+        with pytest.raises(ShardError, match=message):
+            TokenDataset(tmp_path / "tokens")

@@ -663,3 +663,19 @@ def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, 
         message = (tmp_path / f"error-{rank}.txt").read_text()
         assert f"rank-{failing_rank:05d}.pt: No space left on device" in message
     assert list((tmp_path / "ckpts").iterdir()) == []  # the partial folder is gone
+
+
+def test_a_dataset_whose_manifest_names_no_tokenizer_folder_trains_with_a_warning(token_data, tmp_path, capsys):
+    """A token folder moved from another machine (tokenizer.path gone) or written by another tool
+    ended the start-up in a KeyError traceback; the tokenizer copy is a convenience for generate."""
+    import shutil
+
+    shutil.copytree(token_data, tmp_path / "tokens")
+    manifest = tmp_path / "tokens" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["tokenizer"]["path"]
+    manifest.write_text(json.dumps(data))
+    trainer = Trainer(train_config(tmp_path / "tokens", tmp_path / "run", train={"steps": 1}), resume="none")
+    trainer.close()
+    assert "names no tokenizer folder that exists (tokenizer.path: None)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "tokenizer").exists()

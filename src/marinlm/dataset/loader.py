@@ -40,7 +40,7 @@ import torch
 
 from marinlm.config import check
 from marinlm.dataset.shards import ShardError, TokenDataset
-from marinlm.utils.io import atomic_path, exclusive, sha256_bytes
+from marinlm.utils.io import atomic_path, exclusive, reserve_space, sha256_bytes
 
 IGNORE_INDEX = -100
 _CHUNK = 1 << 22  # documents per step when an epoch's stream ends are computed
@@ -161,6 +161,7 @@ class PackedSource:
                     order_path, ends_path = self._epoch_paths(epoch)
                     with atomic_path(ends_path) as tmp:
                         ends = np.lib.format.open_memmap(tmp, "w+", np.int64, (self.data.num_docs,))
+                        reserve_space(tmp)  # a full disk: an OSError here, not SIGBUS while writing
                         order, _ = self._build_epoch(epoch, ends)
                         ends.flush()
                         del ends

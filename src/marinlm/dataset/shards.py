@@ -97,21 +97,25 @@ class TokenDataset:
         except json.JSONDecodeError as e:
             raise ShardError(f"{manifest_path}: corrupt manifest: {e}") from None
         m = self.manifest
-        if tokenizer_hash is not None and tokenizer_hash != m["tokenizer"]["hash"]:
-            raise ShardError(
-                f"{self.folder}: tokenized with tokenizer {m['tokenizer']['hash'][:12]}…, but the run uses "
-                f"{tokenizer_hash[:12]}…; re-tokenize or point at the matching tokenizer"
-            )
-        self.vocab_size = int(m["tokenizer"]["vocab_size"])
-        if model_vocab_size is not None and model_vocab_size < self.vocab_size:
-            raise ShardError(
-                f"{self.folder}: the model's vocab_size {model_vocab_size} is smaller than the tokenizer's "
-                f"{self.vocab_size}; set model.vocab_size >= {self.vocab_size}"
-            )
-        self.bos_id, self.eos_id = m["tokenizer"]["bos_id"], m["tokenizer"]["eos_id"]
-        self.dtype = np.dtype(m["dtype"])
-        self.split = split
-        self.shards = [self._open(entry, verify) for entry in m["splits"][split] if entry["num_docs"] > 0]
+        try:
+            if tokenizer_hash is not None and tokenizer_hash != m["tokenizer"]["hash"]:
+                raise ShardError(
+                    f"{self.folder}: tokenized with tokenizer {m['tokenizer']['hash'][:12]}…, but the run uses "
+                    f"{tokenizer_hash[:12]}…; re-tokenize or point at the matching tokenizer"
+                )
+            self.vocab_size = int(m["tokenizer"]["vocab_size"])
+            if model_vocab_size is not None and model_vocab_size < self.vocab_size:
+                raise ShardError(
+                    f"{self.folder}: the model's vocab_size {model_vocab_size} is smaller than the tokenizer's "
+                    f"{self.vocab_size}; set model.vocab_size >= {self.vocab_size}"
+                )
+            self.bos_id, self.eos_id = m["tokenizer"]["bos_id"], m["tokenizer"]["eos_id"]
+            self.dtype = np.dtype(m["dtype"])
+            self.split = split
+            self.shards = [self._open(entry, verify) for entry in m["splits"][split] if entry["num_docs"] > 0]
+        except (KeyError, TypeError, IndexError) as e:  # hand-edited, or not written by `marinlm tokenize`
+            what = f"missing key {e}" if isinstance(e, KeyError) else f"malformed ({e})"
+            raise ShardError(f"{manifest_path}: {what}; is this a finished `marinlm tokenize` output?") from None
         self.num_docs = sum(s.num_docs for s in self.shards)
         self.num_tokens = sum(int(s.doc_ends[-1]) for s in self.shards)
         if self.num_docs == 0:

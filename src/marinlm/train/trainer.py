@@ -346,11 +346,18 @@ class Trainer:
             "peak_flops_measured": self.peak_flops,
         }
         write_json_atomic(self.run_dir / "run_info.json", record)
-        tok_src = Path(
-            json.loads((Path(self.config.data.sources[0].path) / "manifest.json").read_text())["tokenizer"]["path"]
-        )
-        if tok_src.is_dir() and not (self.run_dir / "tokenizer").exists():
-            shutil.copytree(tok_src, self.run_dir / "tokenizer")
+        # The run keeps its tokenizer, so that generate and eval need nothing but the run folder.
+        manifest = Path(self.config.data.sources[0].path) / "manifest.json"
+        tok_src = json.loads(manifest.read_text()).get("tokenizer", {}).get("path")
+        if not (self.run_dir / "tokenizer").exists():
+            if tok_src and Path(tok_src).is_dir():
+                shutil.copytree(tok_src, self.run_dir / "tokenizer")
+            else:
+                print(
+                    f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {tok_src!r}); "
+                    f"copy the tokenizer to {self.run_dir / 'tokenizer'} for `marinlm generate` and `eval`",
+                    file=sys.stderr,
+                )
 
     # --- hooks ----------------------------------------------------------------------------------
 

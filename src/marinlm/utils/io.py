@@ -4,6 +4,7 @@ either the previous file or the complete new one, never a torn one."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -38,12 +39,12 @@ def atomic_path(path: str | Path):
     try:
         yield Path(tmp)
         os.replace(tmp, path)
-    except OSError as e:  # a write that fails on a full disk names no file: say which
+    except OSError as e:  # a write that fails on a full disk names no file (or the temporary): say which
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if e.filename:
+        if e.filename and e.filename != tmp:
             raise
-        raise named(e, path) from None
+        raise type(e)(e.errno, e.strerror or str(e), str(path)) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -55,6 +56,22 @@ def named(error: OSError, path: str | Path) -> OSError:
     if error.filename:
         return error
     return type(error)(error.errno, error.strerror or str(error), str(path))
+
+
+def reserve_space(path: str | Path) -> None:
+    """Allocate the disk blocks of a file made at its full size but sparse (a memory map's): on a
+    full disk the first write into an unbacked page kills the process with SIGBUS; this makes it an
+    OSError naming the file instead. A filesystem that cannot preallocate is left as it is."""
+    if not hasattr(os, "posix_fallocate"):  # macOS
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
