@@ -195,3 +195,13 @@ def test_a_full_disk_is_one_line_naming_the_path(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_model_summary", lambda args, overrides: (_ for _ in ()).throw(ConnectionResetError()))
     with pytest.raises(ConnectionResetError):
         main(summary)
+
+
+def test_a_mistyped_run_folder_is_named_as_missing(tmp_path, capsys):
+    """It read 'no usable checkpoint (looked in TYPO/checkpoints)', as if the run were broken."""
+    for command in (
+        ["generate", str(tmp_path / "typo"), "--prompt", "x"],
+        ["eval", str(tmp_path / "typo"), "--tasks", "val"],
+    ):
+        assert main(command) == 2
+        assert f"error: {tmp_path / 'typo'}: no such run or checkpoint folder" in capsys.readouterr().err

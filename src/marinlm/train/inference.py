@@ -33,6 +33,8 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
     (a CheckpointError if the given one is not), so callers need not hash it again. Under torchrun
     the ranks share the hashing and agree on the folder."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run or checkpoint folder")
     if (path / "COMPLETE.json").exists() or path.name.startswith("step-"):
         validate(path, rank, world_size)
         return path
