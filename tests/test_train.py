@@ -605,12 +605,20 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(token_dat
     monkeypatch.setattr(ck, "free_bytes", lambda path: 1_000_000)  # 1 MB
     with pytest.raises(ConfigError, match=r"checkpoint\.space_check: .* \(2 x [\d.]+ MB, with checkpoint\.keep_last=3"):
         Trainer(train_config(token_data, tmp_path / "run"), resume="none")
-    trainer = Trainer(train_config(token_data, tmp_path / "run2", checkpoint={"space_check": False}), resume="none")
+    # The disk fills up after the start: the save that finds no room writes nothing.
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 10**12)
+    trainer = Trainer(train_config(token_data, tmp_path / "run2"), resume="none")
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 1_000_000)
     with pytest.raises(ck.CheckpointWriteError, match=r"checkpoint at step 4 needs about .* 1\.0 MB free; nothing"):
         trainer.fit()
     trainer.close()
     assert not list_checkpoints(tmp_path / "run2" / "checkpoints")
     assert not list((tmp_path / "run2" / "checkpoints").glob("*.tmp"))
+    # A filesystem whose free space reads wrong (some FUSE mounts): checkpoint.space_check=false.
+    trainer = Trainer(train_config(token_data, tmp_path / "run3", checkpoint={"space_check": False}), resume="none")
+    trainer.fit()
+    trainer.close()
+    assert [p.name for p in list_checkpoints(tmp_path / "run3" / "checkpoints")] == ["step-00000008", "step-00000004"]
 
 
 def _save_on_two_ranks(rank: int, root: str, port: int, failing_rank: int) -> None:

@@ -306,12 +306,21 @@ class CheckpointManager:
         keep_last: finished checkpoints to keep (older ones are deleted after a successful save).
         async_save: stage tensors and write them in the background (`dcp.async_save`); the folder
             is finalised (marker, rename) at the next save or at `finalize()`.
+        check_space: refuse a save that the free space cannot hold, before writing (off for a
+            filesystem whose free space reads wrong, as some FUSE mounts of object stores do).
     """
 
     def __init__(
-        self, root: str | Path, rank: int = 0, world_size: int = 1, keep_last: int = 3, async_save: bool = False
+        self,
+        root: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        keep_last: int = 3,
+        async_save: bool = False,
+        check_space: bool = True,
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.check_space = check_space
         self.keep_last, self.async_save = keep_last, async_save
         self._pending = None  # (future, tmp_folder, final_folder)
 
@@ -324,7 +333,8 @@ class CheckpointManager:
         self.finalize()
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
-        self._check_space(step, local_bytes(tensors))
+        if self.check_space:
+            self._check_space(step, local_bytes(tensors))
 
         def make_folder():
             if self.rank == 0:
@@ -382,7 +392,8 @@ class CheckpointManager:
             raise CheckpointWriteError(
                 f"{self.root}: checkpoint at step {step} needs about {need / 1e6:,.{digits}f} MB and the disk has "
                 f"{free / 1e6:,.{digits}f} MB free; nothing was written. {self._newest()} Free some space (or "
-                "lower checkpoint.keep_last) and resume with the same command"
+                "lower checkpoint.keep_last) and resume with the same command; checkpoint.space_check=false "
+                "skips this check where the free space reads wrong"
             )
 
     def check_room_for_run(self, step: int, last_step: int, every: int, local_estimate: int) -> None:

@@ -55,8 +55,9 @@ class CheckpointConfig:
     every_steps: int = 100  # 0 = only at the end
     keep_last: int = 3
     async_save: bool = False
-    # Refuse at start a run whose checkpoints cannot fit in the free space (a save that finds no
-    # room fails with a clear error either way, and removes what it half-wrote).
+    # Refuse at start a run whose checkpoints cannot fit in the free space, and a save that finds
+    # no room before it writes. Off for a filesystem whose free space reads wrong (some FUSE mounts
+    # of object stores); a save that fails still removes what it half-wrote and says why.
     space_check: bool = True
     # Continued training: a checkpoint (or run) folder whose model weights start this run; the
     # optimizer, schedule and data position start fresh. Unused once the run has checkpoints of its own.

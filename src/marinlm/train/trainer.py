@@ -110,7 +110,12 @@ class Trainer:
         self.val_source = self._val_source()
         self.epochs_planned = self._epochs_planned()
         self.checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", self.info.rank, self.world, c.checkpoint.keep_last, c.checkpoint.async_save
+            self.run_dir / "checkpoints",
+            self.info.rank,
+            self.world,
+            c.checkpoint.keep_last,
+            c.checkpoint.async_save,
+            c.checkpoint.space_check,
         )
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
