@@ -42,9 +42,9 @@ def atomic_path(path: str | Path):
     except OSError as e:  # a write that fails on a full disk names no file (or the temporary): say which
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if e.filename and e.filename != tmp:
+        if e.errno is None or (e.filename and e.filename != tmp):
             raise
-        raise type(e)(e.errno, e.strerror or str(e), str(path)) from None
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -53,9 +53,9 @@ def atomic_path(path: str | Path):
 
 def named(error: OSError, path: str | Path) -> OSError:
     """`error` with the file it concerns: a failed write or close (a full disk) names none."""
-    if error.filename:
+    if error.filename or error.errno is None:
         return error
-    return type(error)(error.errno, error.strerror or str(error), str(path))
+    return OSError(error.errno, error.strerror or str(error), str(path))  # the errno's own subclass
 
 
 def reserve_space(path: str | Path) -> None:
