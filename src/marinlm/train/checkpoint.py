@@ -384,9 +384,8 @@ class CheckpointManager:
 
     def _check_space(self, step: int, nbytes: int) -> None:
         """Refuse, before writing anything and alike on every rank, a checkpoint that cannot fit."""
-        shares = all_gather_object((nbytes, free_bytes(self.root)))
-        need = sum(n for n, _ in shares) + (1 << 20)  # + the small files
-        free = min(f for _, f in shares)
+        total, free = self._total_and_free(nbytes)
+        need = total + (1 << 20)  # + the small files
         if need > free:
             digits = next(d for d in (1, 2, 3, 6) if round(need / 1e6, d) != round(free / 1e6, d) or d == 6)
             raise CheckpointWriteError(
@@ -405,13 +404,8 @@ class CheckpointManager:
         checkpoint's size is the newest existing one's, else the ranks' `local_estimate`s summed.
         """
         done = list_checkpoints(self.root)
-        shares = all_gather_object((local_estimate, free_bytes(self.root)))
-        free = min(f for _, f in shares)
-        size = (
-            sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file())
-            if done
-            else sum(n for n, _ in shares) + (1 << 20)
-        )
+        total, free = self._total_and_free(local_estimate)
+        size = sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file()) if done else total + (1 << 20)
         saves = (last_step // every - step // every if every else 0) + (not every or last_step % every != 0)
         if step >= last_step or not saves:
             return
@@ -425,6 +419,11 @@ class CheckpointManager:
                 f"{free / 1e6:,.1f} MB free. Free some space, lower checkpoint.keep_last, point run_dir elsewhere, "
                 "or set checkpoint.space_check=false to start anyway",
             )
+
+    def _total_and_free(self, nbytes: int) -> tuple[int, int]:
+        """The ranks' `nbytes` summed, and the least free space any rank sees: alike on every rank."""
+        shares = all_gather_object((nbytes, free_bytes(self.root)))
+        return sum(n for n, _ in shares), min(f for _, f in shares)
 
     def _write_failed(self, step: int, tmp: Path, error: BaseException) -> CheckpointWriteError:
         free = free_bytes(self.root)  # before the partial folder goes: a full disk reads (nearly) 0

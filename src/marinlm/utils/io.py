@@ -39,21 +39,21 @@ def atomic_path(path: str | Path):
     try:
         yield Path(tmp)
         os.replace(tmp, path)
-    except OSError as e:  # a write that fails on a full disk names no file (or the temporary): say which
+    except OSError as e:  # a write that fails on a full disk names no file, or the temporary: say which
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if e.errno is None or (e.filename and e.filename != tmp):
-            raise
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise named(e, path, temporary=tmp) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
-def named(error: OSError, path: str | Path) -> OSError:
-    """`error` with the file it concerns: a failed write or close (a full disk) names none."""
-    if error.filename or error.errno is None:
+def named(error: OSError, path: str | Path, temporary: str | Path | None = None) -> OSError:
+    """`error` naming `path`: a failed write or close (a full disk) names no file, or only the
+    `temporary` being written in its place. Errors that name another file, or carry no errno, as
+    they are."""
+    if error.errno is None or (error.filename and str(error.filename) != (str(temporary) if temporary else None)):
         return error
     return OSError(error.errno, error.strerror or str(error), str(path))  # the errno's own subclass
 
@@ -69,7 +69,7 @@ def reserve_space(path: str | Path) -> None:
         os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
-            raise OSError(e.errno, e.strerror, str(path)) from None
+            raise named(e, path) from None
     finally:
         os.close(fd)
 
