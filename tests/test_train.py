@@ -687,3 +687,16 @@ def test_a_dataset_whose_manifest_names_no_tokenizer_folder_trains_with_a_warnin
     trainer.close()
     assert "names no tokenizer folder that exists (tokenizer.path: None)" in capsys.readouterr().err
     assert not (tmp_path / "run" / "tokenizer").exists()
+
+
+def test_the_runs_tokenizer_copy_is_never_a_partial_one(token_data, tmp_path):
+    """The copy went straight to RUN/tokenizer: one killed midway was taken for the tokenizer by
+    every later start (it is copied only when absent)."""
+    source = Path(json.loads((token_data / "manifest.json").read_text())["tokenizer"]["path"])
+    (tmp_path / "run" / ".tokenizer.tmp").mkdir(parents=True)  # what a killed copy left
+    (tmp_path / "run" / ".tokenizer.tmp" / "tokenizer.json").write_text("{")
+    Trainer(train_config(token_data, tmp_path / "run", train={"steps": 1}), resume="none").close()
+    copied = tmp_path / "run" / "tokenizer"
+    assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in source.iterdir())
+    assert (copied / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert not (tmp_path / "run" / ".tokenizer.tmp").exists()

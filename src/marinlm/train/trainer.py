@@ -90,6 +90,7 @@ class Trainer:
         if first is None:
             raise ValueError("data.sources: give at least one tokenized dataset")
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
+        self._tokenizer_source = first.manifest["tokenizer"].get("path")  # copied into the run
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
             where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
@@ -351,16 +352,20 @@ class Trainer:
             "peak_flops_measured": self.peak_flops,
         }
         write_json_atomic(self.run_dir / "run_info.json", record)
-        # The run keeps its tokenizer, so that generate and eval need nothing but the run folder.
-        manifest = Path(self.config.data.sources[0].path) / "manifest.json"
-        tok_src = json.loads(manifest.read_text()).get("tokenizer", {}).get("path")
-        if not (self.run_dir / "tokenizer").exists():
-            if tok_src and Path(tok_src).is_dir():
-                shutil.copytree(tok_src, self.run_dir / "tokenizer")
+        # The run keeps its tokenizer, so that generate and eval need nothing but the run folder;
+        # copied under a temporary name first, so a killed copy is never taken for the tokenizer.
+        source, target = self._tokenizer_source, self.run_dir / "tokenizer"
+        if not target.exists():
+            if source and Path(source).is_dir():
+                partial = target.with_name(".tokenizer.tmp")  # the run folder is locked: one writer
+                shutil.rmtree(partial, ignore_errors=True)
+                shutil.copytree(source, partial)
+                os.replace(partial, target)
             else:
+                manifest = Path(self.config.data.sources[0].path) / "manifest.json"
                 print(
-                    f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {tok_src!r}); "
-                    f"copy the tokenizer to {self.run_dir / 'tokenizer'} for `marinlm generate` and `eval`",
+                    f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {source!r}); "
+                    f"copy the tokenizer to {target} for `marinlm generate` and `eval`",
                     file=sys.stderr,
                 )
 
