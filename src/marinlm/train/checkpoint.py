@@ -403,18 +403,18 @@ class CheckpointManager:
         keep_last finished checkpoints plus the one being written; those already there count. A
         checkpoint's size is the newest existing one's, else the ranks' `local_estimate`s summed.
         """
+        if step >= last_step:  # nothing left to train: nothing to save (alike on every rank)
+            return
         done = list_checkpoints(self.root)
         total, free = self._total_and_free(local_estimate)
         size = sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file()) if done else total + (1 << 20)
         saves = (last_step // every - step // every if every else 0) + (not every or last_step % every != 0)
-        if step >= last_step or not saves:
-            return
         peak = min(len(done) + saves - 1, self.keep_last) + 1  # finished ones + the one in flight
-        need = max(peak - len(done), 1) * size
-        if need > free:
+        more = max(peak - len(done), 1)  # a save always needs room for itself before pruning
+        if more * size > free:
             raise ConfigError(
                 "checkpoint.space_check",
-                f"{self.root}: this run's checkpoints need about {need / 1e6:,.1f} MB more ({max(peak - len(done), 1)} "
+                f"{self.root}: this run's checkpoints need about {more * size / 1e6:,.1f} MB more ({more} "
                 f"x {size / 1e6:,.1f} MB, with checkpoint.keep_last={self.keep_last}) and the disk has "
                 f"{free / 1e6:,.1f} MB free. Free some space, lower checkpoint.keep_last, point run_dir elsewhere, "
                 "or set checkpoint.space_check=false to start anyway",
