@@ -48,6 +48,42 @@ def test_model_summary_of_a_training_config_uses_its_model_and_seq_len(capsys):
     assert capsys.readouterr().out != out
 
 
+def test_the_hero_training_config_is_the_runs_recipe(capsys):
+    """configs/train/marin-535b-a23b.yaml against ../shared/docs/marin-535b-a23b.md: shape, optimizer,
+    schedule, batch, length, precision and checkpoints; its summary gives the run's 18.0T tokens
+    and about 2.70e24 FLOPs."""
+    import re
+
+    from marinlm.config import load_config
+    from marinlm.model import MarinConfig
+    from marinlm.train.config import TrainConfig
+
+    path = CONFIGS / "train" / "marin-535b-a23b.yaml"
+    hero = load_config(TrainConfig, path)
+    assert hero.model == load_config(MarinConfig, CONFIGS / "model" / "marin-535b-a23b.yaml")
+    o, s, t, c = hero.optim, hero.schedule, hero.train, hero.checkpoint
+    assert type(o).__name__ == "MarinOptimizerConfig"
+    assert (o.lr, o.adam_lr, tuple(o.betas), o.eps) == (0.003291, 0.000759, (0.9, 0.95), 1e-8)
+    assert (o.momentum, o.nesterov, o.ns_steps) == (0.95, True, 5)
+    assert (s.kind, s.warmup_fraction, s.min_lr_ratio) == ("linear", 0.01, 0.05)
+    assert (t.steps, t.global_batch, hero.data.seq_len, t.precision, t.grad_clip) == (
+        390_251,
+        11_264,
+        4096,
+        "bf16",
+        None,
+    )
+    assert (c.every_steps, c.keep_every_steps, c.every_minutes) == (6000, 6000, 60)
+    assert main(["model", "summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    run = re.search(
+        r"run: 390,251 steps x 11,264 sequences x 4,096 tokens = ([\d.e+]+) tokens, ([\d.e+]+) training FLOPs", out
+    )
+    assert run, out
+    assert float(run[1]) == pytest.approx(18.0e12, rel=1e-3)  # 46.1M tokens a step
+    assert float(run[2]) == pytest.approx(2.70e24, rel=0.02)
+
+
 def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, tmp_path, capsys):
     from marinlm.config import save_config
 

@@ -564,19 +564,23 @@ def test_a_save_without_room_writes_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("step", "last", "every", "keep_last", "existing", "need_mb"),
+    ("step", "last", "every", "keep_last", "existing", "need_mb", "keep_every", "minutes"),
     [
-        (0, 30, 10, 2, 0, 30),  # saves at 10, 20, 30: two finished + one in flight, 10 MB each
-        (0, 30, 10, 1, 0, 20),  # one finished + one in flight
-        (0, 30, 0, 3, 0, 10),  # only the final save
-        (20, 35, 10, 3, 0, 20),  # resumed at 20: saves at 30 and at the end, 35
-        (0, 30, 10, 3, 2, 20),  # two there already: a third finished one + one in flight
-        (0, 30, 10, 2, 2, 10),  # two there, keep_last 2: one in flight, then the oldest goes
-        (30, 30, 10, 3, 0, 0),  # nothing left to train: nothing to save
+        (0, 30, 10, 2, 0, 30, 0, 0),  # saves at 10, 20, 30: two finished + one in flight, 10 MB each
+        (0, 30, 10, 1, 0, 20, 0, 0),  # one finished + one in flight
+        (0, 30, 0, 3, 0, 10, 0, 0),  # only the final save
+        (20, 35, 10, 3, 0, 20, 0, 0),  # resumed at 20: saves at 30 and at the end, 35
+        (0, 30, 10, 3, 2, 20, 0, 0),  # two there already: a third finished one + one in flight
+        (0, 30, 10, 2, 2, 10, 0, 0),  # two there, keep_last 2: one in flight, then the oldest goes
+        (30, 30, 10, 3, 0, 0, 0, 0),  # nothing left to train: nothing to save
+        (0, 30, 10, 1, 0, 30, 10, 0),  # 10 and 20 are permanent: both stay while 30 is written
+        (0, 30, 10, 3, 0, 40, 0, 5),  # timed saves may come at any step: keep_last 3 fill up
+        (0, 30, 10, 1, 0, 40, 10, 5),  # ...and the permanent 10 and 20 stay beside the newest
+        (20, 40, 10, 1, 2, 10, 20, 0),  # step 0 there is permanent, step 1 goes at the first save
     ],
 )
 def test_the_room_a_run_needs_for_its_checkpoints(
-    tmp_path, monkeypatch, step, last, every, keep_last, existing, need_mb
+    tmp_path, monkeypatch, step, last, every, keep_last, existing, need_mb, keep_every, minutes
 ):
     import marinlm.train.checkpoint as ck
     from marinlm.config import ConfigError
@@ -587,15 +591,45 @@ def test_the_room_a_run_needs_for_its_checkpoints(
         folder.mkdir(parents=True)
         with open(folder / "__0_0.distcp", "wb") as f:
             f.truncate(10_000_000)
-    manager = CheckpointManager(root, keep_last=keep_last)
+    manager = CheckpointManager(root, keep_last=keep_last, keep_every=keep_every)
     estimate = 10_000_000 - (1 << 20)  # the check adds a megabyte for the small files
     monkeypatch.setattr(ck, "free_bytes", lambda path: need_mb * 1_000_000)
-    manager.check_room_for_run(step, last, every, estimate)  # exactly enough
+    manager.check_room_for_run(step, last, every, estimate, every_minutes=minutes)  # exactly enough
     if need_mb:  # a megabyte less is refused, with both numbers
         monkeypatch.setattr(ck, "free_bytes", lambda path: (need_mb - 1) * 1_000_000)
         message = rf"checkpoint\.space_check: .* need about {need_mb}\.0 MB more .* has {need_mb - 1}\.0 MB free"
         with pytest.raises(ConfigError, match=message):
-            manager.check_room_for_run(step, last, every, estimate)
+            manager.check_room_for_run(step, last, every, estimate, every_minutes=minutes)
+
+
+def test_timed_and_permanent_checkpoints(token_data, tmp_path):
+    """A long run saves every checkpoint.every_minutes as well (the hero saved hourly) and keeps the
+    ones at multiples of keep_every_steps (every 6,000 steps) past keep_last."""
+    from marinlm.config import ConfigError
+
+    def saved_at(summary):
+        return [e["step"] for e in summary["events"] if e["event"] == "checkpoint"]
+
+    def on_disk(run):
+        return [p.name for p in list_checkpoints(run / "checkpoints")]
+
+    checkpoint = {"every_steps": 4, "keep_last": 1, "keep_every_steps": 4}
+    # A save is due after every step: each one saves, and pruning keeps the newest and step 4.
+    timed = run_training(
+        train_config(token_data, tmp_path / "timed", checkpoint={**checkpoint, "every_minutes": 1e-9}), resume="none"
+    )
+    assert saved_at(timed) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert on_disk(tmp_path / "timed") == ["step-00000008", "step-00000004"]
+    # Not yet due: only the step-based saves.
+    hourly = run_training(
+        train_config(token_data, tmp_path / "hourly", checkpoint={**checkpoint, "every_minutes": 60}), resume="none"
+    )
+    assert saved_at(hourly) == [4, 8]
+    # The run carries on from the newest one, timed or not.
+    again = run_training(train_config(token_data, tmp_path / "timed", train={"steps": 9}), resume="auto")
+    assert again["steps"] == 9
+    with pytest.raises(ConfigError, match=r"keep_every_steps: must be a multiple of every_steps \(4\)"):
+        train_config(token_data, tmp_path / "x", checkpoint={"every_steps": 4, "keep_every_steps": 6})
 
 
 def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(token_data, tmp_path, monkeypatch):
@@ -671,6 +705,51 @@ def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, 
         message = (tmp_path / f"error-{rank}.txt").read_text()
         assert f"rank-{failing_rank:05d}.pt: No space left on device" in message
     assert list((tmp_path / "ckpts").iterdir()) == []  # the partial folder is gone
+
+
+def _train_on_two_ranks(rank: int, config: str, port: int, out: str) -> None:
+    """One rank of a 2-process gloo run in which rank 1's clock runs two minutes a reading ahead."""
+    import marinlm.train.trainer as trainer_module
+    from marinlm.config import load_config
+    from marinlm.train.config import TrainConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    if rank == 1:
+        readings = iter(range(10**6))
+
+        class FastClock:
+            @staticmethod
+            def perf_counter() -> float:
+                return time.perf_counter() + 120 * next(readings)
+
+        trainer_module.time = FastClock
+    summary = run_training(load_config(TrainConfig, config), resume="none")
+    saved = [e["step"] for e in summary["events"] if e["event"] == "checkpoint"]
+    Path(out, f"saved-{rank}.json").write_text(json.dumps(saved))
+
+
+@pytest.mark.distributed
+def test_timed_checkpoints_are_agreed_by_every_rank(token_data, tmp_path):
+    """Each rank reads its own clock: a rank that alone found a timed save due would save alone and
+    wait forever in the checkpoint's collectives. The first rank to find it due decides for all."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    config = train_config(token_data, tmp_path / "run", checkpoint={"every_steps": 4, "every_minutes": 1})
+    save_config(config, tmp_path / "run.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(_train_on_two_ranks, (str(tmp_path / "run.yaml"), port, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks hung: a timed checkpoint was not agreed")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"saved-{rank}.json").read_text()) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_a_dataset_whose_manifest_names_no_tokenizer_folder_trains_with_a_warning(token_data, tmp_path, capsys):

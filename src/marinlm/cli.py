@@ -192,13 +192,22 @@ def _model_summary(args, overrides) -> int:
     from marinlm.presets import find_config
     from marinlm.train.config import TrainConfig
 
-    seq_len = args.seq_len
+    seq_len, train = args.seq_len, None
     if "model" in read_yaml(find_config(args.config)):  # a training config (or a run's config.yaml): its model
         train = load_config(TrainConfig, args.config, overrides)
         config, seq_len = train.model, seq_len or train.data.seq_len
     else:
         config = load_config(MarinConfig, args.config, overrides)
-    print(summarize(config, seq_len).table())
+    summary = summarize(config, seq_len)
+    print(summary.table())
+    if train is not None:  # the whole run: its tokens and training FLOPs at the data's sequence length
+        t = train.train
+        tokens = t.steps * t.global_batch * train.data.seq_len
+        run_flops = tokens * summarize(config, train.data.seq_len).flops_per_token
+        print(
+            f"run: {t.steps:,} steps x {t.global_batch:,} sequences x {train.data.seq_len:,} tokens = "
+            f"{tokens:.4g} tokens, {run_flops:.4g} training FLOPs"
+        )
     return 0
 
 

@@ -21,6 +21,7 @@ plain tensors.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -304,6 +305,7 @@ class CheckpointManager:
         root: the run's checkpoints folder.
         rank, world_size: this process; rank 0 writes the shared files and renames.
         keep_last: finished checkpoints to keep (older ones are deleted after a successful save).
+        keep_every: older ones at a multiple of this step are kept too (0 = none): permanent ones.
         async_save: stage tensors and write them in the background (`dcp.async_save`); the folder
             is finalised (marker, rename) at the next save or at `finalize()`.
         check_space: refuse a save that the free space cannot hold, before writing (off for a
@@ -318,9 +320,10 @@ class CheckpointManager:
         keep_last: int = 3,
         async_save: bool = False,
         check_space: bool = True,
+        keep_every: int = 0,
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.check_space = check_space
+        self.check_space, self.keep_every = check_space, keep_every
         self.keep_last, self.async_save = keep_last, async_save
         self._pending = None  # (future, tmp_folder, final_folder)
 
@@ -395,12 +398,44 @@ class CheckpointManager:
                 "skips this check where the free space reads wrong"
             )
 
-    def check_room_for_run(self, step: int, last_step: int, every: int, local_estimate: int) -> None:
+    def permanent(self, folder: Path) -> bool:
+        """A checkpoint that pruning keeps: its step is a multiple of `keep_every`."""
+        return bool(self.keep_every) and int(folder.name.removeprefix(STEP_PREFIX)) % self.keep_every == 0
+
+    def _most_on_disk(self, existing: list[int], saves) -> int:
+        """The most checkpoint folders on disk at once while `saves` (ascending steps) are written
+        after the `existing` ones: the finished ones plus the one in flight, pruned after each save."""
+        window: collections.deque[int] = collections.deque()  # the newest keep_last
+        kept_older = 0  # permanent ones older than the window
+        peak = len(existing) + 1 if saves else 0  # nothing is pruned before the first save finishes
+
+        def add(s: int) -> None:
+            nonlocal kept_older
+            window.append(s)
+            if len(window) > self.keep_last:
+                older = window.popleft()
+                kept_older += bool(self.keep_every) and older % self.keep_every == 0
+
+        for s in existing:
+            add(s)
+        for s in saves:
+            peak = max(peak, len(window) + kept_older + 1)
+            add(s)
+        return peak
+
+    def _prunable(self) -> list[Path]:
+        """Finished checkpoints past the newest keep_last that are not permanent."""
+        return [f for f in list_checkpoints(self.root)[self.keep_last :] if not self.permanent(f)]
+
+    def check_room_for_run(
+        self, step: int, last_step: int, every: int, local_estimate: int, *, every_minutes: float = 0.0
+    ) -> None:
         """Refuse to start a run whose checkpoints cannot fit: a ConfigError naming
         checkpoint.space_check, before any training time is spent.
 
-        The saves from `step` to `last_step` (every `every` steps, and at the end) hold at most
-        keep_last finished checkpoints plus the one being written; those already there count. A
+        The saves from `step` to `last_step` (every `every` steps, and at the end) are played out
+        with the pruning rule to find the most folders on disk at once; those already there count.
+        Timed saves (`every_minutes`) could come at any step, so every step is taken for one. A
         checkpoint's size is the newest existing one's, else the ranks' `local_estimate`s summed.
         """
         if step >= last_step:  # nothing left to train: nothing to save (alike on every rank)
@@ -408,14 +443,22 @@ class CheckpointManager:
         done = list_checkpoints(self.root)
         total, free = self._total_and_free(local_estimate)
         size = sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file()) if done else total + (1 << 20)
-        saves = (last_step // every - step // every if every else 0) + (not every or last_step % every != 0)
-        peak = min(len(done) + saves - 1, self.keep_last) + 1  # finished ones + the one in flight
+        if every_minutes:
+            saves = range(step + 1, last_step + 1)
+        else:
+            saves = [*range((step // every + 1) * every, last_step + 1, every)] if every else []
+            saves += [last_step] if not saves or saves[-1] != last_step else []
+        steps = sorted(int(f.name.removeprefix(STEP_PREFIX)) for f in done)
+        peak = self._most_on_disk(steps, saves)
         more = max(peak - len(done), 1)  # a save always needs room for itself before pruning
         if more * size > free:
+            kept = f"checkpoint.keep_last={self.keep_last}" + (
+                f", keep_every_steps={self.keep_every}" if self.keep_every else ""
+            )
             raise ConfigError(
                 "checkpoint.space_check",
                 f"{self.root}: this run's checkpoints need about {more * size / 1e6:,.1f} MB more ({more} "
-                f"x {size / 1e6:,.1f} MB, with checkpoint.keep_last={self.keep_last}) and the disk has "
+                f"x {size / 1e6:,.1f} MB, with {kept}) and the disk has "
                 f"{free / 1e6:,.1f} MB free. Free some space, lower checkpoint.keep_last, point run_dir elsewhere, "
                 "or set checkpoint.space_check=false to start anyway",
             )
@@ -448,7 +491,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            for old in list_checkpoints(self.root)[self.keep_last :]:
+            for old in self._prunable():
                 shutil.rmtree(old, ignore_errors=True)
             # Half-written saves of a killed job (one save is in flight at a time, and it just ended).
             for stale in self.root.glob(f"{STEP_PREFIX}*.tmp"):

@@ -53,7 +53,11 @@ class LoopConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     every_steps: int = 100  # 0 = only at the end
-    keep_last: int = 3
+    # Also save when this many minutes have passed since the last save (0 = off): a preempted
+    # long run loses at most this much, whatever the step time. The hero saved hourly.
+    every_minutes: float = 0.0
+    keep_last: int = 3  # the newest ones kept; older ones are deleted after a successful save...
+    keep_every_steps: int = 0  # ...except those at a multiple of this step (0 = none): permanent ones
     async_save: bool = False
     # Refuse at start a run whose checkpoints cannot fit in the free space, and a save that finds
     # no room before it writes. Off for a filesystem whose free space reads wrong (some FUSE mounts
@@ -65,7 +69,15 @@ class CheckpointConfig:
 
     def __post_init__(self):
         check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        check(self.every_minutes >= 0, "every_minutes", f"must be >= 0 (0 = off), got {self.every_minutes}")
         check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        check(self.keep_every_steps >= 0, "keep_every_steps", f"must be >= 0 (0 = none), got {self.keep_every_steps}")
+        check(
+            not self.keep_every_steps or (self.every_steps and self.keep_every_steps % self.every_steps == 0),
+            "keep_every_steps",
+            f"must be a multiple of every_steps ({self.every_steps}) so that those steps are saved, "
+            f"got {self.keep_every_steps}",
+        )
 
 
 @dataclass(kw_only=True)

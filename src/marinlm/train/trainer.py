@@ -117,6 +117,7 @@ class Trainer:
             c.checkpoint.keep_last,
             c.checkpoint.async_save,
             c.checkpoint.space_check,
+            c.checkpoint.keep_every_steps,
         )
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
@@ -129,7 +130,9 @@ class Trainer:
         resumed_from = self._resume(resume)
         if c.checkpoint.space_check:
             estimate = estimate_local_bytes(self.model, self.optimizer)
-            self.checkpoints.check_room_for_run(self.step, c.train.steps, c.checkpoint.every_steps, estimate)
+            self.checkpoints.check_room_for_run(
+                self.step, c.train.steps, c.checkpoint.every_steps, estimate, every_minutes=c.checkpoint.every_minutes
+            )
         self.sinks = None
         if self.info.is_main:
             self._write_run_record(resumed_from)
@@ -216,7 +219,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self.checkpoints.save(self.step, self._state_tensors(), self._trainer_state(), dump_config(self.config))
-        self._last_checkpoint_step = self.step
+        self._last_checkpoint_step, self._last_checkpoint_time = self.step, time.perf_counter()
         self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
         return path
 
@@ -453,6 +456,7 @@ class Trainer:
         if self.info.is_main and c.logging.progress:
             print(self._header(), flush=True)
         self._signal = None
+        self._last_checkpoint_time = start_time
         handlers = self._catch_stop_signals()
         try:
             while self.step < c.train.steps:
@@ -494,11 +498,20 @@ class Trainer:
                     loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / self._step_time:,.0f}", refresh=False
                 )
                 bar.update(1)
-                over_budget = bool(c.train.max_minutes) and time.perf_counter() - start_time > 60 * c.train.max_minutes
-                if reason := self._stop_reason(over_budget):
+                now = time.perf_counter()
+                over_budget = bool(c.train.max_minutes) and now - start_time > 60 * c.train.max_minutes
+                save_due = (
+                    bool(c.checkpoint.every_minutes)
+                    and self._last_checkpoint_step != self.step
+                    and now - self._last_checkpoint_time >= 60 * c.checkpoint.every_minutes
+                )
+                reason, save_due = self._agree_after_step(over_budget, save_due)
+                if reason:
                     stopped_early = True
                     self._log_event(f"{reason}: stopping at step {self.step} with a checkpoint")
                     break
+                if save_due and self.step < c.train.steps:  # the last step's save follows the loop
+                    self.save_checkpoint()
             if self._last_checkpoint_step != self.step:
                 self.save_checkpoint()
             self.checkpoints.finalize()
@@ -554,16 +567,19 @@ class Trainer:
 
         return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
 
-    def _stop_reason(self, over_budget: bool) -> str | None:
-        """Why to stop after this step, agreed by every rank: ranks that stopped at different steps
-        would hang in mismatched collectives (the checkpoint's against the next step's)."""
+    def _agree_after_step(self, over_budget: bool, save_due: bool) -> tuple[str | None, bool]:
+        """Why to stop after this step, and whether a timed checkpoint is due, agreed by every rank
+        in one collective: ranks that stopped or saved at different steps would hang in mismatched
+        collectives (the checkpoint's against the next step's). Each rank's clock differs a little;
+        the first one to call a save due decides for all."""
         code = 2 if self._signal else int(over_budget)
         if self.world > 1:
-            flag = torch.tensor([code], dtype=torch.int32, device=self.device)
-            code = int(all_reduce_(flag, op="max").item())
+            flags = torch.tensor([code, int(save_due)], dtype=torch.int32, device=self.device)
+            code, save_due = (int(v) for v in all_reduce_(flags, op="max").tolist())
             if code == 2 and self._signal is None:
                 self._signal = "SIGTERM"  # another rank's; torchrun sends every worker the same
-        return {0: None, 1: f"time budget of {self.config.train.max_minutes} min reached", 2: self._signal}[code]
+        reason = {0: None, 1: f"time budget of {self.config.train.max_minutes} min reached", 2: self._signal}[code]
+        return reason, bool(save_due)
 
     def _profiler(self):
         p = self.config.profile
