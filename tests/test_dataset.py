@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
-from marinlm.dataset.loader import PackedSource, TokenLoader, open_sources
+from marinlm.dataset.loader import MixturePhaseConfig, PackedSource, TokenLoader, open_sources
 from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.utils.io import OutputInUseError
@@ -281,6 +281,29 @@ def test_mixture_proportions_and_seeds(dataset, tmp_path, tok_dir):
     a = collect(build_loader(config, global_batch=8), 1)[0]["input_ids"]
     b = collect(build_loader(other_seed, global_batch=8), 1)[0]["input_ids"]
     assert not torch.equal(a, b)
+
+    # A second phase from step 10 at 1:3. The loader deals micro-batches of 8 rows, two to a step
+    # of 16, so the phase begins at row 160; from there it tracks its own weights, batch by batch,
+    # instead of making up for phase 0's 3:1 (which would give source 1 every row for a while).
+    phase = MixturePhaseConfig(start_step=10, weights=[1.0, 3.0])
+    phased = DataConfig(sources=config.sources, seq_len=16, mixture_phases=[phase])
+    loader = build_loader(phased, global_batch=8, rows_per_step=16)
+    counts, batches = [], iter(loader)
+    for _ in range(25):
+        next(batches)
+        counts.append(loader.state_dict()["counts"])
+    assert counts[19] == [120, 40]  # 160 rows of phase 0 at 3:1
+    assert [b[1] - a[1] for a, b in zip(counts[19:], counts[20:])] == [6] * 5  # 2:6 in every batch after
+    assert counts[-1] == [130, 70]
+    # Resuming in either phase gives the same batches as the run that never stopped.
+    reference = collect(build_loader(phased, global_batch=8, rows_per_step=16), 25)
+    for stop in (15, 22):
+        loader = build_loader(phased, global_batch=8, rows_per_step=16)
+        first = collect(loader, stop)
+        resumed = build_loader(phased, global_batch=8, rows_per_step=16)
+        resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+        for a, b in zip(first + collect(resumed, 25 - stop), reference):
+            assert torch.equal(a["input_ids"], b["input_ids"]), stop
 
 
 def test_resume_refuses_changed_data(dataset):

@@ -707,6 +707,24 @@ def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, 
     assert list((tmp_path / "ckpts").iterdir()) == []  # the partial folder is gone
 
 
+def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path):
+    """data.mixture_phases start at optimizer steps, whatever the micro-batching: here a step is two
+    micro-batches of 2 rows, and from step 2 on only the second source is drawn."""
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        data={
+            "sources": [{"path": str(token_data)}, {"path": str(token_data)}],
+            "mixture_phases": [{"start_step": 2, "weights": [0, 1]}],
+        },
+        train={"steps": 4, "micro_batch": 2},
+    )
+    trainer = Trainer(config, resume="none")
+    trainer.fit()
+    trainer.close()
+    assert trainer.loader.state_dict()["counts"] == [4, 12]  # 1:1 over steps 0-1, then 0:1
+
+
 def _train_on_two_ranks(rank: int, config: str, port: int, out: str) -> None:
     """One rank of a 2-process gloo run in which rank 1's clock runs two minutes a reading ahead."""
     import marinlm.train.trainer as trainer_module

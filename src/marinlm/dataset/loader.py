@@ -13,7 +13,9 @@ BOS) is masked (-100) unless `cross_document_loss` is set.
 
 **Mixture.** The global batch is assigned to sources by the Webster/Sainte-Laguë divisor rule
 (row goes to the source maximising weight / (rows_so_far + 0.5)): the counts track the weights
-within one row at every prefix and never go backwards.
+within one row at every prefix and never go backwards. `mixture_phases` change the weights at given
+steps (the hero run's mixture changed after step 108,000); within a phase the rule counts only that
+phase's rows, so each phase tracks its own weights from its first batch.
 
 **Memory.** Token files and document indexes are memory-mapped (shards.TokenDataset), and in
 training each shuffled epoch's order is stored once under `index_dir` and mapped by every rank
@@ -56,8 +58,26 @@ class SourceConfig:
 
 
 @dataclass(kw_only=True)
+class MixturePhaseConfig:
+    start_step: int  # the first optimizer step (0-based) drawn with these weights
+    weights: list[float]  # one per source, in the order of data.sources; 0 leaves a source out
+
+    def __post_init__(self):
+        check(
+            self.start_step > 0, "start_step", f"must be > 0 (phase 0 is the sources' weights), got {self.start_step}"
+        )
+        check(
+            all(w >= 0 for w in self.weights) and sum(self.weights) > 0,
+            "weights",
+            f"must be >= 0 with a positive sum, got {self.weights}",
+        )
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
+    # Later phases of the mixture: from each start_step on, these weights replace the sources'.
+    mixture_phases: list[MixturePhaseConfig] = field(default_factory=list)
     seq_len: int = 256
     add_bos: bool = True
     add_eos: bool = True
@@ -73,6 +93,18 @@ class DataConfig:
         check(self.seq_len > 0, "seq_len", f"must be positive, got {self.seq_len}")
         check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
         check(self.verify in ("size", "full"), "verify", f"must be 'size' or 'full', got {self.verify!r}")
+        for i, phase in enumerate(self.mixture_phases):
+            check(
+                len(phase.weights) == len(self.sources),
+                f"mixture_phases[{i}].weights",
+                f"must give one weight per source ({len(self.sources)}), got {len(phase.weights)}",
+            )
+            check(
+                i == 0 or phase.start_step > self.mixture_phases[i - 1].start_step,
+                f"mixture_phases[{i}].start_step",
+                f"must be after the previous phase's ({self.mixture_phases[i - 1].start_step if i else 0}), "
+                f"got {phase.start_step}",
+            )
 
 
 class PackedSource:
@@ -304,8 +336,10 @@ class TokenLoader:
 
     Args:
         sources, weights: packed sources and their mixture weights.
-        global_batch: rows per optimizer step across all ranks; must divide by world_size.
+        global_batch: rows per batch handed out, across all ranks; must divide by world_size.
         rank, world_size: this process's slice of every global batch.
+        phases: (first row, weights) of each later phase of the mixture, ascending; a batch that
+            starts at or after a phase's first row draws with its weights.
     """
 
     def __init__(
@@ -317,6 +351,7 @@ class TokenLoader:
         world_size: int = 1,
         num_workers: int = 0,
         cross_document_loss: bool = False,
+        phases: list[tuple[int, list[float]]] = (),
     ):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
@@ -325,14 +360,23 @@ class TokenLoader:
         self.sources, self.weights = sources, np.asarray(weights, dtype=np.float64)
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.num_workers, self.cross_document_loss = num_workers, cross_document_loss
+        self.phases = [(0, self.weights)] + [(row, np.asarray(w, dtype=np.float64)) for row, w in phases]
         self.rows_consumed = 0
         self.counts = np.zeros(len(sources), dtype=np.int64)
+        self.phase_start_counts = np.zeros(len(sources), dtype=np.int64)  # the counts when the phase began
+
+    def _phase(self, rows_done: int) -> int:
+        return max(i for i, (row, _) in enumerate(self.phases) if row <= rows_done)
 
     def _specs(self) -> Iterator:
-        rows_done, counts = self.rows_consumed, self.counts.copy()
+        rows_done, counts, base = self.rows_consumed, self.counts.copy(), self.phase_start_counts.copy()
         per_rank = self.global_batch // self.world_size
+        phase = self._phase(rows_done)
         while True:
-            choices, new_counts = webster_assign(self.weights, counts, self.global_batch)
+            if self._phase(rows_done) != phase:  # a new phase: its rule counts its own rows only
+                phase, base = self._phase(rows_done), counts.copy()
+            choices, new_in_phase = webster_assign(self.phases[phase][1], counts - base, self.global_batch)
+            new_counts = base + new_in_phase
             index = np.empty(self.global_batch, dtype=np.int64)  # each row's index within its source
             for s in range(len(self.sources)):
                 picked = choices == s
@@ -341,7 +385,7 @@ class TokenLoader:
             rows = [(int(choices[i]), int(index[i])) for i in range(lo, lo + per_rank)]
             rows_done += self.global_batch
             counts = new_counts
-            yield rows, {"rows_consumed": rows_done, "counts": counts.tolist()}
+            yield rows, {"rows_consumed": rows_done, "counts": counts.tolist(), "phase_start_counts": base.tolist()}
 
     def __iter__(self) -> Iterator[dict]:
         dataset = _BatchDataset(self.sources, self.cross_document_loss)
@@ -362,6 +406,7 @@ class TokenLoader:
         for batch in batches:
             state = batch.pop("state")
             self.rows_consumed, self.counts = state["rows_consumed"], np.asarray(state["counts"], dtype=np.int64)
+            self.phase_start_counts = np.asarray(state["phase_start_counts"], dtype=np.int64)
             yield batch
 
     def state_dict(self) -> dict:
@@ -369,6 +414,7 @@ class TokenLoader:
         return {
             "rows_consumed": self.rows_consumed,
             "counts": self.counts.tolist(),
+            "phase_start_counts": self.phase_start_counts.tolist(),
             "rows_per_epoch": [s.rows_per_epoch for s in self.sources],
             "seq_len": self.sources[0].seq_len,
         }
@@ -382,6 +428,8 @@ class TokenLoader:
             )
         self.rows_consumed = int(state["rows_consumed"])
         self.counts = np.asarray(state["counts"], dtype=np.int64)
+        # A state saved before mixture phases existed is in phase 0, which began at zero counts.
+        self.phase_start_counts = np.asarray(state.get("phase_start_counts", [0] * len(self.counts)), dtype=np.int64)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -455,9 +503,11 @@ def build_loader(
     tokenizer_hash: str | None = None,
     model_vocab_size: int | None = None,
     index_dir: str | Path | None = None,
+    rows_per_step: int | None = None,
 ) -> TokenLoader:
     """The training loader of one rank. The shuffled epochs are stored in `config.index_dir`, else in
-    `index_dir` (the trainer gives RUN_DIR/data-index), else kept in memory."""
+    `index_dir` (the trainer gives RUN_DIR/data-index), else kept in memory. `rows_per_step` (the
+    optimizer step's global batch, default `global_batch`) places the mixture phases' start steps."""
     index_dir = config.index_dir or index_dir or None
     sources = open_sources(config, "train", tokenizer_hash, model_vocab_size, index_dir)
     return TokenLoader(
@@ -468,6 +518,7 @@ def build_loader(
         world_size,
         config.num_workers,
         config.cross_document_loss,
+        [(p.start_step * (rows_per_step or global_batch), p.weights) for p in config.mixture_phases],
     )
 
 

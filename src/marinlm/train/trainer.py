@@ -107,6 +107,7 @@ class Trainer:
             self.tokenizer_hash,
             c.model.vocab_size,
             index_dir=self.run_dir / "data-index",
+            rows_per_step=c.train.global_batch,
         )
         self.val_source = self._val_source()
         self.epochs_planned = self._epochs_planned()
