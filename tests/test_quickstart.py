@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from marinlm.quickstart import MARKER, build_default_corpus, run_quickstart
+from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
 
 from conftest import write_corpus
 
@@ -44,6 +44,31 @@ def test_too_little_text_stops_with_what_is_missing(tmp_path):
     write_corpus(tmp_path / "few", num_docs=1, num_files=1)  # curated, but one document cannot be split in two
     with pytest.raises(ValueError, match=r"validation documents; the quickstart needs at least one of each"):
         run_quickstart(str(tmp_path / "b"), corpus=[str(tmp_path / "few")], minutes=1)
+
+
+def test_a_corpus_nothing_of_which_is_kept_names_the_reason_and_the_flag(tmp_path):
+    """A user's JSON records with another text field, or text in another language, ended in "kept
+    none ... needs more text", with the reasons one file away and no way to change either."""
+    import json
+
+    records = [{"body": f"Document {i}: " + "plain English words about many things " * 20} for i in range(30)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    corpus = [str(tmp_path / "docs.jsonl")]
+    with pytest.raises(ValueError, match=r"missing field 'text' \(30\); --text-field names the records' text field"):
+        run_quickstart(str(tmp_path / "a"), corpus=corpus, minutes=1)
+    with pytest.raises(ValueError, match=r"language_en \(30\); --languages lists the languages to keep \(now zh\)"):
+        run_quickstart(str(tmp_path / "b"), corpus=corpus, minutes=1, text_field="body", languages=["zh"])
+
+
+def test_a_user_corpus_is_sampled_from_a_prompt_in_its_own_style(token_data):
+    from marinlm.dataset.shards import TokenDataset
+    from marinlm.tokenizer import MarinTokenizer
+
+    tokenizer = MarinTokenizer.load(token_data.parent / "tokenizer")
+    prompt = corpus_prompt(token_data, tokenizer, max_chars=20)
+    first = tokenizer.decode(TokenDataset(token_data, "val").document(0).tolist(), skip_special_tokens=True)
+    assert prompt and 0 < len(prompt) <= 20 and "\n" not in prompt
+    assert first.lstrip().startswith(prompt)
 
 
 def test_a_folder_the_quickstart_did_not_make_is_left_alone(tmp_path):

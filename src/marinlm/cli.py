@@ -138,7 +138,7 @@ def _data_run(args, overrides) -> int:
 def _quickstart(args, overrides) -> int:
     from marinlm.quickstart import run_quickstart
 
-    run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed)
+    run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed, args.text_field, args.languages)
     return 0
 
 
@@ -321,6 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--seed", type=int, default=0)
+    quick.add_argument(
+        "--text-field",
+        default="text",
+        help="with --corpus: the JSON records' field holding the text (a list of strings is joined by lines)",
+    )
+    quick.add_argument(
+        "--languages",
+        nargs="+",
+        default=None,
+        metavar="LANG",
+        help="languages curation keeps (ISO 639-1 codes, and `code`; default: en code), e.g. --languages zh en",
+    )
     quick.set_defaults(func=_quickstart)
 
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)

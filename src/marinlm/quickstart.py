@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -126,10 +127,53 @@ def _calibrate_step_seconds(train_config) -> float:
     return float(np.median(times[1:]))
 
 
+DEFAULT_PROMPT = "def read_config(path):\n"
+
+
+def corpus_prompt(tokens_dir: Path, tokenizer, max_chars: int = 60) -> str:
+    """A prompt in the corpus's own language and style: the first line of the first validation
+    document, at most `max_chars` characters (cut at a space where there is one)."""
+    from marinlm.dataset.shards import TokenDataset
+
+    text = tokenizer.decode(TokenDataset(tokens_dir, "val").document(0)[:128].tolist(), skip_special_tokens=True)
+    line = next((line.strip() for line in text.replace("\ufffd", "").splitlines() if line.strip()), "")
+    if len(line) > max_chars:
+        cut = line.rfind(" ", 0, max_chars)
+        line = line[: cut if cut > max_chars // 2 else max_chars]
+    return line
+
+
+def _why_nothing_was_kept(curation: dict, text_field: str, languages: list[str]) -> str:
+    """The commonest reasons documents were dropped, and the quickstart flag that changes each."""
+    reasons: collections.Counter = collections.Counter()
+    for step in curation["steps"]:
+        for source in step["by_source"].values():
+            reasons.update(source["dropped"])
+    hints = []
+    for reason, _ in reasons.most_common(3):
+        if reason.startswith("rejected: missing field") or "not a string" in reason:
+            hints.append(f"--text-field names the records' text field (now {text_field!r})")
+        elif reason.startswith("language_") and reason != "language_low_confidence":
+            hints.append(f"--languages lists the languages to keep (now {' '.join(languages)})")
+    top = ", ".join(f"{reason} ({n:,})" for reason, n in reasons.most_common(3))
+    if not hints:
+        return f"{top}. The quickstart needs more (or longer) text"
+    return top + "".join(f"; {hint}" for hint in dict.fromkeys(hints))
+
+
 def run_quickstart(
-    run_dir: str = "runs/quickstart", corpus: list[str] | None = None, minutes: float = 10.0, seed: int = 0
+    run_dir: str = "runs/quickstart",
+    corpus: list[str] | None = None,
+    minutes: float = 10.0,
+    seed: int = 0,
+    text_field: str = "text",
+    languages: list[str] | None = None,
 ) -> Path:
-    """Run every stage; returns the path of report.md."""
+    """Run every stage; returns the path of report.md.
+
+    `text_field` is the JSON field holding a user corpus's text (a list of strings is joined by
+    lines); `languages` replaces the curation's allowed languages (default: English and code).
+    """
     from marinlm.data.pipeline import PipelineConfig, SourceSpec, run_pipeline
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
     from marinlm.model import SamplingConfig
@@ -154,7 +198,7 @@ def run_quickstart(
 
     t = stage("1/8 corpus")
     if corpus:
-        sources = [SourceSpec(name="corpus", inputs=list(corpus))]
+        sources = [SourceSpec(name="corpus", inputs=list(corpus), text_field=text_field)]
         detail = f"user corpus: {', '.join(corpus)}"
     else:
         counts = build_default_corpus(root / "raw")
@@ -168,14 +212,17 @@ def run_quickstart(
     t = stage("2/8 curation")
     data_config = load_config(PipelineConfig, preset("data", "quickstart"), [f"--output_dir={root / 'curated'}"])
     data_config.sources = sources
+    if languages:
+        data_config.langid.allowed = list(languages)
     save_config(data_config, root / "curation.yaml")
     curation = run_pipeline(data_config, restart=True)  # another corpus or recipe: curate again
     acc = curation["accounting"]
     if sum(a["kept"] for a in acc.values()) == 0:
         seen = sum(a["in"] for a in acc.values())
+        why = _why_nothing_was_kept(curation, text_field, data_config.langid.allowed)
         raise ValueError(
-            f"curation kept none of the {seen} documents read from {detail}; "
-            f"the reasons are in {root / 'curated' / 'report.md'}. The quickstart needs more (or longer) text."
+            f"curation kept none of the {seen} documents read from {detail}: {why}. All the reasons are in "
+            f"{root / 'curated' / 'report.md'}"
         )
     stages.append(
         Stage(
@@ -285,7 +332,7 @@ def run_quickstart(
     )
 
     t = stage("7/8 sample")
-    prompt = "def read_config(path):\n"
+    prompt = corpus_prompt(root / "tokens", tok) if corpus else DEFAULT_PROMPT
     sample = generate_text(
         loaded, prompt, SamplingConfig(max_new_tokens=120, temperature=0.7, top_k=40, seed=seed), stream=None
     )
@@ -352,7 +399,7 @@ def _write_report(
         "",
         "## Sample",
         "",
-        "```python",
+        "```" + ("" if prompt != DEFAULT_PROMPT else "python"),
         prompt + sample,
         "```",
         "",
