@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from marinlm.config import ConfigError, from_dict, load_config, save_config
 from marinlm.data.pipeline import PipelineConfig, read_records, run_pipeline
@@ -390,6 +392,35 @@ def test_provenance_never_overwrites_record_fields(tmp_path):
     assert doc.metadata["path"] == "pkg/tool.py"  # the record's own field
     assert doc.metadata["file"] == str(path) and doc.metadata["line"] == 1  # where it came from
     assert LanguageId(LangIdConfig()).decide(doc) is None and doc.metadata["language"] == "code"
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab \n", max_size=400), max_chars=st.integers(1, 60))
+def test_chunked_text_joins_back_exactly_in_bounded_pieces(text, max_chars):
+    from marinlm.data.readers import chunk_text
+
+    chunks = chunk_text(text, max_chars)
+    assert "".join(chunks) == text
+    assert all(0 < len(c) <= max_chars for c in chunks) or chunks == [""]
+    start = 0
+    for c in chunks[:-1]:  # each cut is after the window's last blank line when one lies past its first quarter
+        window = text[start : start + max_chars]
+        if window.rfind("\n\n") >= max_chars // 4:
+            assert c == window[: window.rfind("\n\n") + 2], (window, c)
+        start += len(c)
+
+
+def test_a_big_text_file_is_cut_into_documents_at_paragraph_breaks(tmp_path):
+    """One book-sized .txt file was one document, which the Gopher rules drop as too long."""
+    paragraphs = [f"Paragraph {i}. " + "word " * (i % 40 + 5) for i in range(400)]
+    text = "\n\n".join(paragraphs) + "\n"
+    (tmp_path / "book.txt").write_text(text)
+    whole = list(read_documents(tmp_path / "book.txt"))
+    assert [d.id for d in whole] == [str(tmp_path / "book.txt")]
+    docs = list(read_documents(tmp_path / "book.txt", chunk_chars=2000))
+    assert len(docs) > 10 and "".join(d.text for d in docs) == text
+    assert all(len(d.text) <= 2000 for d in docs) and all(d.text.endswith("\n\n") for d in docs[:-1])
+    assert docs[3].id == f"{tmp_path / 'book.txt'}#3" and docs[3].metadata["part"] == 3
 
 
 def test_rerun_resumes_only_the_same_curation(tmp_path):

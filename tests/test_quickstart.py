@@ -56,6 +56,8 @@ def test_a_corpus_nothing_of_which_is_kept_names_the_reason_and_the_flag(tmp_pat
     corpus = [str(tmp_path / "docs.jsonl")]
     with pytest.raises(ValueError, match=r"missing field 'text' \(30\); --text-field names the records' text field"):
         run_quickstart(str(tmp_path / "a"), corpus=corpus, minutes=1)
+    # A big .txt file (tinyshakespeare.txt) is cut into documents at paragraph breaks, not kept whole.
+    assert "chunk_chars: 16000" in (tmp_path / "a" / "curation.yaml").read_text()
     with pytest.raises(ValueError, match=r"language_en \(30\); --languages lists the languages to keep \(now zh\)"):
         run_quickstart(str(tmp_path / "b"), corpus=corpus, minutes=1, text_field="body", languages=["zh"])
 

@@ -128,6 +128,10 @@ def _calibrate_step_seconds(train_config) -> float:
 
 
 DEFAULT_PROMPT = "def read_config(path):\n"
+# A user's big .txt file (a book, tinyshakespeare.txt) is cut into documents of about 3,000 words at
+# paragraph breaks: whole, it is one document that the quality rules drop as too long, and nothing
+# would be left to hold out for validation.
+USER_CHUNK_CHARS = 16_000
 
 
 def corpus_prompt(tokens_dir: Path, tokenizer, max_chars: int = 60) -> str:
@@ -198,7 +202,7 @@ def run_quickstart(
 
     t = stage("1/8 corpus")
     if corpus:
-        sources = [SourceSpec(name="corpus", inputs=list(corpus), text_field=text_field)]
+        sources = [SourceSpec(name="corpus", inputs=list(corpus), text_field=text_field, chunk_chars=USER_CHUNK_CHARS)]
         detail = f"user corpus: {', '.join(corpus)}"
     else:
         counts = build_default_corpus(root / "raw")

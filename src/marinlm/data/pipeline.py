@@ -49,6 +49,9 @@ class SourceSpec:
     text_field: str = "text"
     id_field: str = "id"
     split_pattern: str = ""  # regex splitting .txt files into documents ("" = one document per file)
+    # .txt documents longer than this many characters are cut at paragraph breaks (0 = never): one
+    # big file (a book, tinyshakespeare.txt) becomes documents the quality rules can judge.
+    chunk_chars: int = 0
     weight: float = 1.0  # mixture weight
     tokens: int = 0  # explicit mixture budget in tokens (overrides the weight)
 
@@ -57,6 +60,7 @@ class SourceSpec:
         check(bool(self.inputs), "inputs", "give at least one file, folder or glob")
         check(self.weight > 0, "weight", f"must be positive, got {self.weight}")
         check(self.tokens >= 0, "tokens", f"must be >= 0 (0 = use the weight), got {self.tokens}")
+        check(self.chunk_chars >= 0, "chunk_chars", f"must be >= 0 (0 = never), got {self.chunk_chars}")
         try:
             re.compile(self.split_pattern)
         except re.error as e:
@@ -160,7 +164,10 @@ def _build_steps(config: PipelineConfig, work: Path) -> list:
 def _read(task: dict, config: PipelineConfig, ctx: ShardContext, rejected_file):
     stats = ctx.stats["read"]
     source = task["source"]
-    for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"], source, task["split"]):
+    documents = read_documents(
+        Path(task["path"]), task["text_field"], task["id_field"], source, task["split"], task.get("chunk_chars", 0)
+    )
+    for item in documents:
         stats.docs_in[source] += 1
         if isinstance(item, Document):
             size = len(item.text.encode("utf-8"))
@@ -333,6 +340,7 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
                     "text_field": spec.text_field,
                     "id_field": spec.id_field,
                     "split": spec.split_pattern,
+                    "chunk_chars": spec.chunk_chars,
                     "config": to_dict(config),
                     "work": str(work),
                 }

@@ -158,12 +158,14 @@ def read_documents(
     id_field: str | None = "id",
     source: str | None = None,
     split_pattern: str = "",
+    chunk_chars: int = 0,
 ) -> Iterator[Document | Rejected]:
     """Yield the documents of one file in order; problems come out as `Rejected` records.
 
     A .txt file is one document (its path is the id), or several when `split_pattern` (a regex) is
-    given. JSON records need `text_field` to be a string or a list of strings (joined by newlines);
-    `id_field` falls back to "path:line" when absent.
+    given; with `chunk_chars`, a longer one is cut into pieces of at most that many characters at
+    paragraph breaks (`chunk_text`). JSON records need `text_field` to be a string or a list of
+    strings (joined by newlines); `id_field` falls back to "path:line" when absent.
     """
     path = Path(path)
     source = source or path.stem.split(".")[0]
@@ -177,10 +179,13 @@ def read_documents(
         except UnicodeDecodeError as e:
             yield Rejected(source, str(path), f"invalid UTF-8 at byte {e.start}")
             return
-        if not split_pattern:
+        parts = re.split(split_pattern, text) if split_pattern else [text]
+        if chunk_chars:
+            parts = [chunk for part in parts for chunk in chunk_text(part, chunk_chars)]
+        if len(parts) == 1:
             yield Document(id=str(path), text=text, source=source, metadata={"file": str(path)})
             return
-        for i, part in enumerate(re.split(split_pattern, text)):
+        for i, part in enumerate(parts):
             if part.strip():
                 yield Document(id=f"{path}#{i}", text=part, source=source, metadata={"file": str(path), "part": i})
         return
@@ -199,6 +204,18 @@ def read_documents(
             yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
         else:
             raise
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """`text` in consecutive pieces of at most `max_chars` characters that join back to it exactly,
+    each cut after a blank line where one falls in the window, else after a line end, else hard."""
+    chunks = []
+    while len(text) > max_chars:
+        window, floor = text[:max_chars], max_chars // 4  # a cut leaves at least a quarter of a piece
+        cut = next((window.rfind(sep) + len(sep) for sep in ("\n\n", "\n") if window.rfind(sep) >= floor), max_chars)
+        chunks.append(text[:cut])
+        text = text[cut:]
+    return [*chunks, text] if text or not chunks else chunks
 
 
 def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Document | Rejected:
