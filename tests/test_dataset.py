@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
-from marinlm.dataset.loader import MixturePhaseConfig, PackedSource, TokenLoader, open_sources
+from marinlm.dataset.loader import MixturePhaseConfig, TokenLoader, open_sources
+from marinlm.dataset.packing import PackedSource
 from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.utils.io import OutputInUseError
@@ -165,7 +166,7 @@ def test_a_corrupt_document_index_is_reported(dataset, tmp_path, edit, message):
 
 def reconstruct(source: PackedSource, rows: int) -> list[list[int]]:
     """Stitch consecutive rows back into documents using segment ids and BOS/EOS."""
-    from marinlm.dataset.loader import build_batch
+    from marinlm.dataset.packing import build_batch
 
     batch = build_batch([source], [(0, r) for r in range(rows)], cross_document_loss=False)
     stream = torch.cat([batch["input_ids"].reshape(-1), batch["labels"][-1, -1:]]).tolist()
@@ -191,7 +192,7 @@ def test_packing_boundaries_masks_and_segments(dataset):
     assert {tuple(d[1:-1]) for d in complete} <= stored
     assert len(complete) >= data.num_docs - 1  # only the epoch's tail remainder is cut
 
-    from marinlm.dataset.loader import build_batch
+    from marinlm.dataset.packing import build_batch
 
     batch = build_batch([source], [(0, r) for r in range(10)], cross_document_loss=False)
     ids, labels, seg, mask = batch["input_ids"], batch["labels"], batch["segment_ids"], batch["loss_mask"]
@@ -344,7 +345,7 @@ def test_bad_inputs_fail_fast(tmp_path, tok_dir):
 def test_stored_epochs_give_the_same_rows_and_are_built_once(dataset, tmp_path, monkeypatch):
     """With index_dir, shuffled epochs are built by one process, stored, and memory-mapped by the
     others (ranks, loader workers); the rows are those of the in-memory path."""
-    import marinlm.dataset.loader as loader_module
+    import marinlm.dataset.packing as packing_module
 
     root, _, _ = dataset
     config = DataConfig(sources=[SourceConfig(path=str(root / "tokens"))], seq_len=256, seed=5)
@@ -352,7 +353,7 @@ def test_stored_epochs_give_the_same_rows_and_are_built_once(dataset, tmp_path, 
     epochs = 60 * 4 // source_epochs(config) + 1
     assert epochs >= 3
     config.num_workers = 2
-    monkeypatch.setattr(loader_module, "_CHUNK", 7)  # the stream ends summed in chunks, carried over
+    monkeypatch.setattr(packing_module, "_CHUNK", 7)  # the stream ends summed in chunks, carried over
     stored = collect(build_loader(config, global_batch=4, index_dir=tmp_path / "index"), 60)
     for a, b in zip(stored, reference):
         for key in a:
