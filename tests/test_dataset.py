@@ -296,6 +296,9 @@ def test_mixture_proportions_and_seeds(dataset, tmp_path, tok_dir):
     assert counts[19] == [120, 40]  # 160 rows of phase 0 at 3:1
     assert [b[1] - a[1] for a, b in zip(counts[19:], counts[20:])] == [6] * 5  # 2:6 in every batch after
     assert counts[-1] == [130, 70]
+    # What the trainer plans (the epochs it reports and records) follows the phases too.
+    assert loader.planned_rows(200).tolist() == [130, 70]
+    assert loader.planned_rows(400).tolist() == [180, 220]  # 3:1 over 160 rows, then 1:3 over 240
     # Resuming in either phase gives the same batches as the run that never stopped.
     reference = collect(build_loader(phased, global_batch=8, rows_per_step=16), 25)
     for stop in (15, 22):

@@ -149,6 +149,15 @@ class TokenLoader:
         self.counts = np.zeros(len(sources), dtype=np.int64)
         self.phase_start_counts = np.zeros(len(sources), dtype=np.int64)  # the counts when the phase began
 
+    def planned_rows(self, total_rows: int) -> np.ndarray:
+        """Rows each source gives over the first `total_rows` global rows, phase by phase (the
+        divisor rule keeps the real counts within a row of these)."""
+        rows = np.zeros(len(self.sources))
+        bounds = [row for row, _ in self.phases[1:]] + [total_rows]
+        for (start, weights), end in zip(self.phases, bounds, strict=True):
+            rows += weights / weights.sum() * max(0, min(end, total_rows) - start)
+        return rows
+
     def _phase(self, rows_done: int) -> int:
         return max(i for i, (row, _) in enumerate(self.phases) if row <= rows_done)
 

@@ -120,3 +120,19 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
         fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path
+
+
+def router_metrics(router_stats) -> tuple[dict[str, float], dict]:
+    """Per-layer routing scalars (entropy, dropped fraction, z-loss, max load relative to a perfect
+    balance of 1.0, and the spread of the QB beta) and the per-expert load histograms."""
+    scalars, histograms = {}, {}
+    for i, s in enumerate(router_stats):
+        scalars[f"router/layer_{i}/entropy"] = s.entropy.item()
+        scalars[f"router/layer_{i}/dropped_fraction"] = s.dropped_fraction.item()
+        scalars[f"router/layer_{i}/z_loss"] = s.z_loss.item()
+        load = s.load / s.load.sum().clamp_min(1)
+        scalars[f"router/layer_{i}/max_load"] = (load.max() * len(load)).item()
+        if s.beta is not None:
+            scalars[f"router/layer_{i}/beta_std"] = s.beta.std().item()
+        histograms[f"router/layer_{i}/load"] = s.load.cpu().numpy()
+    return scalars, histograms

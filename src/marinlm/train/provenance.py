@@ -1,9 +1,12 @@
-"""What a run records about where it ran, and the start-up check that it can run there at all."""
+"""What a run records about where it ran and on what data, the tokenizer it keeps, and the start-up
+check that it can run there at all."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -13,6 +16,7 @@ import torch
 
 from marinlm.config import ConfigError
 from marinlm.utils.device import available_memory
+from marinlm.utils.io import sha256_file
 
 # Bytes a parameter holds in training: fp32 weights and gradients, plus the optimizer's fp32 state
 # (AdamW: two moments; Marin: MuonH keeps one momentum for the matrices, which are nearly all).
@@ -56,4 +60,37 @@ def check_training_memory(total_params: int, optimizer: str, world_size: int, de
             f"for fp32 weights, gradients and {optimizer} state ({per_param} bytes each, over {world_size} "
             f"process(es)), and {device.type} has {available / 1e9:,.1f} GB available per process. Train a "
             "smaller model, shard it over more processes (torchrun), or set train.memory_check=false to try anyway",
+        )
+
+
+def data_record(sources, epochs_planned: list[float]) -> list[dict]:
+    """Each training source: its path, weight, the sha256 of its manifest, and its planned epochs."""
+    return [
+        {
+            "path": source.path,
+            "weight": source.weight,
+            "manifest_sha256": sha256_file(Path(source.path) / "manifest.json"),
+            "epochs": epochs,
+        }
+        for source, epochs in zip(sources, epochs_planned, strict=True)
+    ]
+
+
+def copy_tokenizer(source: str | None, run_dir: Path, manifest: Path) -> None:
+    """Keep the run's tokenizer in RUN_DIR/tokenizer, so that generate and eval need nothing but the
+    run folder. Copied under a temporary name first, so a killed copy is never taken for the
+    tokenizer; a dataset whose manifest names no tokenizer folder that exists gets a warning."""
+    target = run_dir / "tokenizer"
+    if target.exists():
+        return
+    if source and Path(source).is_dir():
+        partial = target.with_name(".tokenizer.tmp")  # the run folder is locked: one writer
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(source, partial)
+        os.replace(partial, target)
+    else:
+        print(
+            f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {source!r}); "
+            f"copy the tokenizer to {target} for `marinlm generate` and `eval`",
+            file=sys.stderr,
         )

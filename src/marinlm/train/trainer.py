@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,10 +44,11 @@ from marinlm.train.checkpoint import (
     load_tensors,
 )
 from marinlm.train.config import TrainConfig
-from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
-from marinlm.train.provenance import check_training_memory, software_environment
+from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_metrics
+from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
+from marinlm.train.signals import catch_stop_signals
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import differences, lock_folder, sha256_file, unlock_folder, write_json_atomic, write_text_atomic
+from marinlm.utils.io import differences, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -190,11 +189,8 @@ class Trainer:
     def _epochs_planned(self) -> list[float]:
         """Passes over each source that `train.steps` reads; more than one is said once at start."""
         c, loader = self.config, self.loader
-        share = loader.weights / loader.weights.sum()
-        epochs = [
-            float(w * c.train.steps * c.train.global_batch / src.rows_per_epoch)
-            for w, src in zip(share, loader.sources, strict=True)
-        ]
+        rows = loader.planned_rows(c.train.steps * c.train.global_batch)
+        epochs = [float(n / src.rows_per_epoch) for n, src in zip(rows, loader.sources, strict=True)]
         for spec, src, e in zip(c.data.sources, loader.sources, epochs, strict=True):
             if e > 1 and self.info.is_main:
                 print(
@@ -337,41 +333,20 @@ class Trainer:
 
     def _write_run_record(self, resumed_from) -> None:
         write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
-        data = []
-        for src, epochs in zip(self.config.data.sources, self.epochs_planned, strict=True):
-            manifest = Path(src.path) / "manifest.json"
-            data.append(
-                {"path": src.path, "weight": src.weight, "manifest_sha256": sha256_file(manifest), "epochs": epochs}
-            )
         record = {
             **software_environment(),
             "world_size": self.world,
             "device": str(self.device),
             "precision": self.precision,
             "tokenizer_hash": self.tokenizer_hash,
-            "data": data,
+            "data": data_record(self.config.data.sources, self.epochs_planned),
             "command": sys.argv,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "initialized_from": self.initialized_from,
             "peak_flops_measured": self.peak_flops,
         }
         write_json_atomic(self.run_dir / "run_info.json", record)
-        # The run keeps its tokenizer, so that generate and eval need nothing but the run folder;
-        # copied under a temporary name first, so a killed copy is never taken for the tokenizer.
-        source, target = self._tokenizer_source, self.run_dir / "tokenizer"
-        if not target.exists():
-            if source and Path(source).is_dir():
-                partial = target.with_name(".tokenizer.tmp")  # the run folder is locked: one writer
-                shutil.rmtree(partial, ignore_errors=True)
-                shutil.copytree(source, partial)
-                os.replace(partial, target)
-            else:
-                manifest = Path(self.config.data.sources[0].path) / "manifest.json"
-                print(
-                    f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {source!r}); "
-                    f"copy the tokenizer to {target} for `marinlm generate` and `eval`",
-                    file=sys.stderr,
-                )
+        copy_tokenizer(self._tokenizer_source, self.run_dir, Path(self.config.data.sources[0].path) / "manifest.json")
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -406,17 +381,8 @@ class Trainer:
         }
         if self.device.type == "cuda":
             scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        histograms = {}
-        for i, s in enumerate(r.router_stats):
-            scalars[f"router/layer_{i}/entropy"] = s.entropy.item()
-            scalars[f"router/layer_{i}/dropped_fraction"] = s.dropped_fraction.item()
-            scalars[f"router/layer_{i}/z_loss"] = s.z_loss.item()
-            load = s.load / s.load.sum().clamp_min(1)
-            scalars[f"router/layer_{i}/max_load"] = (load.max() * len(load)).item()  # 1.0 = perfectly balanced
-            if s.beta is not None:
-                scalars[f"router/layer_{i}/beta_std"] = s.beta.std().item()
-            histograms[f"router/layer_{i}/load"] = s.load.cpu().numpy()
-        self.sinks.log(self.step, scalars, histograms)
+        router_scalars, histograms = router_metrics(r.router_stats)
+        self.sinks.log(self.step, scalars | router_scalars, histograms)
 
     def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
         """Loss and bits per byte on the held-out split (also a hook); logged at the current step."""
@@ -458,7 +424,7 @@ class Trainer:
             print(self._header(), flush=True)
         self._signal = None
         self._last_checkpoint_time = start_time
-        handlers = self._catch_stop_signals()
+        handlers = catch_stop_signals(self._on_stop_signal)
         try:
             while self.step < c.train.steps:
                 t0 = time.perf_counter()
@@ -554,19 +520,8 @@ class Trainer:
             f"{self.device.type} {self.precision}, {self.world} process{'es' if self.world > 1 else ''}; {self.run_dir}"
         )
 
-    def _catch_stop_signals(self) -> dict:
-        """SIGTERM (a scheduler's preemption, torchrun passing on Ctrl-C) and SIGINT end the step under
-        way, then save and stop, instead of losing the steps since the last checkpoint. A second
-        SIGINT interrupts at once. Returns the handlers to put back."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum, frame):
-            self._signal = signal.Signals(signum).name
-            if signum == signal.SIGINT:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-
-        return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    def _on_stop_signal(self, name: str) -> None:
+        self._signal = name
 
     def _agree_after_step(self, over_budget: bool, save_due: bool) -> tuple[str | None, bool]:
         """Why to stop after this step, and whether a timed checkpoint is due, agreed by every rank
