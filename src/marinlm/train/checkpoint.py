@@ -28,7 +28,6 @@ import os
 import pickle
 import shutil
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,11 @@ STEP_PREFIX = "step-"
 FULL_DISK_BYTES = 16 << 20
 
 
-@contextmanager
-def quiet_single_process():
-    """Silence DCP's warning that it runs in one process: without a process group that is the
-    intended mode here (a single-process run, or inference), not a mistake to report."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
-        yield
+# DCP warns at every save and load without a process group that it assumes one process: that is
+# the intended mode here (a single-process run, or inference), not a mistake to report. The filter is
+# process-wide because an asynchronous save writes in DCP's own thread, after any `catch_warnings`
+# block around the call has ended; it matches that one message only.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
 class CheckpointError(ValueError):
@@ -109,8 +106,7 @@ def load_tensors(folder: Path, tensors: dict) -> None:
     `folder`, after check_same_structure(); nothing in it is unpickled beyond DCP's metadata."""
     check_same_structure(folder, tensors)
     try:
-        with quiet_single_process():
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except Exception as e:
@@ -363,12 +359,10 @@ class CheckpointManager:
                 if errors := [e for e in all_gather_object(failed) if e is not None]:
                     raise errors[0]
             if self.async_save:
-                with quiet_single_process():
-                    future = dcp.async_save(tensors, checkpoint_id=str(tmp))
+                future = dcp.async_save(tensors, checkpoint_id=str(tmp))
                 self._pending = (future, tmp, final)
             else:
-                with quiet_single_process():
-                    dcp.save(tensors, checkpoint_id=str(tmp))
+                dcp.save(tensors, checkpoint_id=str(tmp))
                 self._finish(tmp, final)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._write_failed(step, tmp, e) from e
