@@ -655,7 +655,26 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(token_dat
     assert [p.name for p in list_checkpoints(tmp_path / "run3" / "checkpoints")] == ["step-00000008", "step-00000004"]
 
 
-def _save_on_two_ranks(rank: int, root: str, port: int, failing_rank: int) -> None:
+def run_on_two_ranks(fn, args: tuple, timeout: float, hang: str) -> None:
+    """Spawn `fn(rank, port, *args)` on 2 processes (`port` free for their gloo group); fail the test
+    with `hang` if they have not all ended within `timeout` seconds."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(fn, (port, *args), nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(hang)
+
+
+def _save_on_two_ranks(rank: int, port: int, root: str, failing_rank: int) -> None:
     """One rank of a 2-process gloo save in which `failing_rank` cannot write its RNG file."""
     import errno
 
@@ -687,20 +706,12 @@ def _save_on_two_ranks(rank: int, root: str, port: int, failing_rank: int) -> No
 def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, failing_rank):
     """A rank whose small files failed (a full disk) raised alone, and the others waited forever in
     DCP's collectives."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(_save_on_two_ranks, (str(tmp_path), port, failing_rank), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("a rank hung after another failed to write its checkpoint files")
+    run_on_two_ranks(
+        _save_on_two_ranks,
+        (str(tmp_path), failing_rank),
+        timeout=120,
+        hang="a rank hung after another failed to write its checkpoint files",
+    )
     for rank in (0, 1):
         message = (tmp_path / f"error-{rank}.txt").read_text()
         assert f"rank-{failing_rank:05d}.pt: No space left on device" in message
@@ -725,7 +736,7 @@ def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path):
     assert trainer.loader.state_dict()["counts"] == [4, 12]  # 1:1 over steps 0-1, then 0:1
 
 
-def _train_on_two_ranks(rank: int, config: str, port: int, out: str) -> None:
+def _train_on_two_ranks(rank: int, port: int, config: str, out: str) -> None:
     """One rank of a 2-process gloo run in which rank 1's clock runs two minutes a reading ahead."""
     import marinlm.train.trainer as trainer_module
     from marinlm.config import load_config
@@ -750,22 +761,14 @@ def _train_on_two_ranks(rank: int, config: str, port: int, out: str) -> None:
 def test_timed_checkpoints_are_agreed_by_every_rank(token_data, tmp_path):
     """Each rank reads its own clock: a rank that alone found a timed save due would save alone and
     wait forever in the checkpoint's collectives. The first rank to find it due decides for all."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     config = train_config(token_data, tmp_path / "run", checkpoint={"every_steps": 4, "every_minutes": 1})
     save_config(config, tmp_path / "run.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(_train_on_two_ranks, (str(tmp_path / "run.yaml"), port, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the ranks hung: a timed checkpoint was not agreed")
+    run_on_two_ranks(
+        _train_on_two_ranks,
+        (str(tmp_path / "run.yaml"), str(tmp_path)),
+        timeout=240,
+        hang="the ranks hung: a timed checkpoint was not agreed",
+    )
     for rank in (0, 1):
         assert json.loads((tmp_path / f"saved-{rank}.json").read_text()) == [1, 2, 3, 4, 5, 6, 7, 8]
 

@@ -403,7 +403,7 @@ def _write_report(
         "",
         "## Sample",
         "",
-        "```" + ("" if prompt != DEFAULT_PROMPT else "python"),
+        "```python" if prompt == DEFAULT_PROMPT else "```",
         prompt + sample,
         "```",
         "",

@@ -222,6 +222,11 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"{STEP_PREFIX}{step:08d}"
 
 
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder (`step-00000100` or its `.tmp`)."""
+    return int(folder.name.removeprefix(STEP_PREFIX).removesuffix(".tmp"))
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Finished-looking checkpoint folders, newest first (temporary folders excluded)."""
     if not root.is_dir():
@@ -377,7 +382,7 @@ class CheckpointManager:
                 future.result()
                 self._finish(tmp, final)
             except (Exception, CheckpointException) as e:
-                raise self._write_failed(int(final.name.removeprefix(STEP_PREFIX)), tmp, e) from e
+                raise self._write_failed(step_of(final), tmp, e) from e
 
     def _check_space(self, step: int, nbytes: int) -> None:
         """Refuse, before writing anything and alike on every rank, a checkpoint that cannot fit."""
@@ -392,9 +397,9 @@ class CheckpointManager:
                 "skips this check where the free space reads wrong"
             )
 
-    def permanent(self, folder: Path) -> bool:
-        """A checkpoint that pruning keeps: its step is a multiple of `keep_every`."""
-        return bool(self.keep_every) and int(folder.name.removeprefix(STEP_PREFIX)) % self.keep_every == 0
+    def permanent(self, step: int) -> bool:
+        """Whether pruning keeps the checkpoint of `step`: a multiple of `keep_every`."""
+        return bool(self.keep_every) and step % self.keep_every == 0
 
     def _most_on_disk(self, existing: list[int], saves) -> int:
         """The most checkpoint folders on disk at once while `saves` (ascending steps) are written
@@ -407,8 +412,7 @@ class CheckpointManager:
             nonlocal kept_older
             window.append(s)
             if len(window) > self.keep_last:
-                older = window.popleft()
-                kept_older += bool(self.keep_every) and older % self.keep_every == 0
+                kept_older += self.permanent(window.popleft())
 
         for s in existing:
             add(s)
@@ -419,7 +423,7 @@ class CheckpointManager:
 
     def _prunable(self) -> list[Path]:
         """Finished checkpoints past the newest keep_last that are not permanent."""
-        return [f for f in list_checkpoints(self.root)[self.keep_last :] if not self.permanent(f)]
+        return [f for f in list_checkpoints(self.root)[self.keep_last :] if not self.permanent(step_of(f))]
 
     def check_room_for_run(
         self, step: int, last_step: int, every: int, local_estimate: int, *, every_minutes: float = 0.0
@@ -442,7 +446,7 @@ class CheckpointManager:
         else:
             saves = [*range((step // every + 1) * every, last_step + 1, every)] if every else []
             saves += [last_step] if not saves or saves[-1] != last_step else []
-        steps = sorted(int(f.name.removeprefix(STEP_PREFIX)) for f in done)
+        steps = sorted(step_of(f) for f in done)
         peak = self._most_on_disk(steps, saves)
         more = max(peak - len(done), 1)  # a save always needs room for itself before pruning
         if more * size > free:
