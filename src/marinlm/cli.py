@@ -203,7 +203,8 @@ def _model_summary(args, overrides) -> int:
     if train is not None:  # the whole run: its tokens and training FLOPs at the data's sequence length
         t = train.train
         tokens = t.steps * t.global_batch * train.data.seq_len
-        run_flops = tokens * summarize(config, train.data.seq_len).flops_per_token
+        at_data_length = summary if seq_len == train.data.seq_len else summarize(config, train.data.seq_len)
+        run_flops = tokens * at_data_length.flops_per_token
         print(
             f"run: {t.steps:,} steps x {t.global_batch:,} sequences x {train.data.seq_len:,} tokens = "
             f"{tokens:.4g} tokens, {run_flops:.4g} training FLOPs"

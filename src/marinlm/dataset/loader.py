@@ -141,10 +141,10 @@ class TokenLoader:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         if len({s.seq_len for s in sources}) != 1:
             raise ValueError("all sources must pack to the same seq_len")
-        self.sources, self.weights = sources, np.asarray(weights, dtype=np.float64)
+        self.sources = sources
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.num_workers, self.cross_document_loss = num_workers, cross_document_loss
-        self.phases = [(0, self.weights)] + [(row, np.asarray(w, dtype=np.float64)) for row, w in phases]
+        self.phases = [(row, np.asarray(w, dtype=np.float64)) for row, w in [(0, weights), *phases]]
         self.rows_consumed = 0
         self.counts = np.zeros(len(sources), dtype=np.int64)
         self.phase_start_counts = np.zeros(len(sources), dtype=np.int64)  # the counts when the phase began
@@ -166,8 +166,8 @@ class TokenLoader:
         per_rank = self.global_batch // self.world_size
         phase = self._phase(rows_done)
         while True:
-            if self._phase(rows_done) != phase:  # a new phase: its rule counts its own rows only
-                phase, base = self._phase(rows_done), counts.copy()
+            if (now := self._phase(rows_done)) != phase:  # a new phase: its rule counts its own rows only
+                phase, base = now, counts.copy()
             choices, new_in_phase = webster_assign(self.phases[phase][1], counts - base, self.global_batch)
             new_counts = base + new_in_phase
             index = np.empty(self.global_batch, dtype=np.int64)  # each row's index within its source
