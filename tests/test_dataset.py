@@ -6,10 +6,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
 from marinlm.dataset.loader import MixturePhaseConfig, TokenLoader, open_sources
 from marinlm.dataset.packing import PackedSource
+from marinlm.dataset.permutation import Permutation
 from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.utils.io import OutputInUseError
@@ -381,13 +384,13 @@ def test_stored_epochs_give_the_same_rows_and_are_built_once(dataset, tmp_path, 
         assert torch.equal(a["input_ids"], b["input_ids"])
 
 
-def write_synthetic_tokens(folder, num_docs: int, shards: int = 2):
-    """A token folder of `num_docs` short documents (sparse token files): for memory tests."""
+def write_synthetic_tokens(folder, num_docs: int, shards: int = 2, max_len: int = 50):
+    """A token folder of `num_docs` documents of 1 to `max_len` tokens (sparse token files)."""
     rng = np.random.default_rng(0)
     entries = []
     for s in range(shards):
         (folder / "train").mkdir(parents=True, exist_ok=True)
-        lengths = rng.integers(1, 50, num_docs // shards)
+        lengths = rng.integers(1, max_len, num_docs // shards)
         index = np.stack([np.cumsum(lengths), lengths * 4], 1).astype(np.int64)
         np.save(folder / f"train/{s:05d}.docs.npy", index)
         with open(folder / f"train/{s:05d}.tokens", "wb") as f:
@@ -509,3 +512,62 @@ def test_a_malformed_manifest_names_the_file_and_key(dataset, tmp_path):
         manifest.write_text(json.dumps(broken))
         with pytest.raises(ShardError, match=message):
             TokenDataset(tmp_path / "tokens")
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32))
+def test_the_row_permutation_is_a_bijection(n, seed):
+    order = Permutation(n, seed)
+    drawn = order(np.arange(n))
+    assert np.array_equal(np.sort(drawn), np.arange(n))
+    assert order(n // 2) == drawn[n // 2] and isinstance(order(0), int)
+    with pytest.raises(IndexError):
+        order(n)
+
+
+def test_the_row_permutation_scatters_neighbours_and_depends_on_the_seed():
+    n = 10_000
+    a, b = Permutation(n, [0, 0])(np.arange(n)), Permutation(n, [0, 1])(np.arange(n))
+    assert np.mean(a == b) < 0.01 and np.mean(a == np.arange(n)) < 0.01
+    assert np.median(np.abs(np.diff(a))) > n / 10  # consecutive draws land far apart
+
+
+def test_batches_mix_documents_and_an_epoch_draws_every_row_once(tmp_path):
+    """Consecutive packed rows are a stretch of the document stream: with long documents, 8 of them
+    were mostly one document (72% of the quickstart's batches). Rows are drawn in a shuffled order."""
+    write_synthetic_tokens(tmp_path / "long", num_docs=40, max_len=2000)
+
+    def docs_per_batch(shuffle_rows: bool) -> float:
+        config = DataConfig(sources=[SourceConfig(path=str(tmp_path / "long"))], seq_len=32, shuffle_rows=shuffle_rows)
+        loader = build_loader(config, global_batch=8)
+        source = loader.sources[0]
+        counts, drawn = [], []
+        for _, (rows, _) in zip(range(source.rows_per_epoch // 8 + 3), loader._specs()):
+            indexes = [index for _, index in rows]
+            drawn += indexes
+            counts.append(len({d for index in indexes for d in source.row(index)[1].tolist() if d >= 0}))
+        epoch = source.rows_per_epoch
+        assert sorted(drawn[:epoch]) == list(range(epoch))  # each row of an epoch once
+        assert all(epoch <= index < 2 * epoch for index in drawn[epoch:])  # then the next epoch's rows
+        return float(np.mean(counts))
+
+    assert docs_per_batch(shuffle_rows=False) < 2
+    assert docs_per_batch(shuffle_rows=True) > 6
+
+
+def test_validation_on_max_rows_covers_many_documents(tmp_path, monkeypatch):
+    write_synthetic_tokens(tmp_path / "long", num_docs=40, max_len=2000)
+    source = open_sources(DataConfig(sources=[SourceConfig(path=str(tmp_path / "long"))], seq_len=32))[0]
+    import marinlm.dataset.loader as loader_module
+
+    validated = []
+    real_build_batch = loader_module.build_batch
+    monkeypatch.setattr(
+        loader_module,
+        "build_batch",
+        lambda sources, rows, **kw: validated.extend(rows) or real_build_batch(sources, rows, **kw),
+    )
+    for _ in validation_batches(source, batch_size=4, max_rows=8):
+        pass
+    assert len(validated) == 8
+    assert len({d for _, index in validated for d in source.row(index)[1].tolist() if d >= 0}) >= 6

@@ -63,6 +63,9 @@ class DataConfig:
     add_bos: bool = True
     add_eos: bool = True
     cross_document_loss: bool = False  # also predict the first token of the next document
+    # Draw each epoch's rows in a seeded random order, so a batch mixes many documents (packing.py);
+    # false hands out consecutive rows: a batch is then a stretch of the document stream.
+    shuffle_rows: bool = True
     seed: int = 0
     num_workers: int = 0  # DataLoader worker processes building batches
     verify: str = "size"  # or "full": sha256 and id-range check of every shard at start-up
@@ -175,6 +178,10 @@ class TokenLoader:
                 picked = choices == s
                 index[picked] = counts[s] + np.arange(int(picked.sum()))
             lo = self.rank * per_rank
+            mine = slice(lo, lo + per_rank)
+            for s in np.unique(choices[mine]).tolist():  # the index-th row drawn -> the packed row
+                picked = np.flatnonzero(choices[mine] == s) + lo
+                index[picked] = self.sources[s].draw(index[picked])
             rows = [(int(choices[i]), int(index[i])) for i in range(lo, lo + per_rank)]
             rows_done += self.global_batch
             counts = new_counts
@@ -283,6 +290,7 @@ def open_sources(
                 shuffle=split == "train",
                 keep_partial=split != "train",
                 index_dir=index_dir if split == "train" else None,
+                shuffle_rows=config.shuffle_rows,
             )
         )
     return sources
@@ -318,13 +326,15 @@ def build_loader(
 def validation_batches(
     source: PackedSource, batch_size: int, max_rows: int | None = None, rank: int = 0, world_size: int = 1
 ) -> Iterator[dict]:
-    """One pass over a source in document order (padded last row), rows dealt across ranks.
+    """One pass over a source (padded last row), or its first `max_rows` rows in the source's draw
+    order, rows dealt across ranks. With `shuffle_rows` (the default) those rows are spread over the
+    whole split, not the first few documents of it.
 
     Every rank yields the same number of batches (collectives in sharded models need that); rows
     past a rank's share are fully masked padding.
     """
     total = source.rows_per_epoch if max_rows is None else min(max_rows, source.rows_per_epoch)
-    mine = list(range(rank, total, world_size))
+    mine = source.draw(np.arange(rank, total, world_size)).tolist()
     per_rank = -(-total // world_size)
     padding = per_rank - len(mine)
     rows = mine + [0] * padding

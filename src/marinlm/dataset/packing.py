@@ -7,6 +7,12 @@ each as `[BOS] tokens [EOS]`. Row j of the epoch is stream positions `[j*L, j*L 
 L are `input_ids`, the last L are the next-token `labels`. Any row is computed directly from the
 epoch's cumulative lengths.
 
+**Row order.** With `shuffle_rows` (training, by default) the rows of an epoch are drawn in a seeded
+pseudo-random order (dataset/permutation.py, constant memory) rather than one after another: a batch
+of consecutive rows would otherwise be a few thousand consecutive tokens, often of one long document
+(72% of the quickstart's 8 x 256-token batches were a single file). `draw(i)` is the row handed out
+i-th; the packing itself, and so the set of rows in an epoch, does not change.
+
 **Boundaries.** `segment_ids` number the documents within a row, so attention and SConv stay
 inside a document. A label that belongs to a different document than its input (EOS -> next
 BOS) is masked (-100) unless `cross_document_loss` is set.
@@ -26,11 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from marinlm.dataset.permutation import Permutation
 from marinlm.dataset.shards import TokenDataset
 from marinlm.utils.io import atomic_path, exclusive, reserve_space, sha256_bytes
 
 IGNORE_INDEX = -100
 _CHUNK = 1 << 22  # documents per step when an epoch's stream ends are computed
+_ROW_ORDER = 0x726F77  # keeps the row order's seed apart from the document order's
 
 
 class PackedSource:
@@ -54,8 +62,10 @@ class PackedSource:
         shuffle=True,
         keep_partial=False,
         index_dir: str | Path | None = None,
+        shuffle_rows=False,
     ):
         self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
+        self.shuffle_rows = shuffle_rows
         self.add_bos, self.add_eos = add_bos, add_eos
         self.extra = int(add_bos) + int(add_eos)
         total = data.num_tokens + self.extra * data.num_docs
@@ -68,6 +78,7 @@ class PackedSource:
         self.stream_tokens = total
         self.index_dir = None if index_dir is None else Path(index_dir) / self._index_name()
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._row_orders: dict[int, Permutation] = {}
 
     def _index_name(self) -> str:
         """A folder name for what an epoch's order depends on: the dataset (its manifest, which holds
@@ -157,6 +168,22 @@ class PackedSource:
             number = path.name.split(".")[0].removeprefix("epoch-")
             if number.isdigit() and int(number) < epoch - 1:
                 path.unlink(missing_ok=True)
+
+    def draw(self, index):
+        """The row (an index for `row`) handed out `index`-th, an int or an int array: a row of the
+        same epoch, each row of an epoch once per epoch."""
+        if not self.shuffle_rows:
+            return index
+        epoch_N, j_N = np.divmod(np.asarray(index, dtype=np.int64), self.rows_per_epoch)
+        out = np.empty(np.shape(epoch_N), dtype=np.int64)
+        for epoch in np.unique(epoch_N).tolist():
+            if epoch not in self._row_orders:  # a different order each epoch; the last two are kept
+                self._row_orders[epoch] = Permutation(self.rows_per_epoch, [self.seed, epoch, _ROW_ORDER])
+                while len(self._row_orders) > 2:
+                    self._row_orders.pop(min(self._row_orders))
+            here = epoch_N == epoch
+            out[here] = epoch * self.rows_per_epoch + self._row_orders[epoch](j_N[here])
+        return int(out) if np.ndim(index) == 0 else out
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens [L+1] and global document index per position [L+1] (-1 for padding)."""
