@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from marinlm.config import ConfigError
 from marinlm.model import SamplingConfig, generate
-from marinlm.model.generate import filter_logits
+from marinlm.model.generate import filter_logits, penalize_repeats
 
 from conftest import build, randomize_identity_inits, tiny_config
 
@@ -78,8 +80,56 @@ def test_filter_logits_top_k_and_top_p():
     assert kept.tolist() == [[True, False, False, False]]  # never an empty nucleus (NaN probabilities)
 
 
+def test_repetition_penalty_is_transformers_repetition_penalty():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    logits, input_ids = torch.randn(3, 50), torch.randint(0, 50, (3, 12))
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, input_ids, True)
+    expected = transformers.RepetitionPenaltyLogitsProcessor(1.3)(input_ids, logits.clone())
+    torch.testing.assert_close(penalize_repeats(logits, seen, 1.3), expected)
+
+
+def test_penalized_decoding_matches_a_full_forward_reference():
+    """Greedy decoding through the cache with a repetition penalty, for a left-padded batch, picks
+    what a full forward over the real tokens with transformers' penalty picks at every step: the
+    padding is not counted as seen, and each new token is."""
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config(vocab_size=64)  # small enough that plain greedy decoding repeats a token
+    model = build(config).eval()
+    randomize_identity_inits(model)
+    torch.manual_seed(1)
+    real = [torch.randint(0, config.vocab_size, (n,)) for n in (7, 4)]
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0, repetition_penalty=3.0)
+    # Pad with the token the short prompt alone is continued with (not one of its own): were padding
+    # counted as seen, the penalty would turn that choice down.
+    pad = int(generate(model, real[1][None], replace(sampling, max_new_tokens=1))[0, -1])
+    assert pad not in real[1].tolist()
+    prompts, mask = torch.full((2, 7), pad), torch.zeros(2, 7, dtype=torch.long)
+    for i, r in enumerate(real):
+        prompts[i, -len(r) :], mask[i, -len(r) :] = r, 1
+    got = generate(model, prompts, sampling, attention_mask=mask)[:, 7:]
+    penalty = transformers.RepetitionPenaltyLogitsProcessor(3.0)
+    with torch.no_grad():
+        for i, seq in enumerate(real):
+            seq = seq.unsqueeze(0)
+            for _ in range(10):
+                logits = penalty(seq, model(seq).logits[:, -1].float())
+                seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+            assert got[i].tolist() == seq[0, -10:].tolist()
+    plain = generate(model, prompts, SamplingConfig(max_new_tokens=10, temperature=0), attention_mask=mask)[:, 7:]
+    assert not torch.equal(plain, got)  # the penalty changed what was picked
+
+
 @pytest.mark.parametrize(
-    "field, value", [("max_new_tokens", -1), ("temperature", -0.5), ("top_k", -3), ("top_p", 0.0), ("top_p", 1.5)]
+    "field, value",
+    [
+        ("max_new_tokens", -1),
+        ("temperature", -0.5),
+        ("top_k", -3),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("repetition_penalty", 0.0),
+    ],
 )
 def test_bad_sampling_settings_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field) as info:

@@ -113,6 +113,7 @@ def _generate(args, overrides) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
     sys.stdout.write(args.prompt)
@@ -368,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 makes tokens already seen less likely (1 = off)"
+    )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)

@@ -1,4 +1,5 @@
-"""Incremental decoding with the model's KV cache: greedy, temperature, top-k and top-p sampling.
+"""Incremental decoding with the model's KV cache: greedy, temperature, top-k and top-p sampling,
+and a repetition penalty.
 
 Prompts of different lengths are left-padded; padding forms its own "document", so the packed-
 document masking that training uses keeps real tokens from ever seeing it, and positions start
@@ -22,6 +23,9 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    # CTRL's penalty, as HF transformers' `repetition_penalty`: a token already in the prompt or the
+    # output has its logit divided by this when positive, multiplied when negative. 1 = off.
+    repetition_penalty: float = 1.0
     seed: int | None = None
 
     def __post_init__(self):
@@ -29,6 +33,19 @@ class SamplingConfig:
         check(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         check(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
+        check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0 (1 = off, above 1 discourages repeats), got {self.repetition_penalty}",
+        )
+
+
+def penalize_repeats(logits_BV: torch.Tensor, seen_BV: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Make the tokens marked in `seen_BV` less likely by `penalty` (see SamplingConfig)."""
+    if penalty == 1.0:
+        return logits_BV
+    penalized = torch.where(logits_BV > 0, logits_BV / penalty, logits_BV * penalty)
+    return torch.where(seen_BV, penalized, logits_BV)
 
 
 def filter_logits(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -80,8 +97,14 @@ def stream_generate(
     logits_BV = out.logits[:, -1]
     next_pos_B1 = attention_mask.long().sum(1, keepdim=True)
     finished_B = torch.zeros(B, dtype=torch.bool, device=device)
+    seen_BV = None
+    if sampling.repetition_penalty != 1.0:  # the prompt's real tokens, then each one generated
+        counts_BV = torch.zeros(B, logits_BV.shape[-1], dtype=torch.long, device=device)
+        seen_BV = counts_BV.scatter_add_(1, input_ids, attention_mask.long()) > 0  # padding counts 0
     try:
         for _ in range(sampling.max_new_tokens):
+            if seen_BV is not None:
+                logits_BV = penalize_repeats(logits_BV.float(), seen_BV, sampling.repetition_penalty)
             if sampling.temperature == 0:
                 token_B = logits_BV.argmax(-1)
             else:
@@ -91,6 +114,8 @@ def stream_generate(
             if eos_token_id is not None:
                 token_B = torch.where(finished_B, torch.full_like(token_B, eos_token_id), token_B)
                 finished_B |= token_B == eos_token_id
+            if seen_BV is not None:
+                seen_BV[torch.arange(B, device=device), token_B] = True
             yield token_B
             if eos_token_id is not None and bool(finished_B.all()):
                 break
