@@ -217,6 +217,7 @@ class TokenLoader:
             "phase_start_counts": self.phase_start_counts.tolist(),
             "rows_per_epoch": [s.rows_per_epoch for s in self.sources],
             "seq_len": self.sources[0].seq_len,
+            "shuffle_rows": self.sources[0].shuffle_rows,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -225,6 +226,15 @@ class TokenLoader:
             raise ValueError(
                 f"loader state is for sources with rows/epoch {state['rows_per_epoch']} at seq_len {state['seq_len']}, "
                 f"but this run has {expected} at seq_len {self.sources[0].seq_len}: the data changed"
+            )
+        # Rows drawn in another order from the same position would repeat some rows of the epoch and
+        # skip others. A state saved before the row order existed drew them in sequence.
+        saved_order = bool(state.get("shuffle_rows", False))
+        if saved_order != self.sources[0].shuffle_rows:
+            raise ValueError(
+                f"data.shuffle_rows: the loader state was saved with {str(saved_order).lower()}, this run has "
+                f"{str(self.sources[0].shuffle_rows).lower()}; resume with --data.shuffle_rows="
+                f"{str(saved_order).lower()} to draw the epoch's remaining rows exactly"
             )
         self.rows_consumed = int(state["rows_consumed"])
         self.counts = np.asarray(state["counts"], dtype=np.int64)
