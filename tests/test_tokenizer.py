@@ -156,3 +156,21 @@ def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
     assert child.returncode == 130, err[-2000:]
     assert time.perf_counter() - sent < 3, "Ctrl-C waited for the training to end"
     assert not (tmp_path / "tok" / "tokenizer.json").exists()
+
+
+def test_a_byte_budget_samples_every_input_file(tmp_path):
+    """Curated shards hold one source each. With max_bytes, the tokenizer's text came from the first
+    files alone, so a later source (here: Chinese) was left out of the vocabulary."""
+    from marinlm.tokenizer import iter_training_texts
+
+    for name, line in [("00000", "def parse(value): return value"), ("00001", "中文的句子和更多的汉字")]:
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(200):
+                f.write(json.dumps({"text": f"{line} {i}"}) + "\n")
+    total = sum(p.stat().st_size for p in tmp_path.iterdir())
+    texts = list(iter_training_texts([str(tmp_path)], "text", max_bytes=total // 4))
+    english = sum(len(t.encode()) for t in texts if t.startswith("def"))
+    chinese = sum(len(t.encode()) for t in texts if t.startswith("中文"))
+    assert english > 0.1 * total / 4 and chinese > 0.1 * total / 4
+    assert english + chinese < total / 3  # about the budget, not everything
+    assert len(list(iter_training_texts([str(tmp_path)], "text", max_bytes=0))) == 400  # 0 = all

@@ -14,6 +14,7 @@ Pre-tokenisation (a regex split, then bytes):
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -60,7 +61,7 @@ class TokenizerTrainConfig:
     output_dir: str = "tokenizer"
     vocab_size: int = 32768  # the hero uses 128,256
     min_frequency: int = 2
-    max_bytes: int = 0  # train on at most this much text (0 = all)
+    max_bytes: int = 0  # train on about this much text, a share of every input file (0 = all)
 
     def __post_init__(self):
         check(
@@ -191,17 +192,26 @@ class MarinTokenizer:
 def iter_training_texts(
     inputs: list[str], text_field: str, max_bytes: int, rejected: list | None = None
 ) -> Iterator[str]:
-    """The documents' texts, up to `max_bytes`; unreadable records go to `rejected` (if given)."""
+    """The documents' texts; unreadable records go to `rejected` (if given).
+
+    With `max_bytes`, about that much text, drawn from every input file in proportion to its size
+    on disk (each file's first documents), not the first files' alone: curated shards hold one
+    source each, so a prefix of the list would leave whole sources, languages or code out of the
+    vocabulary.
+    """
     from marinlm.data.readers import Document, expand_inputs, read_documents
 
-    seen = 0
-    for path in expand_inputs(inputs):
+    paths = expand_inputs(inputs)
+    sizes = [os.path.getsize(path) for path in paths]
+    for path, size in zip(paths, sizes, strict=True):
+        budget = max_bytes * size / max(sum(sizes), 1) if max_bytes else float("inf")
+        taken = 0
         for item in read_documents(path, text_field=text_field):
+            if taken >= budget:
+                break
             if isinstance(item, Document):
                 yield item.text
-                seen += len(item.text.encode())
-                if max_bytes and seen >= max_bytes:
-                    return
+                taken += len(item.text.encode())
             elif rejected is not None:
                 rejected.append(item)
 
