@@ -203,6 +203,39 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
     assert a["rejected"] == len(rejected) == 8
 
 
+def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_else(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"parquet document {i}" for i in range(9)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=3, compression="none")
+    chunk = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(1).column(0)
+    data = bytearray((tmp_path / "a.parquet").read_bytes())
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    (tmp_path / "a.parquet").write_bytes(data)
+    items = list(read_documents(tmp_path / "a.parquet"))
+    assert [d.text for d in items if isinstance(d, Document)] == texts[:3] + texts[6:]  # groups 0 and 2 kept
+    [bad] = [r for r in items if isinstance(r, Rejected)]
+    assert bad.location == f"{tmp_path / 'a.parquet'}:4-6" and "row group 1" in bad.reason
+
+    (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # no footer
+    [cut] = read_documents(tmp_path / "b.parquet")
+    assert cut.location == str(tmp_path / "b.parquet") and "unreadable parquet" in cut.reason
+
+    (tmp_path / "c.txt").write_bytes(b"fine text\n\xc3(\n")
+    [txt] = read_documents(tmp_path / "c.txt")
+    assert txt.location == str(tmp_path / "c.txt") and txt.reason == "invalid UTF-8 at byte 10"
+
+    (tmp_path / "d.json").write_text(json.dumps([{"text": ["line one", "line two"]}, "not an object"]))
+    doc, odd = read_documents(tmp_path / "d.json")
+    assert doc.text == "line one\nline two"
+    assert odd.location == f"{tmp_path / 'd.json'}:1" and "expected a JSON object, got str" in odd.reason
+    (tmp_path / "e.json").write_text(json.dumps({"text": "an object, not a list"}))
+    [whole] = read_documents(tmp_path / "e.json")
+    assert "must hold a list" in whole.reason
+
+
 def test_missing_input_and_bad_config_fail_fast(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         run_pipeline(bare_config(tmp_path / "o", [{"name": "x", "inputs": [str(tmp_path / "nope.jsonl")]}]))

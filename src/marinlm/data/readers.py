@@ -272,15 +272,20 @@ def _read_parquet(path: Path, text_field, id_field, source):
     if text_field not in table.schema_arrow.names:
         yield Rejected(source, str(path), f"missing column {text_field!r}; columns: {table.schema_arrow.names}")
         return
+    # A row group at a time: a corrupt one costs its own rows, not the rest of the file.
     row = 0
-    try:
-        for batch in table.iter_batches():
-            for record in batch.to_pylist():
-                row += 1
-                provenance = {"file": str(path), "row": row}
-                yield _from_record(record, f"{path}:{row}", text_field, id_field, source, provenance)
-    except Exception as e:
-        yield Rejected(source, f"{path}:{row + 1}", f"corrupt parquet data: {e}")
+    for group in range(table.num_row_groups):
+        end = row + table.metadata.row_group(group).num_rows
+        try:
+            for batch in table.iter_batches(row_groups=[group]):
+                for record in batch.to_pylist():
+                    row += 1
+                    provenance = {"file": str(path), "row": row}
+                    yield _from_record(record, f"{path}:{row}", text_field, id_field, source, provenance)
+        except Exception as e:
+            where = f"{path}:{row + 1}-{end}"
+            yield Rejected(source, where, f"corrupt parquet data (row group {group}, rows {row + 1}-{end}): {e}")
+        row = end
 
 
 def read_hf_dataset(
