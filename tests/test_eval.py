@@ -389,6 +389,26 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
         load_model(tmp_path / "run")
 
 
+def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path, capsys):
+    """A run killed while its newest checkpoint was copied, or a disk that lost its tail: `marinlm
+    eval/generate RUN` warn and use the newest good one; naming the damaged one is an error."""
+    from marinlm.train.checkpoint import CheckpointError
+    from marinlm.train.inference import load_model
+    from marinlm.train.trainer import run_training
+
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}, checkpoint={"every_steps": 2}))
+    newest = tmp_path / "run" / "checkpoints" / "step-00000004"
+    [weights] = newest.glob("*.distcp")
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    capsys.readouterr()
+    loaded = load_model(tmp_path / "run")
+    assert loaded.checkpoint.name == "step-00000002"
+    assert f"warning: skipping unusable checkpoint: {newest}" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=str(weights)):
+        load_model(newest)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tmp_path):
