@@ -157,6 +157,37 @@ def test_bad_train_settings_fail_at_load(override, key):
     assert info.value.key == key
 
 
+@pytest.mark.parametrize(
+    "override, key, fragment",
+    [
+        ("--train.steps=1.5", "train.steps", "expected an integer, got 1.5"),
+        ("--train.steps=null", "train.steps", "expected an integer, got None"),
+        ("--train.grad_clip=abc", "train.grad_clip", "expected float | None, got 'abc'"),
+        ("--optim.betas=[0.9, 0.95, 0.99]", "optim.betas", "expected 2 items, got 3"),
+        ("--data.sources=runs/tokens", "data.sources", "expected a list"),
+        ("--data.sources=[{path: a, weight: x}]", "data.sources[0].weight", "expected a number"),
+        ("--data=3", "data", "expected a mapping for DataConfig"),
+        ("--run_dir=[a]", "run_dir", "expected a string"),
+        ("--checkpoint.async_save=2", "checkpoint.async_save", "expected true or false, got 2"),
+    ],
+)
+def test_wrong_types_name_the_key_and_the_value(override, key, fragment):
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", [override])
+    assert info.value.key == key
+    assert fragment in str(info.value)
+
+
+def test_lossless_conversions_are_accepted():
+    """YAML reads `3e-4` as a string and `8.0` as a float: both are what the user meant."""
+    from marinlm.train.config import TrainConfig
+
+    config = load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--optim.lr=3e-4", "--train.steps=8.0"])
+    assert config.optim.lr == 3e-4 and config.train.steps == 8 and isinstance(config.train.steps, int)
+
+
 def test_shipped_configs_load_from_any_folder_and_a_local_file_wins(tmp_path, monkeypatch):
     """With a plain `pip install` there is no configs/ folder: the README's `configs/train/tiny.yaml`
     was 'config file not found' everywhere but in a checkout."""
