@@ -203,8 +203,9 @@ def iter_training_texts(
 
     paths = expand_inputs(inputs)
     sizes = [os.path.getsize(path) for path in paths]
+    total = max(sum(sizes), 1)
     for path, size in zip(paths, sizes, strict=True):
-        budget = max_bytes * size / max(sum(sizes), 1) if max_bytes else float("inf")
+        budget = max_bytes * size / total if max_bytes else float("inf")
         taken = 0
         for item in read_documents(path, text_field=text_field):
             if taken >= budget:

@@ -174,14 +174,10 @@ class TokenLoader:
             choices, new_in_phase = webster_assign(self.phases[phase][1], counts - base, self.global_batch)
             new_counts = base + new_in_phase
             index = np.empty(self.global_batch, dtype=np.int64)  # each row's index within its source
-            for s in range(len(self.sources)):
+            for s in range(len(self.sources)):  # the n-th row drawn from a source -> its packed row
                 picked = choices == s
-                index[picked] = counts[s] + np.arange(int(picked.sum()))
+                index[picked] = self.sources[s].draw(counts[s] + np.arange(int(picked.sum())))
             lo = self.rank * per_rank
-            mine = slice(lo, lo + per_rank)
-            for s in np.unique(choices[mine]).tolist():  # the index-th row drawn -> the packed row
-                picked = np.flatnonzero(choices[mine] == s) + lo
-                index[picked] = self.sources[s].draw(index[picked])
             rows = [(int(choices[i]), int(index[i])) for i in range(lo, lo + per_rank)]
             rows_done += self.global_batch
             counts = new_counts
