@@ -187,6 +187,23 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
     )
 
 
+def test_a_key_newer_than_the_checkpoints_config_is_named_absent(token_data, tmp_path, capsys, monkeypatch):
+    """The warning compared today's defaults for keys an older config.yaml lacks: a run from before
+    data.shuffle_rows (rows drawn in sequence) read as `data.shuffle_rows: True -> False`."""
+    import marinlm.train.trainer as trainer_module
+    from marinlm.train.trainer import Trainer, run_training
+
+    written_before_the_key = trainer_module.dump_config
+    monkeypatch.setattr(
+        trainer_module, "dump_config", lambda c: written_before_the_key(c).replace("  shuffle_rows: true\n", "")
+    )
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 2}, checkpoint={"every_steps": 2}))
+    monkeypatch.undo()
+    capsys.readouterr()
+    Trainer(train_config(token_data, tmp_path / "run", train={"steps": 2}), resume="auto")
+    assert "resuming step-00000002 with changed setting: data.shuffle_rows: absent -> True\n" in capsys.readouterr().out
+
+
 def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(token_data, tmp_path, capsys):
     """A corrupt val shard used to switch validation off with a log line."""
     import shutil

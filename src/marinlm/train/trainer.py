@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import torch
+import yaml
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -222,15 +223,19 @@ class Trainer:
 
     def _config_changes(self, folder: Path) -> list[str]:
         """The model, optimizer, data, schedule and training-loop settings that differ from the
-        checkpoint's config.yaml, model first (logging, checkpointing and the like change freely)."""
+        checkpoint's config.yaml, model first (logging, checkpointing and the like change freely).
+
+        Compared as the file has them: a key written before it existed is "absent", not its
+        default of today, which need not be what that run did (data.shuffle_rows)."""
         try:
-            saved = load_config(TrainConfig, folder / "config.yaml")
-        except (ConfigError, OSError):
+            load_config(TrainConfig, folder / "config.yaml")  # a file this code can read at all
+            saved = yaml.safe_load((folder / "config.yaml").read_text())
+        except (ConfigError, OSError, yaml.YAMLError):
             return []
         return [
             f"{section}.{change}"
             for section in ("model", "optim", "data", "schedule", "train")
-            for change in differences(to_dict(getattr(saved, section)), to_dict(getattr(self.config, section)))
+            for change in differences(saved.get(section, {}), to_dict(getattr(self.config, section)))
         ]
 
     def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
