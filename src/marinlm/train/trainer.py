@@ -3,12 +3,12 @@
 Extras attach as hooks (`trainer.add_hook(fn, every=N)`): logging, validation, checkpoints,
 downstream evaluation. Everything a resume needs is explicit state: model and optimizer (DCP),
 scheduler, loader position, step, bad-step counter, every rank's RNG, and the router biases (a
-model buffer holding the QB beta of the previous step).
+model buffer holding the QB beta of the previous step). Where a run starts (its own checkpoint,
+another run's weights, nothing) and the roll-back after bad steps are in train/resume.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -19,16 +19,12 @@ from pathlib import Path
 
 import psutil
 import torch
-import yaml
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
 )
 from tqdm import tqdm
 
-from marinlm.config import ConfigError, dump_config, load_config, to_dict
+from marinlm.config import dump_config, to_dict
 from marinlm.dataset.loader import build_loader, open_dataset, open_sources, validation_batches
 from marinlm.dataset.shards import EmptySplitError
 from marinlm.model.cpu_bf16 import gemm_dtype
@@ -39,22 +35,20 @@ from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.train.checkpoint import (
     CheckpointManager,
-    CheckpointMismatch,
     estimate_local_bytes,
-    list_checkpoints,
-    load_tensors,
 )
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_metrics
 from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
+from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import catch_stop_signals
 from marinlm.train.step import StepResult, param_norm, train_step, validate
-from marinlm.utils.io import differences, lock_folder, unlock_folder, write_json_atomic, write_text_atomic
+from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
 
-class Trainer:
+class Trainer(ResumeMixin):
     def __init__(self, config: TrainConfig, resume: str = "auto"):
         self.config = c = config
         self.info = init_distributed(c.train.device)
@@ -220,121 +214,6 @@ class Trainer:
         self._last_checkpoint_step, self._last_checkpoint_time = self.step, time.perf_counter()
         self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
         return path
-
-    def _config_changes(self, folder: Path) -> list[str]:
-        """The model, optimizer, data, schedule and training-loop settings that differ from the
-        checkpoint's config.yaml, model first (logging, checkpointing and the like change freely).
-
-        Compared as the file has them: a key written before it existed is "absent", not its
-        default of today, which need not be what that run did (data.shuffle_rows)."""
-        try:
-            load_config(TrainConfig, folder / "config.yaml")  # a file this code can read at all
-            saved = yaml.safe_load((folder / "config.yaml").read_text())
-        except (ConfigError, OSError, yaml.YAMLError):
-            return []
-        return [
-            f"{section}.{change}"
-            for section in ("model", "optim", "data", "schedule", "train")
-            for change in differences(saved.get(section, {}), to_dict(getattr(self.config, section)))
-        ]
-
-    def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
-        """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
-        if folder is None and not list_checkpoints(self.checkpoints.root):
-            # Nothing to load: leave the optimizer untouched. get_state_dict() fills an empty one's
-            # state by stepping it once with zero gradients and lr 0, which leaves Adam's step count
-            # at 1: a fresh `--resume auto` run took its first real step as step 2 (bias correction).
-            return None
-        tensors = self._state_tensors()
-        try:
-            if folder is None:
-                loaded = self.checkpoints.load_latest(tensors)
-                if loaded is None:
-                    return None
-            else:
-                loaded = (folder, self.checkpoints.load(folder, tensors))
-        except CheckpointMismatch as e:
-            changes = self._config_changes(e.folder)
-            hint = f"; its config.yaml differs first at {changes[0]}" if changes else ""
-            advice = "Resume with the run's own settings, or start a new run_dir"
-            raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
-        folder, state = loaded
-        if self.info.is_main and (changes := self._config_changes(folder)):
-            settings = "setting" if len(changes) == 1 else "settings"
-            print(f"warning: resuming {folder.name} with changed {settings}: {'; '.join(changes)}", flush=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.bad_steps = state["step"], state["bad_steps"]
-        self._last_checkpoint_step = self.step
-        return folder, state
-
-    def _init_from(self) -> None:
-        """Load the model weights of `checkpoint.init_from` (continued training); the optimizer,
-        schedule, data position and step start fresh."""
-        source = self.config.checkpoint.init_from
-        if not source:
-            return None
-        from marinlm.train.inference import resolve_checkpoint
-
-        folder = resolve_checkpoint(source, self.info.rank, self.world)
-        trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
-        if trained_with is not None and trained_with != self.tokenizer_hash:
-            raise ValueError(
-                f"checkpoint.init_from: {folder} was trained with tokenizer {trained_with[:12]}…, this run's data "
-                f"uses {self.tokenizer_hash[:12]}…: its embeddings would mean other tokens"
-            )
-        tensors = {"model": get_model_state_dict(self.model)}
-        try:
-            load_tensors(folder, tensors)
-        except CheckpointMismatch as e:
-            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}") from None
-        set_model_state_dict(self.model, tensors["model"])
-        self.initialized_from = str(folder)
-        if self.info.is_main:
-            print(f"model initialised from {folder}; optimizer, schedule and data start fresh", flush=True)
-        return None
-
-    def _resume(self, resume: str) -> Path | None:
-        if resume == "none":
-            if earlier := list_checkpoints(self.run_dir / "checkpoints"):
-                # Starting over here would mix two runs: retention keeps the old run's newer steps,
-                # and `--resume auto` or `generate` would later pick them up.
-                raise ValueError(
-                    f"{self.run_dir}: holds checkpoints of an earlier run (newest {earlier[0].name}); continue "
-                    "it with --resume auto, or give a new run_dir (or move this one aside) to start over"
-                )
-            return self._init_from()
-        loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
-        if loaded is None:
-            return self._init_from()
-        if self.config.checkpoint.init_from and self.info.is_main:
-            print(f"note: checkpoint.init_from is not used: {self.run_dir} resumes from its own checkpoint", flush=True)
-        folder, state = loaded
-        if state["tokenizer_hash"] != self.tokenizer_hash:
-            raise ValueError(
-                f"{folder}: trained with tokenizer {state['tokenizer_hash'][:12]}…, data now uses "
-                f"{self.tokenizer_hash[:12]}…"
-            )
-        self.loader.load_state_dict(state["loader"])
-        if self.info.is_main:
-            saved_world = state.get("world_size", 1)
-            regrid = f" (saved by {saved_world} processes, resharded onto {self.world})"
-            regrid = regrid if saved_world != self.world else ""
-            print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
-        return folder
-
-    def _rollback(self) -> None:
-        """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
-        position = self.loader.state_dict()
-        bad_from, bad_count = self.step, self.bad_steps
-        loaded = self._load_checkpoint()
-        if loaded is None:
-            raise RuntimeError(f"{bad_count} consecutive NaN/Inf steps and no checkpoint to roll back to")
-        folder, _ = loaded
-        self.loader.load_state_dict(position)  # skip the offending batches
-        self.bad_steps = 0
-        self.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
-        self._log_event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")
 
     def _write_run_record(self, resumed_from) -> None:
         write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
