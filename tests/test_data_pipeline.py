@@ -236,6 +236,29 @@ def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_
     assert "must hold a list" in whole.reason
 
 
+def test_a_byte_order_mark_is_not_taken_for_text(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "first"}\r\n{"text": "second"}\r\n')
+    (tmp_path / "b.json").write_bytes(bom + json.dumps([{"text": "listed"}]).encode())
+    (tmp_path / "c.txt").write_bytes(bom + b"plain")
+    (tmp_path / "d.txt").write_bytes(bom + b"one\n\ntwo")
+    texts = {
+        name: [d.text for d in read_documents(tmp_path / name, split_pattern="\n\n" if name == "d.txt" else "")]
+        for name in ("a.jsonl", "b.json", "c.txt", "d.txt")
+    }
+    assert texts == {"a.jsonl": ["first", "second"], "b.json": ["listed"], "c.txt": ["plain"], "d.txt": ["one", "two"]}
+
+
+def test_invalid_utf8_in_a_cut_text_file_rejects_only_its_document(tmp_path):
+    (tmp_path / "book.txt").write_bytes(b"chapter one\n\nchapter \xff two\n\nchapter three")
+    first, bad, third = read_documents(tmp_path / "book.txt", split_pattern="\n\n")
+    assert (first.text, third.text) == ("chapter one", "chapter three")
+    assert isinstance(bad, Rejected) and bad.location == f"{tmp_path / 'book.txt'}#1"
+    assert bad.reason == "invalid UTF-8 at byte 8 of this document" and bad.raw == "chapter \ufffd two"
+    pieces = list(read_documents(tmp_path / "book.txt", chunk_chars=16))
+    assert [p.text for p in pieces if isinstance(p, Document)] == ["chapter one\n\n", "chapter three"]
+
+
 def test_missing_input_and_bad_config_fail_fast(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         run_pipeline(bare_config(tmp_path / "o", [{"name": "x", "inputs": [str(tmp_path / "nope.jsonl")]}]))

@@ -2,8 +2,9 @@
 
 Bad input never raises out of a reader: a malformed JSON line, invalid UTF-8, a missing or
 non-string text field, or a truncated compressed stream becomes a `Rejected` record naming the
-file and line, and reading goes on (or stops cleanly at a truncation). A missing input path is
-different: `expand_inputs` fails fast on it.
+file and line, and reading goes on (or stops cleanly at a truncation); in a .txt file cut into
+documents, only the documents holding bad bytes are rejected. A leading UTF-8 byte-order mark is
+skipped. A missing input path is different: `expand_inputs` fails fast on it.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def _open_lines(path: Path) -> Iterator[bytes]:
         yield from f
 
 
+# A byte-order mark opens files saved by some Windows tools: an encoding marker, not text (a JSON
+# parser refuses it, and in a document it would be an invisible first character).
+_BOM = b"\xef\xbb\xbf"
+# What `surrogateescape` makes of bytes that are not UTF-8.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+
+
+def _strip_bom(data: bytes) -> bytes:
+    return data[len(_BOM) :] if data.startswith(_BOM) else data
+
+
 def _clip(raw: bytes | str, n: int = 200) -> str:
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8", errors="replace")
@@ -174,20 +186,24 @@ def read_documents(
         yield from _read_parquet(path, text_field, id_field, source)
         return
     if name.endswith(TEXT_SUFFIXES):
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield Rejected(source, str(path), f"invalid UTF-8 at byte {e.start}")
-            return
+        # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
+        # only the documents that hold them.
+        text = _strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
         parts = re.split(split_pattern, text) if split_pattern else [text]
         if chunk_chars:
             parts = [chunk for part in parts for chunk in chunk_text(part, chunk_chars)]
-        if len(parts) == 1:
-            yield Document(id=str(path), text=text, source=source, metadata={"file": str(path)})
-            return
+        whole = len(parts) == 1
         for i, part in enumerate(parts):
-            if part.strip():
-                yield Document(id=f"{path}#{i}", text=part, source=source, metadata={"file": str(path), "part": i})
+            where = str(path) if whole else f"{path}#{i}"
+            if bad := _UNDECODABLE.search(part):
+                at = len(part[: bad.start()].encode("utf-8", errors="surrogateescape"))
+                of = "" if whole else " of this document"
+                yield Rejected(
+                    source, where, f"invalid UTF-8 at byte {at}{of}", _clip(part.encode(errors="surrogateescape"))
+                )
+            elif whole or part.strip():
+                metadata = {"file": str(path)} if whole else {"file": str(path), "part": i}
+                yield Document(id=where, text=part, source=source, metadata=metadata)
         return
     if name.endswith(".json"):
         yield from _read_json_array(path, text_field, id_field, source)
@@ -195,6 +211,8 @@ def read_documents(
     line_no = 0
     try:
         for line_no, line in enumerate(_open_lines(path), start=1):
+            if line_no == 1:
+                line = _strip_bom(line)
             if line.strip():
                 yield _parse_line(line, path, line_no, text_field, id_field, source)
     except (EOFError, OSError, zlib.error) as e:
@@ -250,7 +268,7 @@ def _from_record(record, where, text_field, id_field, source, provenance) -> Doc
 
 def _read_json_array(path: Path, text_field, id_field, source):
     try:
-        records = json.loads(path.read_bytes().decode("utf-8"))
+        records = json.loads(_strip_bom(path.read_bytes()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         yield Rejected(source, str(path), f"unreadable JSON file: {e}")
         return
