@@ -279,6 +279,19 @@ def test_malformed_task_files_name_file_and_line(tmp_path, file, content, messag
         prepare(EvalOptions(tasks=[task.split("/")[0]], data_dir=str(tmp_path)))
 
 
+def test_task_files_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Excel saves CSV (and Notepad text) as UTF-8 with a leading BOM; it is not part of the first item."""
+    write_tasks(tmp_path / "plain")
+    write_tasks(tmp_path / "bom")
+    for path in (tmp_path / "bom").rglob("*.*"):
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    tasks = ["hellaswag", "arc_easy", "piqa", "winogrande", "lambada_openai", "mmlu"]
+    plain, bom = (
+        prepare(EvalOptions(tasks=tasks, data_dir=str(tmp_path / folder), num_fewshot=1)) for folder in ("plain", "bom")
+    )
+    assert [(name, items) for name, _, items in bom] == [(name, items) for name, _, items in plain]
+
+
 def test_mmlu_short_of_shots_or_subjects_and_empty_bpb_texts_are_errors(tmp_path):
     write_tasks(tmp_path)
     with pytest.raises(TaskDataError, match=r"astronomy_dev.csv: 2 dev examples, fewer than the 3 shots"):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marinlm.utils.io import strip_bom
+
 # Plain-text files are one document each (prose, markup, source code).
 TEXT_SUFFIXES = (
     ".txt",
@@ -147,15 +149,8 @@ def _open_lines(path: Path) -> Iterator[bytes]:
         yield from f
 
 
-# A byte-order mark opens files saved by some Windows tools: an encoding marker, not text (a JSON
-# parser refuses it, and in a document it would be an invisible first character).
-_BOM = b"\xef\xbb\xbf"
 # What `surrogateescape` makes of bytes that are not UTF-8.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
-
-
-def _strip_bom(data: bytes) -> bytes:
-    return data[len(_BOM) :] if data.startswith(_BOM) else data
 
 
 def _clip(raw: bytes | str, n: int = 200) -> str:
@@ -188,7 +183,7 @@ def read_documents(
     if name.endswith(TEXT_SUFFIXES):
         # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
         # only the documents that hold them.
-        text = _strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
+        text = strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
         parts = re.split(split_pattern, text) if split_pattern else [text]
         if chunk_chars:
             parts = [chunk for part in parts for chunk in chunk_text(part, chunk_chars)]
@@ -212,7 +207,7 @@ def read_documents(
     try:
         for line_no, line in enumerate(_open_lines(path), start=1):
             if line_no == 1:
-                line = _strip_bom(line)
+                line = strip_bom(line)
             if line.strip():
                 yield _parse_line(line, path, line_no, text_field, id_field, source)
     except (EOFError, OSError, zlib.error) as e:
@@ -268,7 +263,7 @@ def _from_record(record, where, text_field, id_field, source, provenance) -> Doc
 
 def _read_json_array(path: Path, text_field, id_field, source):
     try:
-        records = json.loads(_strip_bom(path.read_bytes()).decode("utf-8"))
+        records = json.loads(strip_bom(path.read_bytes()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         yield Rejected(source, str(path), f"unreadable JSON file: {e}")
         return

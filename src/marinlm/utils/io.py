@@ -91,14 +91,26 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# A byte-order mark opens files saved by some Windows tools: an encoding marker, not text (a JSON
+# parser refuses it, and in a document it would be an invisible first character).
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def strip_bom(data: bytes) -> bytes:
+    return data[len(UTF8_BOM) :] if data.startswith(UTF8_BOM) else data
+
+
 def read_utf8(path: str | Path, what: str = "invalid UTF-8", error: type[Exception] = ValueError) -> str:
-    """The file as UTF-8 text; a bad byte raises `error` naming the file and line."""
+    """The file as UTF-8 text, without a leading byte-order mark; a bad byte raises `error` naming
+    the file and line."""
     data = Path(path).read_bytes()
+    text = strip_bom(data)
     try:
-        return data.decode("utf-8")
+        return text.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise error(f"{path}:{line}: {what} (byte {e.start} of the file)") from None
+        start = e.start + len(data) - len(text)
+        line = data[:start].count(b"\n") + 1
+        raise error(f"{path}:{line}: {what} (byte {start} of the file)") from None
 
 
 def sha256_bytes(data: bytes) -> str:
