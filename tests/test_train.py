@@ -348,6 +348,29 @@ def test_run_outputs_and_router_state(token_data, tmp_path):
     assert info["data"][0]["epochs"] == pytest.approx(4 * 4 / trainer.loader.sources[0].rows_per_epoch)  # 4 x 4 rows
 
 
+def test_a_resumed_runs_summary_times_its_own_steps(token_data, tmp_path, capsys):
+    """The medians printed after a resume describe the steps just run, not a mix with the run's
+    earlier steps, which may have run on other hardware or another number of processes."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    earlier = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for record in earlier:  # as if the first 4 steps had run on a much faster machine
+        if "perf/tokens_per_s" in record:
+            record["perf/tokens_per_s"], record["perf/mfu"] = 1e12, 0.99
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    capsys.readouterr()
+    from marinlm.cli import main
+
+    config = tmp_path / "resume.yaml"
+    save_config(train_config(token_data, tmp_path / "run", train={"steps": 8}), config)
+    assert main(["train", str(config)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["first_step"], summary["steps"]) == (4, 8)
+    assert 0 < summary["median_tokens_per_s"] < 1e9 and summary["median_mfu"] < 0.9
+    assert "done: step 8 (4 from step 4) in " in out
+
+
 @pytest.mark.parametrize("optim", ["marin", "adamw"])
 def test_a_fresh_run_trains_alike_with_resume_auto_or_none(token_data, tmp_path, optim):
     """`--resume auto` with nothing to resume used to call get_state_dict() on the empty optimizer,

@@ -89,8 +89,10 @@ def _train(args, overrides) -> int:
             if summary["final_loss"] is not None
             else "no step left to train (the run had already finished)"
         )
+        steps, first = summary["steps"], summary["first_step"]
+        done = f"step {steps} ({steps - first} from step {first})" if first else f"{steps} steps"
         print(
-            f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, {trained}"
+            f"done: {done} in {summary['seconds']:.0f} s, {trained}"
             + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
         )
         if summary.get("median_tokens_per_s"):

@@ -293,7 +293,7 @@ class Trainer(ResumeMixin):
 
     def fit(self) -> dict:
         c = self.config
-        start_time = time.perf_counter()
+        start_time, first_step = time.perf_counter(), self.step
         batches = iter(self.loader)
         bar = progress_bar(
             total=c.train.steps,
@@ -378,6 +378,7 @@ class Trainer(ResumeMixin):
                 self.sinks.close()
         summary = {
             "steps": self.step,
+            "first_step": first_step,  # where this call started: a resumed run's earlier steps were timed elsewhere
             "stopped_early": stopped_early,
             "signal": self._signal,
             "seconds": time.perf_counter() - start_time,
@@ -388,7 +389,7 @@ class Trainer(ResumeMixin):
         if self.info.is_main:
             records = read_metrics(self.run_dir)
             for key, name in (("perf/tokens_per_s", "median_tokens_per_s"), ("perf/mfu", "median_mfu")):
-                values = [r[key] for r in records if key in r]
+                values = [r[key] for r in records if key in r and r["step"] > first_step]
                 summary[name] = statistics.median(values) if values else None
             if records:
                 summary["loss_plot"] = str(plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}"))
