@@ -20,12 +20,14 @@ def test_default_corpus_ships_with_python(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_smoke_run(tmp_path):
+def test_quickstart_smoke_run(tmp_path, capsys):
     write_corpus(tmp_path / "corpus", num_docs=300, num_files=2)
     stale = tmp_path / "run" / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
     stale.mkdir(parents=True)
     (tmp_path / "run" / MARKER).touch()
     report = run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+    # 1.5 min leaves under the 1 min training minimum, and the user is told the run will overrun it.
+    assert "training for the minimum of 1 min, so the whole run takes longer" in capsys.readouterr().out
     text = report.read_text()
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
     after = float(re.search(r"validation, after training \| ([\d.]+)", text).group(1))

@@ -321,7 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in corpus (Python's standard library sources and documentation topics)",
     )
     quick.add_argument(
-        "--minutes", type=_positive(float, "a number of minutes"), default=10.0, help="total time budget"
+        "--minutes",
+        type=_positive(float, "a number of minutes"),
+        default=10.0,
+        help="total time budget; training gets what the data stages leave, but at least 1 min",
     )
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--seed", type=int, default=0)

@@ -289,7 +289,13 @@ def run_quickstart(
     t = stage("5/8 training")
     train_config.data.sources[0].path = str(root / "tokens")
     elapsed_min = (time.perf_counter() - began) / 60
-    train_minutes = max(1.0, minutes - elapsed_min - 0.75)  # leave time for evaluation and the report
+    budget_left = minutes - elapsed_min - 0.75  # leave time for evaluation and the report
+    train_minutes = max(1.0, budget_left)
+    if budget_left < 1.0:
+        print(
+            f"note: the {minutes:g} min budget leaves {max(budget_left, 0.0):.1f} min for training after "
+            f"{elapsed_min:.1f} min of data stages; training for the minimum of 1 min, so the whole run takes longer"
+        )
     step_seconds = _calibrate_step_seconds(train_config)
     # Plan for 80% of the budget: logging, validation and checkpoints add ~20% to the bare step time,
     # and a run that hits the time limit stops before its learning rate has decayed.
