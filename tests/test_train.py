@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,19 +122,42 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         validate(ckpts[0], rank=index % 2, world_size=2)
     (tmp_path / "run" / "checkpoints" / "step-00000012.tmp").mkdir()  # a half-written save: ignored
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")  # as it is before the resume sets step 8 aside
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume="auto")
     assert trainer.step == 4
     assert "sha256 mismatch" in capsys.readouterr().out
-    with open(shard, "r+b") as f:
+    trainer.close()
+    # The unusable step 8 is out of checkpoints/ (retention would keep it over the new saves), not deleted.
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]
+    [moved] = (tmp_path / "run" / "checkpoints-set-aside").glob("*/step-00000008")
+    with open(moved / shard.name, "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError, match="truncated"):
-        CheckpointManager(tmp_path / "run" / "checkpoints").load(ckpts[0], {})
+        CheckpointManager(tmp_path / "run" / "checkpoints").load(moved, {})
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume=str(tmp_path / "typo"))
     # Every checkpoint broken: an error, not a silent start from step 0 in the same folder.
-    ckpts[1].joinpath("trainer_state.json").write_text("{}")
+    (tmp_path / "copy" / "checkpoints" / ckpts[1].name / "trainer_state.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"none of its 2 checkpoint\(s\) is usable"):
-        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume="auto")
+        Trainer(train_config(token_data, tmp_path / "copy", train={"steps": 10}), resume="auto")
+
+
+def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(token_data, tmp_path, capsys):
+    """Resuming step 4 of a run that reached step 8 moves step 8 out of checkpoints/: left there,
+    retention (which keeps the newest steps) pruned every new save and kept it, and `--resume auto`,
+    `generate` and `eval` loaded it, the model of the abandoned branch."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 8}))
+    root = tmp_path / "run" / "checkpoints"
+    capsys.readouterr()
+    again = train_config(token_data, tmp_path / "run", train={"steps": 6}, checkpoint={"keep_last": 1})
+    run_training(again, resume=str(root / "step-00000004"))
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000006"]
+    [aside] = (tmp_path / "run" / "checkpoints-set-aside").glob("*/step-00000008")
+    assert (aside / "COMPLETE.json").is_file()
+    assert "its later checkpoints (step-00000008) are moved to" in capsys.readouterr().out
+    trainer = Trainer(again, resume="auto")
+    assert trainer.step == 6
+    trainer.close()
 
 
 def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):

@@ -8,13 +8,15 @@ manager and tokenizer hash it loads into; kept apart so that the loop reads on i
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
 from marinlm.config import ConfigError, load_config, to_dict
-from marinlm.train.checkpoint import CheckpointMismatch, list_checkpoints, load_tensors
+from marinlm.parallel.distributed import barrier
+from marinlm.train.checkpoint import CheckpointMismatch, list_checkpoints, load_tensors, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.utils.io import differences
 
@@ -58,6 +60,7 @@ class ResumeMixin:
             advice = "Resume with the run's own settings, or start a new run_dir"
             raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
         folder, state = loaded
+        self._set_aside_checkpoints_after(state["step"])
         if self.info.is_main and (changes := self._config_changes(folder)):
             settings = "setting" if len(changes) == 1 else "settings"
             print(f"warning: resuming {folder.name} with changed {settings}: {'; '.join(changes)}", flush=True)
@@ -66,6 +69,25 @@ class ResumeMixin:
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self._last_checkpoint_step = self.step
         return folder, state
+
+    def _set_aside_checkpoints_after(self, step: int) -> None:
+        """Move the run's checkpoints newer than the one just loaded out of `checkpoints/`: the
+        abandoned branch of a `--resume` from an older step, or saves that would not load. Left
+        there, retention (which keeps the newest steps) would prune this run's new saves instead,
+        and `--resume auto`, `generate` and `eval` would pick the stale ones up."""
+        newer = [f for f in list_checkpoints(self.checkpoints.root) if step_of(f) > step]
+        if newer and self.info.is_main:
+            aside = self.run_dir / "checkpoints-set-aside" / time.strftime("%Y%m%d-%H%M%S")
+            aside.mkdir(parents=True, exist_ok=True)
+            for folder in newer:
+                folder.rename(aside / folder.name)
+            names = ", ".join(f.name for f in reversed(newer))
+            print(
+                f"note: the run goes on from step {step}; its later checkpoints ({names}) are moved to {aside} "
+                "so that nothing mixes them with the new ones (delete them when they are no longer needed)",
+                flush=True,
+            )
+        barrier()
 
     def _init_from(self) -> None:
         """Load the model weights of `checkpoint.init_from` (continued training); the optimizer,
