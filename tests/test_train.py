@@ -142,6 +142,19 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
         Trainer(train_config(token_data, tmp_path / "copy", train={"steps": 10}), resume="auto")
 
 
+def test_resume_accepts_a_run_folder_for_its_newest_good_checkpoint(token_data, tmp_path, capsys):
+    """As `generate`, `eval` and `init_from` do; it was taken for a checkpoint without COMPLETE.json."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 8}))
+    (tmp_path / "run" / "checkpoints" / "step-00000008" / "COMPLETE.json").unlink()  # an unfinished save
+    for run_dir in ("run", "other"):
+        trainer = Trainer(
+            train_config(token_data, tmp_path / run_dir, train={"steps": 10}), resume=str(tmp_path / "run")
+        )
+        assert trainer.step == 4
+        trainer.close()
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-00000004'} at step 4" in capsys.readouterr().out
+
+
 def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(token_data, tmp_path, capsys):
     """Resuming step 4 of a run that reached step 8 moves step 8 out of checkpoints/: left there,
     retention (which keeps the newest steps) pruned every new save and kept it, and `--resume auto`,

@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         default="auto",
         help="auto (the newest good checkpoint, or a fresh start when there is none), none (a fresh start; "
-        "the run folder must hold no checkpoint), or a checkpoint path",
+        "the run folder must hold no checkpoint), a checkpoint folder, or a run folder (its newest good "
+        "checkpoint)",
     )
     _add_print_config(train, "train")
     train.set_defaults(func=_train, takes_overrides=True)

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from marinlm.config import ConfigError, load_config, to_dict
 from marinlm.parallel.distributed import barrier
-from marinlm.train.checkpoint import CheckpointMismatch, list_checkpoints, load_tensors, step_of
+from marinlm.train.checkpoint import STEP_PREFIX, CheckpointMismatch, list_checkpoints, load_tensors, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.utils.io import differences
 
@@ -125,7 +125,7 @@ class ResumeMixin:
                     "it with --resume auto, or give a new run_dir (or move this one aside) to start over"
                 )
             return self._init_from()
-        loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
+        loaded = self._load_checkpoint(None if resume == "auto" else self._checkpoint_named(Path(resume)))
         if loaded is None:
             return self._init_from()
         if self.config.checkpoint.init_from and self.info.is_main:
@@ -143,6 +143,19 @@ class ResumeMixin:
             regrid = regrid if saved_world != self.world else ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
         return folder
+
+    def _checkpoint_named(self, path: Path) -> Path:
+        """`--resume PATH`: a checkpoint folder as given; a run folder (one holding `checkpoints/`)
+        stands for its newest good checkpoint, as in `generate`, `eval` and `checkpoint.init_from`."""
+        if (
+            (path / "COMPLETE.json").exists()
+            or path.name.startswith(STEP_PREFIX)
+            or not (path / "checkpoints").is_dir()
+        ):
+            return path
+        from marinlm.train.inference import resolve_checkpoint
+
+        return resolve_checkpoint(path, self.info.rank, self.world)
 
     def _rollback(self) -> None:
         """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
