@@ -221,7 +221,10 @@ class TokenLoader:
         if state["rows_per_epoch"] != expected or state["seq_len"] != self.sources[0].seq_len:
             raise ValueError(
                 f"loader state is for sources with rows/epoch {state['rows_per_epoch']} at seq_len {state['seq_len']}, "
-                f"but this run has {expected} at seq_len {self.sources[0].seq_len}: the data changed"
+                f"but this run has {expected} at seq_len {self.sources[0].seq_len}: the data changed (data.sources "
+                "or data.seq_len). A run resumes on its own data only; to go on from these weights with other "
+                "data, start a new run_dir with --checkpoint.init_from=THIS_RUN (fresh optimizer, schedule and "
+                "data position), or give the run data.mixture_phases from the start"
             )
         # Rows drawn in another order from the same position would repeat some rows of the epoch and
         # skip others. A state saved before the row order existed drew them in sequence.
