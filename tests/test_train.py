@@ -303,8 +303,16 @@ def test_malicious_checkpoint_metadata_is_refused(token_data, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path):
-    config = train_config(token_data, tmp_path / "run", train={"steps": 12, "max_consecutive_bad_steps": 2})
+@pytest.mark.parametrize("async_save", [False, True])
+def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path, async_save):
+    """Also with asynchronous saves: the roll-back completes the save in flight first (step 4's was
+    still a .tmp folder at step 7, and the roll-back found no checkpoint)."""
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 12, "max_consecutive_bad_steps": 2},
+        checkpoint={"async_save": async_save},
+    )
     trainer = Trainer(config, resume="none")
     poisoned = {3, 6, 7}
 

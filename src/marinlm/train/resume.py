@@ -161,6 +161,7 @@ class ResumeMixin:
         """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
         position = self.loader.state_dict()
         bad_from, bad_count = self.step, self.bad_steps
+        self.checkpoints.finalize()  # an asynchronous save still in flight is the newest checkpoint
         loaded = self._load_checkpoint()
         if loaded is None:
             raise RuntimeError(f"{bad_count} consecutive NaN/Inf steps and no checkpoint to roll back to")
