@@ -342,6 +342,24 @@ def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path, async_save
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_a_run_that_fails_keeps_its_asynchronous_save(token_data, tmp_path):
+    """Step 4's asynchronous save was written in full but never renamed into place when the run
+    failed at step 6, so a resume went back to the start."""
+    config = train_config(token_data, tmp_path / "run", checkpoint={"async_save": True})
+    trainer = Trainer(config, resume="none")
+
+    def fail(result):
+        if trainer.step == 6:
+            raise OSError("the data disk went away")
+
+    trainer.add_hook(fail, every=1)
+    with pytest.raises(OSError, match="the data disk went away"):
+        trainer.fit()
+    trainer.close()
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]
+    validate(tmp_path / "run" / "checkpoints" / "step-00000004")
+
+
 def test_gradient_accumulation_matches_one_big_batch(token_data, tmp_path):
     # Dropless: expert capacity is per forward, so with a capacity micro-batching changes the drops.
     dropless = {"moe": {"capacity_factor": None}}

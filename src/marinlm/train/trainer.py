@@ -9,6 +9,7 @@ another run's weights, nothing) and the roll-back after bad steps are in train/r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
 )
@@ -368,6 +370,13 @@ class Trainer(ResumeMixin):
             self.checkpoints.finalize()
             if self._last_validation_step != self.step and not self._signal:  # a preempted job has seconds left
                 self.validate()
+        except BaseException:
+            # A failing run still completes an asynchronous save that was written in full: the newest
+            # checkpoint to resume from. Alone only: under torchrun the other ranks may never come.
+            if self.world == 1:
+                with contextlib.suppress(Exception, CheckpointException):  # the run's own error is the one to see
+                    self.checkpoints.finalize()
+            raise
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
