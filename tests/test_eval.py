@@ -566,6 +566,34 @@ def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, mo
     assert not (tmp_path / "out.json").exists()
 
 
+def test_scoring_and_generation_start_texts_as_training_started_documents(loaded, tmp_path, monkeypatch):
+    """A run trained with data.add_bos false never saw BOS: its texts began after the previous
+    document's EOS, so scoring and generation put EOS first, not a token untrained at position 0."""
+    import marinlm.train.inference as inference
+    from marinlm.model import SamplingConfig
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat")
+    options = EvalOptions(tasks=[f"bpb:{tmp_path / 'text.txt'}"])
+    first_ids = []
+    real_generate = inference.stream_generate
+
+    def spy(model, ids, *args, **kwargs):
+        first_ids.append(int(ids[0, 0]))
+        return real_generate(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(inference, "stream_generate", spy)
+    scores = {}
+    for add_bos in (True, False):
+        config = train_config(tmp_path / "tokens", tmp_path / "run", data={"add_bos": add_bos})
+        run = LoadedModel(loaded.model, loaded.tokenizer, config, Path("memory"), loaded.tokenizer_hash)
+        scores[add_bos] = run_eval(run, options)["results"][options.tasks[0]]["bits_per_byte"]
+        inference.generate_text(run, "a b", SamplingConfig(max_new_tokens=1, temperature=0))
+    assert first_ids == [loaded.tokenizer.bos_id, loaded.tokenizer.eos_id]
+    assert scores[True] != scores[False]
+    bos_run = LoadedModel(loaded.model, loaded.tokenizer, None, Path("memory"), loaded.tokenizer_hash)
+    assert scores[True] == run_eval(bos_run, options)["results"][options.tasks[0]]["bits_per_byte"]
+
+
 def test_generating_past_max_seq_len_warns(loaded, capsys):
     from marinlm.model import SamplingConfig
     from marinlm.train.inference import generate_text

@@ -16,7 +16,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from marinlm.eval.lm import Request, Scorer
-from marinlm.train.inference import load_model
+from marinlm.train.inference import document_start_id, load_model
 
 
 @register_model("marinlm")
@@ -35,7 +35,11 @@ class MarinHarnessLM(LM):
         self.loaded = loaded if loaded is not None else load_model(pretrained, device=device)
         batch = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> our default
         self.scorer = Scorer(
-            self.loaded.model, self.loaded.tokenizer, max_length=max_length and int(max_length), batch_size=batch
+            self.loaded.model,
+            self.loaded.tokenizer,
+            max_length=max_length and int(max_length),
+            batch_size=batch,
+            start_id=document_start_id(self.loaded),
         )
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:

@@ -50,8 +50,12 @@ class Scorer:
         batch_size: int = 32,
         share_context: bool = True,
         progress: bool = False,
+        start_id: int | None = None,
     ):
         self.model, self.tok = model.eval(), tokenizer
+        # What every scored text starts with: the token training documents began with
+        # (train.inference.document_start_id); BOS when not given.
+        self.start_id = tokenizer.bos_id if start_id is None else start_id
         self.max_length = max_length or model.config.max_seq_len
         self.batch_size, self.share_context = batch_size, share_context
         self.progress = progress
@@ -68,7 +72,7 @@ class Scorer:
         cont = whole[len(ctx) :]
         if not cont:  # the continuation merged into the context's last token: score it on its own
             ctx, cont = ctx, self.tok.encode(continuation)
-        ctx = [self.tok.bos_id, *ctx]
+        ctx = [self.start_id, *ctx]
         keep = self.max_length - len(cont)
         if keep < 1:
             raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
@@ -160,7 +164,7 @@ class Scorer:
         lengths, windows = [], []  # windows: (text number, inputs, targets), in text order
         for t, text in enumerate(texts):
             ids = self.tok.encode(text)
-            stream = [self.tok.bos_id, *ids]
+            stream = [self.start_id, *ids]
             for start in range(0, len(ids), L):
                 end = min(len(ids), start + L)
                 # inputs; the last (end - start) of them predict ids[start:end]
@@ -196,7 +200,7 @@ class Scorer:
 
     @torch.no_grad()
     def generate_until(self, context: str, until: list[str], max_tokens: int = 64) -> str:
-        ids = torch.tensor([[self.tok.bos_id, *self.tok.encode(context)][-self.max_length :]], device=self.device)
+        ids = torch.tensor([[self.start_id, *self.tok.encode(context)][-self.max_length :]], device=self.device)
         generated: list[int] = []
         for token in stream_generate(
             self.model, ids, SamplingConfig(max_new_tokens=max_tokens, temperature=0), eos_token_id=self.tok.eos_id

@@ -20,6 +20,7 @@ from marinlm.config import check
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, read_text, score, subset, task_registry
 from marinlm.parallel.distributed import rank_and_world
+from marinlm.train.inference import document_start_id
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 # Where task files are found without --data-dir: $MARINLM_EVAL_DATA, else ../shared/data/eval beside
@@ -121,7 +122,13 @@ def run_eval(
     prepared = prepare(options) if prepared is None else prepared
     if val_source is None and any(spec == "val" for spec, _, _ in prepared):
         val_source = _open_val(loaded)  # before any scoring: a missing split must not cost the other tasks
-    scorer = Scorer(loaded.model, loaded.tokenizer, batch_size=options.batch_size, progress=options.progress)
+    scorer = Scorer(
+        loaded.model,
+        loaded.tokenizer,
+        batch_size=options.batch_size,
+        progress=options.progress,
+        start_id=document_start_id(loaded),
+    )
     results, predictions, files = {}, {}, {}
     start = time.perf_counter()
     for spec, task, items in prepared:

@@ -80,10 +80,20 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
 
 
+def document_start_id(loaded: LoadedModel) -> int:
+    """The token each training document began with, which scoring and generation put first: BOS,
+    or with `data.add_bos` false the EOS that ended the document before (GPT-2's convention); a
+    BOS the model never saw in training would be noise at position 0."""
+    config, tok = loaded.config, loaded.tokenizer
+    return tok.bos_id if config is None or config.data.add_bos else tok.eos_id
+
+
 def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, stream=None) -> str:
     """Generate a continuation of `prompt`; write text to `stream` as tokens arrive."""
     tok = loaded.tokenizer
-    ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]], device=next(loaded.model.parameters()).device)
+    ids = torch.tensor(
+        [[document_start_id(loaded), *tok.encode(prompt)]], device=next(loaded.model.parameters()).device
+    )
     limit = loaded.model.config.max_seq_len
     if ids.shape[1] + sampling.max_new_tokens > limit:
         print(
