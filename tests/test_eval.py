@@ -12,6 +12,7 @@ from marinlm.eval.lm import Request, Scorer
 from marinlm.eval.runner import EvalOptions, markdown_table, prepare, run_eval
 from marinlm.eval.tasks import MMLU, Item, Lambada, TaskDataError, score, task_registry
 from marinlm.tokenizer import MarinTokenizer, train_bpe
+from marinlm.train.config import TrainConfig
 from marinlm.train.inference import LoadedModel
 
 from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, train_config
@@ -21,7 +22,7 @@ from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, train_config
 def loaded(tmp_path_factory) -> LoadedModel:
     tok = MarinTokenizer(train_bpe(SAMPLE_TEXTS * 30, vocab_size=600))
     model = build(tiny_config(attention={"sliding_window": 8}), seed=3).eval()
-    return LoadedModel(model, tok, None, Path("memory"), tok.hash)
+    return LoadedModel(model, tok, TrainConfig(), Path("memory"), tok.hash)
 
 
 def reference_loglikelihood(loaded, scorer, context, continuation):
@@ -590,7 +591,7 @@ def test_scoring_and_generation_start_texts_as_training_started_documents(loaded
         inference.generate_text(run, "a b", SamplingConfig(max_new_tokens=1, temperature=0))
     assert first_ids == [loaded.tokenizer.bos_id, loaded.tokenizer.eos_id]
     assert scores[True] != scores[False]
-    bos_run = LoadedModel(loaded.model, loaded.tokenizer, None, Path("memory"), loaded.tokenizer_hash)
+    bos_run = LoadedModel(loaded.model, loaded.tokenizer, TrainConfig(), Path("memory"), loaded.tokenizer_hash)
     assert scores[True] == run_eval(bos_run, options)["results"][options.tasks[0]]["bits_per_byte"]
 
 

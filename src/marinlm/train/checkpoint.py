@@ -116,6 +116,11 @@ def step_of(folder: Path) -> int:
     return int(folder.name.removeprefix(STEP_PREFIX).removesuffix(".tmp"))
 
 
+def is_checkpoint_folder(path: Path) -> bool:
+    """A checkpoint folder (finished, or named as one), not a run folder holding `checkpoints/`."""
+    return (path / "COMPLETE.json").exists() or path.name.startswith(STEP_PREFIX)
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Finished-looking checkpoint folders, newest first (temporary folders excluded)."""
     if not root.is_dir():
@@ -398,13 +403,15 @@ class CheckpointManager:
             set_rng_state(torch.load(rng, weights_only=True))
         return json.loads((folder / "trainer_state.json").read_text())
 
-    def load_latest(self, tensors: dict) -> tuple[Path, dict] | None:
-        """Load the newest checkpoint that validates, falling back past broken ones.
+    def load_latest(self, tensors: dict, root: Path | None = None) -> tuple[Path, dict] | None:
+        """Load the newest checkpoint under `root` (default: this run's) that validates, falling
+        back past broken ones.
 
         None when there is no checkpoint at all; a CheckpointError when there are some and none
         loads (starting over would bury the run, so the person decides).
         """
-        folders = list_checkpoints(self.root)
+        root = self.root if root is None else root
+        folders = list_checkpoints(root)
         for folder in folders:
             try:
                 return folder, self.load(folder, tensors)
@@ -413,7 +420,7 @@ class CheckpointManager:
                     print(f"warning: skipping unusable checkpoint: {e}", flush=True)
         if folders:
             raise CheckpointError(
-                f"{self.root}: none of its {len(folders)} checkpoint(s) is usable (reasons above); repair "
+                f"{root}: none of its {len(folders)} checkpoint(s) is usable (reasons above); repair "
                 "one, or move the folder aside to start the run over"
             )
         return None

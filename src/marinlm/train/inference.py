@@ -15,7 +15,7 @@ from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import CheckpointError, list_checkpoints, load_tensors, validate
+from marinlm.train.checkpoint import CheckpointError, is_checkpoint_folder, list_checkpoints, load_tensors, validate
 from marinlm.train.config import TrainConfig
 
 
@@ -35,7 +35,7 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such run or checkpoint folder")
-    if (path / "COMPLETE.json").exists() or path.name.startswith("step-"):
+    if is_checkpoint_folder(path):
         validate(path, rank, world_size)
         return path
     candidates = list_checkpoints(path / "checkpoints")
@@ -84,8 +84,8 @@ def document_start_id(loaded: LoadedModel) -> int:
     """The token each training document began with, which scoring and generation put first: BOS,
     or with `data.add_bos` false the EOS that ended the document before (GPT-2's convention); a
     BOS the model never saw in training would be noise at position 0."""
-    config, tok = loaded.config, loaded.tokenizer
-    return tok.bos_id if config is None or config.data.add_bos else tok.eos_id
+    tok = loaded.tokenizer
+    return tok.bos_id if loaded.config.data.add_bos else tok.eos_id
 
 
 def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, stream=None) -> str:

@@ -16,7 +16,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from marinlm.config import ConfigError, load_config, to_dict
 from marinlm.parallel.distributed import barrier
-from marinlm.train.checkpoint import STEP_PREFIX, CheckpointMismatch, list_checkpoints, load_tensors, step_of
+from marinlm.train.checkpoint import (
+    CheckpointError,
+    CheckpointMismatch,
+    is_checkpoint_folder,
+    list_checkpoints,
+    load_tensors,
+    step_of,
+)
 from marinlm.train.config import TrainConfig
 from marinlm.utils.io import differences
 
@@ -40,7 +47,8 @@ class ResumeMixin:
         ]
 
     def _load_checkpoint(self, folder: Path | None = None) -> tuple[Path, dict] | None:
-        """Load `folder` (or the newest good checkpoint) into model, optimizer and scheduler."""
+        """Load `folder` (a checkpoint, or a run folder's newest good one; default: this run's newest
+        good one) into model, optimizer and scheduler."""
         if folder is None and not list_checkpoints(self.checkpoints.root):
             # Nothing to load: leave the optimizer untouched. get_state_dict() fills an empty one's
             # state by stepping it once with zero gradients and lr 0, which leaves Adam's step count
@@ -52,6 +60,11 @@ class ResumeMixin:
                 loaded = self.checkpoints.load_latest(tensors)
                 if loaded is None:
                     return None
+            elif not is_checkpoint_folder(folder) and (folder / "checkpoints").is_dir():
+                # A run folder stands for its newest good checkpoint, as in generate, eval and init_from.
+                loaded = self.checkpoints.load_latest(tensors, folder / "checkpoints")
+                if loaded is None:
+                    raise CheckpointError(f"{folder}: a run folder without checkpoints; nothing to resume")
             else:
                 loaded = (folder, self.checkpoints.load(folder, tensors))
         except CheckpointMismatch as e:
@@ -125,7 +138,7 @@ class ResumeMixin:
                     "it with --resume auto, or give a new run_dir (or move this one aside) to start over"
                 )
             return self._init_from()
-        loaded = self._load_checkpoint(None if resume == "auto" else self._checkpoint_named(Path(resume)))
+        loaded = self._load_checkpoint(None if resume == "auto" else Path(resume))
         if loaded is None:
             return self._init_from()
         if self.config.checkpoint.init_from and self.info.is_main:
@@ -143,19 +156,6 @@ class ResumeMixin:
             regrid = regrid if saved_world != self.world else ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
         return folder
-
-    def _checkpoint_named(self, path: Path) -> Path:
-        """`--resume PATH`: a checkpoint folder as given; a run folder (one holding `checkpoints/`)
-        stands for its newest good checkpoint, as in `generate`, `eval` and `checkpoint.init_from`."""
-        if (
-            (path / "COMPLETE.json").exists()
-            or path.name.startswith(STEP_PREFIX)
-            or not (path / "checkpoints").is_dir()
-        ):
-            return path
-        from marinlm.train.inference import resolve_checkpoint
-
-        return resolve_checkpoint(path, self.info.rank, self.world)
 
     def _rollback(self) -> None:
         """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
