@@ -360,6 +360,55 @@ def test_a_run_that_fails_keeps_its_asynchronous_save(token_data, tmp_path):
     validate(tmp_path / "run" / "checkpoints" / "step-00000004")
 
 
+@pytest.mark.parametrize("chunk", [16, 0])
+def test_validation_scores_through_the_fused_head_without_the_logits(chunk):
+    from marinlm.train.step import validate as validate_loss
+
+    from conftest import build, randomize_identity_inits, tiny_config
+
+    model = build(tiny_config(loss_chunk_tokens=chunk))
+    randomize_identity_inits(model)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
+        labels = ids.roll(-1, dims=1)
+        labels[:, -1] = -100
+        labels[0, 10:25] = -100  # masked positions, padding rows: not counted
+        labels[2] = -100
+        segments = (torch.arange(40) >= 17).long().expand(3, 40)  # two packed documents a row
+        batches.append(
+            {
+                "input_ids": ids,
+                "segment_ids": segments,
+                "labels": labels,
+                "byte_weights": torch.rand(3, 40, generator=g),
+            }
+        )
+    nats = tokens = num_bytes = 0.0
+    model.eval()  # no capacity drops
+    with torch.no_grad():
+        for b in batches:
+            logp = torch.log_softmax(model(b["input_ids"], b["segment_ids"]).logits.double(), -1)
+            kept = b["labels"] != -100
+            nats -= logp.gather(-1, b["labels"].clamp_min(0).unsqueeze(-1)).squeeze(-1)[kept].sum().item()
+            tokens += kept.sum().item()
+            num_bytes += b["byte_weights"].double().sum().item()
+
+    if chunk:  # the LM head's weight is read by the fused loss; the module itself never runs
+
+        def no_logits(h):
+            raise AssertionError("validation built the [B, T, V] logits")
+
+        model.lm_head.forward = no_logits
+    model.train()
+    metrics = validate_loss(model, batches, device=torch.device("cpu"), precision="fp32")
+    assert model.training
+    assert metrics["val/tokens"] == tokens == 2 * (39 - 15 + 39)
+    assert metrics["val/loss"] == pytest.approx(nats / tokens, rel=1e-5)
+    assert metrics["val/bpb"] == pytest.approx(nats / (math.log(2) * num_bytes), rel=1e-5)
+
+
 def test_gradient_accumulation_matches_one_big_batch(token_data, tmp_path):
     # Dropless: expert capacity is per forward, so with a capacity micro-batching changes the drops.
     dropless = {"moe": {"capacity_factor": None}}
