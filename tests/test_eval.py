@@ -59,6 +59,20 @@ def test_loglikelihood_matches_brute_force(loaded, batch_size, share):
     assert scorer.loglikelihood([]) == [] and scorer.loglikelihood_rolling([]) == []
 
 
+def test_a_contexts_forward_computes_the_first_continuation_tokens_logits_only(loaded):
+    """Each context is run once for the logits of its last position; the continuation's own
+    forward gives the rest. Never the [B, T, V] logits of the contexts ("x" * 300 is one)."""
+    scorer = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=32)
+    longest = max(len(scorer.encode_pair(r.context, r.continuation)[1]) for r in REQUESTS)
+    positions = []
+    hook = loaded.model.lm_head.register_forward_pre_hook(lambda module, args: positions.append(args[0].shape[1]))
+    try:
+        scorer.loglikelihood(REQUESTS)
+    finally:
+        hook.remove()
+    assert positions[0] == 1 and max(positions) <= longest - 1 < 60
+
+
 def test_progress_bars_count_requests_and_windows_without_changing_scores(loaded, capsys):
     quiet = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3)
     loud = Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=3, progress=True)

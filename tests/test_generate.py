@@ -47,6 +47,27 @@ def test_cache_decoding_matches_full_forward():
     assert caches[-1].k_BKSD.shape[2] == max(prompt_len) + 6  # global layer keeps everything
 
 
+def test_prefill_computes_the_next_token_logits_only():
+    """The prompt's forward in generation needs the last position's logits, not [B, T, V]."""
+    config = tiny_config()
+    model = build(config).eval()
+    randomize_identity_inits(model)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, logits_to_keep=1).logits
+    assert last.shape == (2, 1, config.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=1)
+
+    positions = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: positions.append(args[0].shape[1]))
+    out = generate(model, ids, SamplingConfig(max_new_tokens=3, temperature=0))
+    assert out.shape == (2, 15)
+    assert positions == [1, 1, 1]  # the prefill, then two decoding steps
+
+
 def test_generate_greedy_is_deterministic_and_stops_at_eos():
     config = tiny_config()
     model = build(config)

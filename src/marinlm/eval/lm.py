@@ -126,7 +126,11 @@ class Scorer:
         positions = torch.where(real.bool(), real.cumsum(1) - 1, torch.arange(Lc))
         caches = self.model.empty_caches(G)
         out = self.model(
-            ids.to(self.device), caches=caches, doc_ids=real.to(self.device), positions=positions.to(self.device)
+            ids.to(self.device),
+            caches=caches,
+            doc_ids=real.to(self.device),
+            positions=positions.to(self.device),
+            logits_to_keep=1,
         )
         last_logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # predicts each first token
         members = [(g, i) for g, k in enumerate(keys) for i in groups[k]]

@@ -93,7 +93,7 @@ def stream_generate(
     doc_BT = attention_mask.long()
     pos_BT = torch.where(attention_mask.bool(), attention_mask.long().cumsum(1) - 1, torch.arange(T, device=device))
     caches = model.empty_caches(B)
-    out = model(input_ids, caches=caches, doc_ids=doc_BT, positions=pos_BT)
+    out = model(input_ids, caches=caches, doc_ids=doc_BT, positions=pos_BT, logits_to_keep=1)
     logits_BV = out.logits[:, -1]
     next_pos_B1 = attention_mask.long().sum(1, keepdim=True)
     finished_B = torch.zeros(B, dtype=torch.bool, device=device)
@@ -102,7 +102,7 @@ def stream_generate(
         counts_BV = torch.zeros(B, logits_BV.shape[-1], dtype=torch.long, device=device)
         seen_BV = counts_BV.scatter_add_(1, input_ids, attention_mask.long()) > 0  # padding counts 0
     try:
-        for _ in range(sampling.max_new_tokens):
+        for step in range(sampling.max_new_tokens):
             if seen_BV is not None:
                 logits_BV = penalize_repeats(logits_BV.float(), seen_BV, sampling.repetition_penalty)
             if sampling.temperature == 0:
@@ -117,6 +117,8 @@ def stream_generate(
             if seen_BV is not None:
                 seen_BV[torch.arange(B, device=device), token_B] = True
             yield token_B
+            if step == sampling.max_new_tokens - 1:  # the last token: nothing will read its logits
+                break
             if eos_token_id is not None and bool(finished_B.all()):
                 break
             out = model(

@@ -148,6 +148,7 @@ class MarinForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         return_logits: bool = True,
+        logits_to_keep: int = 0,
         caches: list[LayerCache] | None = None,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
@@ -163,6 +164,9 @@ class MarinForCausalLM(nn.Module):
             return_logits: set False to skip keeping the [B, T, V] logits. With labels, grad
                 enabled and `config.loss_chunk_tokens > 0`, the LM head and loss are then fused
                 and chunked, and the logits never exist as a whole (model/loss.py).
+            logits_to_keep: without labels, compute the logits of the last N positions only
+                (0 = all), as HF's `logits_to_keep`: a prefill that samples or scores the next
+                token needs one position, not [B, T, V] (4,096 x 128k bf16 = 1 GB a row).
             caches, doc_ids, positions: incremental decoding state, used by `generate`.
         """
         B, T = input_ids.shape
@@ -201,6 +205,10 @@ class MarinForCausalLM(nn.Module):
                 h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1), z_weight, chunk
             )
         else:
+            if logits_to_keep:
+                if labels is not None:
+                    raise ValueError("logits_to_keep: the loss needs every position's logits; pass no labels")
+                h_BTD = h_BTD[:, -logits_to_keep:]
             logits_BTV = self.lm_head(h_BTD)
             if return_logits:
                 out.logits = logits_BTV
