@@ -49,7 +49,7 @@ def run(kind, tokens, dim, vocab, z_weight, repeats, chunk, queue, device="cpu")
         start = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
             if kind == "torch":
-                ce, z, _ = reference_loss(h @ w.t(), labels, z_weight)
+                ce, z, _, _ = reference_loss(h @ w.t(), labels, z_weight)
                 loss = ce + z
             else:
                 loss = chunked_loss(h, w, labels, z_weight, chunk)[0]

@@ -155,7 +155,14 @@ def test_rolling_loglikelihood_windows(loaded):
     text = " ".join(SAMPLE_TEXTS)
     ids = loaded.tokenizer.encode(text)
     L = 16
-    ((total, count),) = Scorer(loaded.model, loaded.tokenizer, max_length=L, batch_size=4).loglikelihood_rolling([text])
+    head_calls = []
+    hook = loaded.model.lm_head.register_forward_pre_hook(lambda module, args: head_calls.append(args[0].shape))
+    try:
+        scorer = Scorer(loaded.model, loaded.tokenizer, max_length=L, batch_size=4)
+        ((total, count),) = scorer.loglikelihood_rolling([text])
+    finally:
+        hook.remove()
+    assert head_calls == []  # scored through the chunked LM head and loss: no [B, T, V] logits
     assert count == len(ids)
     stream = [loaded.tokenizer.bos_id, *ids]
     expected = 0.0

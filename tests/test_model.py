@@ -246,6 +246,13 @@ def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, monkey
     with torch.no_grad():  # evaluation: chunked loss alone, no gradient work
         plain = build(config)(ids, labels=labels, return_logits=False)
     torch.testing.assert_close(plain.lm_loss, ref.lm_loss, rtol=1e-5, atol=1e-6)
+    # Each token's cross-entropy, for scoring: from the pass without a gradient and from the
+    # materialised logits alike; 0 at ignored labels; never formed on the fused training path.
+    logp = torch.log_softmax(ref.logits.detach().float(), -1)
+    want = -logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (labels != -100)
+    for out in (plain, ref):
+        torch.testing.assert_close(out.token_ce.detach(), want, rtol=1e-5, atol=1e-5)
+    assert fused.token_ce is None
 
 
 def test_fused_chunked_loss_under_bf16_autocast():

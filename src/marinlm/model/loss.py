@@ -52,23 +52,26 @@ IGNORE_INDEX = -100
 
 def reference_loss(
     logits_NV: torch.Tensor, labels_N: torch.Tensor, z_weight: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ce, z, number of counted tokens); ce and z are means over tokens whose label is kept."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce, z, number of counted tokens, per-token cross-entropy [N]); ce and z are means over
+    tokens whose label is kept, and the per-token values are 0 at the others."""
     logits_NV = logits_NV.float()
     valid_N = labels_N != IGNORE_INDEX
     count = valid_N.sum()
     denominator = count.clamp_min(1)
-    ce = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum") / denominator
+    nll_N = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="none")
+    ce = nll_N.sum() / denominator
     z = torch.zeros((), device=ce.device)
     if z_weight > 0:
         z = z_weight * (torch.logsumexp(logits_NV, dim=-1).square() * valid_N).sum() / denominator
-    return ce, z, count
+    return ce, z, count, nll_N
 
 
 def _chunk_stats(logits_CV, labels_C, valid_C):
+    """(per-token cross-entropy [C], 0 where not valid; sum of the valid tokens' logsumexp²)."""
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     target_C = logits_CV.gather(1, labels_C.clamp_min(0).unsqueeze(1)).squeeze(1)
-    return lse_C, ((lse_C - target_C) * valid_C).sum(), (lse_C.square() * valid_C).sum()
+    return (lse_C - target_C) * valid_C, (lse_C.square() * valid_C).sum()
 
 
 def vocab_block_rows(vocab: int, tokens: int, device: torch.device) -> int:
@@ -156,24 +159,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_loss(
     h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, z_weight: float, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ce + z with a gradient, ce, z, counted tokens) without holding the [N, V] logits."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ce + z with a gradient, ce, z, counted tokens, per-token cross-entropy [N] or None) without
+    holding the [N, V] logits. The per-token values (0 at ignored labels; what scoring needs) come
+    from the pass without a gradient only; the fused training pass never forms them."""
     device = h_ND.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h_ND.dtype
     count = (labels_N != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
         with torch.autocast(device, enabled=False):
             loss, ce, z = _FusedLinearCrossEntropy.apply(h_ND, weight_VD, labels_N, z_weight, chunk, dtype)
-        return loss, ce, z, count
+        return loss, ce, z, count, None
     denominator = count.clamp_min(1).float()
-    ce_sum = z_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    nll_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+    z_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
     gemm = gemm_dtype(dtype, h_ND.device)
     w_cd = weight_VD.to(dtype).to(gemm)
     for start in range(0, h_ND.shape[0], chunk):
         labels_C = labels_N[start : start + chunk]
         with torch.autocast(device, enabled=False):
             logits_CV = (h_ND[start : start + chunk].to(dtype).to(gemm) @ w_cd.t()).to(dtype).float()
-        _, ce_c, z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).float())
-        ce_sum, z_sum = ce_sum + ce_c, z_sum + z_c
-    ce, z = ce_sum / denominator, z_weight * z_sum / denominator
-    return ce + z, ce, z, count
+        nll_N[start : start + chunk], z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).float())
+        z_sum = z_sum + z_c
+    ce, z = nll_N.sum() / denominator, z_weight * z_sum / denominator
+    return ce + z, ce, z, count, nll_N

@@ -100,6 +100,10 @@ class CausalLMOutput:
     z_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     num_tokens: int = 0  # tokens that count towards the loss
+    # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring: set when the
+    # loss is computed without a gradient, or from materialised logits; None on the fused
+    # training path.
+    token_ce: torch.Tensor | None = None
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
 
 
@@ -201,7 +205,7 @@ class MarinForCausalLM(nn.Module):
         out = CausalLMOutput(logits=None, router_stats=stats)
         z_weight, chunk = self.config.z_loss_weight, self.config.loss_chunk_tokens
         if labels is not None and not return_logits and chunk > 0:
-            out.lm_loss, out.ce_loss, out.z_loss, count = chunked_loss(
+            out.lm_loss, out.ce_loss, out.z_loss, count, token_ce = chunked_loss(
                 h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1), z_weight, chunk
             )
         else:
@@ -214,10 +218,13 @@ class MarinForCausalLM(nn.Module):
                 out.logits = logits_BTV
             if labels is None:
                 return out
-            out.ce_loss, out.z_loss, count = reference_loss(logits_BTV.reshape(B * T, -1), labels.reshape(-1), z_weight)
+            out.ce_loss, out.z_loss, count, token_ce = reference_loss(
+                logits_BTV.reshape(B * T, -1), labels.reshape(-1), z_weight
+            )
             out.lm_loss = out.ce_loss + out.z_loss
         out.aux_loss = torch.stack(aux_losses).mean() if aux_losses else torch.zeros((), device=out.lm_loss.device)
         out.loss, out.num_tokens = out.lm_loss + out.aux_loss, int(count)
+        out.token_ce = None if token_ce is None else token_ce.view(B, T)
         return out
 
     @torch.no_grad()

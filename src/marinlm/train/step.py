@@ -141,9 +141,9 @@ def validate(model, batches, *, device, precision: str) -> dict[str, float]:
                 batch["labels"].to(device),
                 return_logits=False,
             )
-        nats = out.ce_loss.double() * out.num_tokens  # ce_loss: the mean over the counted tokens
         totals += torch.tensor(
-            [float(nats), float(out.num_tokens), float(batch["byte_weights"].double().sum())], dtype=torch.float64
+            [float(out.token_ce.double().sum()), float(out.num_tokens), float(batch["byte_weights"].double().sum())],
+            dtype=torch.float64,
         )
     all_reduce_(totals)
     model.train(was_training)
