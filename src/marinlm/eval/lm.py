@@ -196,8 +196,8 @@ class Scorer:
                 out = self.model(batch.to(self.device), labels=labels.to(self.device), return_logits=False)
                 if i >= len(mine):
                     continue
-                for r, w in enumerate(chunk):
-                    scores[w] = -float(out.token_ce[r].double().sum())
+                for w, row_ce in zip(chunk, out.token_ce.double().sum(1).tolist()):
+                    scores[w] = -row_ce
                 bar.update(len(chunk))
         scores = self._gathered(scores)
         totals = [0.0] * len(texts)
