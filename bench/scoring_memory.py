@@ -32,16 +32,13 @@ VOCAB = 32768
 
 def _model(max_seq_len: int):
     from marinlm.config import load_config
-    from marinlm.model import MarinConfig, MarinForCausalLM
+    from marinlm.model import MarinConfig
     from marinlm.presets import preset
+    from train_step import build_ours
 
     config = load_config(MarinConfig, preset("model", "tiny"))
     config.vocab_size, config.max_seq_len = VOCAB, max_seq_len
-    with torch.device("meta"):
-        model = MarinForCausalLM(config)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model.eval()
+    return build_ours(config).eval()
 
 
 def _ids(shape) -> torch.Tensor:
