@@ -133,7 +133,7 @@ class Scorer:
             positions=positions.to(self.device),
             logits_to_keep=1,
         )
-        last_logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # predicts each first token
+        first_logp_GV = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # predicts each first token
         members = [(g, i) for g, k in enumerate(keys) for i in groups[k]]
         rows = torch.tensor([g for g, _ in members], device=self.device)
         conts = [encoded[i][1] for _, i in members]
@@ -141,7 +141,10 @@ class Scorer:
         cont_ids = torch.full((R, Lt), self.tok.pad_id, dtype=torch.long)
         for r, cont in enumerate(conts):
             cont_ids[r, : len(cont)] = torch.tensor(cont)
-        logp_rows = [last_logp[rows]]
+        target_RL = cont_ids.to(self.device)
+        first_logp_RV = first_logp_GV[rows]
+        token_logp = [first_logp_RV.gather(1, target_RL[:, :1])]  # each [R, positions]
+        top = [first_logp_RV.argmax(-1, keepdim=True)]
         # Tokens after the first are predicted from the continuation itself. Under torchrun this
         # forward runs even for one-token continuations, so that every rank runs the same forwards.
         if Lt > 1 or self.world > 1:
@@ -153,14 +156,17 @@ class Scorer:
                 cont_ids[:, :width].to(self.device), caches=row_caches, doc_ids=torch.ones_like(pos), positions=pos
             )
             if Lt > 1:
-                logp_rows.append(torch.log_softmax(out.logits.float(), dim=-1))
-        logp = torch.cat([logp_rows[0].unsqueeze(1), *logp_rows[1:]], dim=1) if Lt > 1 else logp_rows[0].unsqueeze(1)
+                logp_RWV = torch.log_softmax(out.logits.float(), dim=-1)
+                token_logp.append(logp_RWV.gather(-1, target_RL[:, 1:].unsqueeze(-1)).squeeze(-1))
+                top.append(logp_RWV.argmax(-1))
+                del logp_RWV
+        counted_RL = (
+            torch.arange(Lt, device=self.device) < torch.tensor([len(c) for c in conts], device=self.device)[:, None]
+        )
+        sums = torch.where(counted_RL, torch.cat(token_logp, 1), 0.0).sum(1).tolist()
+        greedy = ((torch.cat(top, 1) == target_RL) | ~counted_RL).all(1).tolist()
         for r, (_, i) in enumerate(members):
-            n = len(conts[r])
-            target = torch.tensor(conts[r], device=self.device)
-            token_logp = logp[r, :n].gather(-1, target.unsqueeze(-1)).squeeze(-1)
-            greedy = bool((logp[r, :n].argmax(-1) == target).all())
-            results[i] = (float(token_logp.sum()), greedy)
+            results[i] = (sums[r], greedy[r])
 
     @torch.no_grad()
     def loglikelihood_rolling(self, texts: list[str], desc: str = "rolling") -> list[tuple[float, int]]:
