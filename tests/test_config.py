@@ -180,6 +180,33 @@ def test_wrong_types_name_the_key_and_the_value(override, key, fragment):
     assert fragment in str(info.value)
 
 
+def test_list_items_are_overridden_by_index():
+    """`--data.sources.0.path=runs/tokens`, as the tiny config's comment says to point it, was
+    "expected a list, got {'0': ...}": a list could only be replaced whole."""
+    from marinlm.train.config import TrainConfig
+
+    path = CONFIGS / "train" / "tiny.yaml"
+    base = load_config(TrainConfig, path)
+    config = load_config(
+        TrainConfig,
+        path,
+        ["--data.sources.0.path=mine", "--data.sources.1.path=other", "--data.sources.1.weight=0.25"],
+    )
+    assert [(s.path, s.weight) for s in config.data.sources] == [("mine", base.data.sources[0].weight), ("other", 0.25)]
+    assert config.data.seq_len == base.data.seq_len  # the rest of `data` is kept
+    cases = [
+        ("--data.sources.2.path=x", "data.sources.2", "index must be 0..1"),  # a gap: not an append
+        ("--data.sources.0.weight=x", "data.sources[0].weight", "expected a number"),
+        ("--data.sources.0.nope=1", "data.sources[0].nope", "unknown key"),
+        ("--data.mixture_phases.0.step=3", "data.mixture_phases", "give the whole list"),  # not in the file
+    ]
+    for override, key, fragment in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(TrainConfig, path, [override])
+        assert info.value.key == key, override
+        assert fragment in str(info.value) and "set on the command line" in str(info.value), override
+
+
 def test_lossless_conversions_are_accepted():
     """YAML reads `3e-4` as a string and `8.0` as a float: both are what the user meant."""
     from marinlm.train.config import TrainConfig

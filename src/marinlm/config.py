@@ -117,6 +117,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, f"must be one of {list(allowed)}, got {value!r}")
         return value
     if origin in (list, tuple):
+        if isinstance(value, dict) and value and all(map(_is_index, value)):
+            raise ConfigError(
+                key,
+                f"item overrides ({key}.{next(iter(value))}=...) edit a list the config file sets; "
+                f"this one is not set there: give the whole list, e.g. --{key}='[...]'",
+            )
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"expected a list, got {value!r}")
         args = get_args(tp)
@@ -256,17 +262,46 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
-def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; `update` wins. A changed `type:` replaces the whole subtree."""
+def merge(base: dict[str, Any], update: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Recursive dict merge; `update` wins. A changed `type:` replaces the whole subtree.
+
+    A mapping with integer keys over a list edits its items, as `--data.sources.0.weight=0.5` does;
+    the key one past the end appends an item.
+    """
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        name = _join(prefix, str(key))
+        if isinstance(value, dict) and isinstance(out.get(key), list) and value and all(map(_is_index, value)):
+            out[key] = _merge_items(out[key], value, name)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             if "type" in value and value["type"] != out[key].get("type"):
                 out[key] = value
             else:
-                out[key] = merge(out[key], value)
+                out[key] = merge(out[key], value, name)
         else:
             out[key] = value
+    return out
+
+
+def _is_index(key: Any) -> bool:
+    return (isinstance(key, int) and not isinstance(key, bool)) or (isinstance(key, str) and key.isdecimal())
+
+
+def _merge_items(items: list, update: dict, key: str) -> list:
+    """`items` with `update[i]` merged into item i; i == len(items) appends (in index order)."""
+    out = list(items)
+    for index in sorted(update, key=int):
+        i, value = int(index), update[index]
+        if i > len(out):
+            raise ConfigError(
+                f"{key}.{i}", f"no such item: the list has {len(out)}, so the index must be 0..{len(out)} (= append)"
+            )
+        if i == len(out):
+            out.append(value)
+        elif isinstance(value, dict) and isinstance(out[i], dict):
+            out[i] = merge(out[i], value, f"{key}.{i}")
+        else:
+            out[i] = value
     return out
 
 
@@ -371,7 +406,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     over: dict[str, Any] = {}
     if overrides:
         over = parse_overrides(overrides)
-        data = merge(data, resolve_file_refs(over, Path.cwd(), cls))
+        try:
+            data = merge(data, resolve_file_refs(over, Path.cwd(), cls))
+        except ConfigError as e:
+            raise ConfigError(e.key, e.reason + " (set on the command line)") from None
     try:
         return from_dict(cls, data)
     except ConfigError as e:
@@ -387,8 +425,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 def _overridden(tree: dict[str, Any], key: str) -> bool:
     """Whether the dotted `key`, or a section above it, was given as a command-line override."""
     node: Any = tree
-    for part in key.split("."):
-        part = part.split("[", 1)[0]  # "sources[0]": the override set the whole list
+    # "sources[0].weight": the override set the whole list, or item 0 of it (--sources.0.weight=...)
+    for part in key.replace("[", ".").replace("]", "").split("."):
         if not isinstance(node, dict) or part not in node:
             return False
         node = node[part]
