@@ -134,6 +134,22 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
     run = load_config(Run, run_file, ["--model.num_layers=2"])
     assert run.model.d_model == 128 and run.model.num_layers == 2 and run.name == "demo"
 
+    # A file given on the command line, with some of its keys changed, in either order. This was
+    # "model.num_layers: conflicts with another override", and the other order dropped the edit.
+    qwen = CONFIGS / "model" / "qwen3-moe-style.yaml"
+    for overrides in ([f"--model={qwen}", "--model.num_layers=2"], ["--model.num_layers=2", f"--model={qwen}"]):
+        run = load_config(Run, run_file, overrides)
+        assert run.model.d_model == 384 and run.model.num_layers == 2 and run.name == "demo", overrides
+    # The same in a file: `include:` in a sub-config's mapping, relative to that file.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "run.yaml").write_text("model:\n  include: ../model.yaml\n  num_layers: 3\n")
+    (tmp_path / "model.yaml").write_text(qwen.read_text())
+    run = load_config(Run, tmp_path / "sub" / "run.yaml")
+    assert run.model.d_model == 384 and run.model.num_layers == 3
+    with pytest.raises(ConfigError) as info:
+        load_config(Run, run_file, [f"--model={tmp_path / 'none.yaml'}", "--model.num_layers=2"])
+    assert info.value.key == "model" and "not found" in str(info.value)
+
 
 @pytest.mark.parametrize(
     "override, key",

@@ -254,12 +254,21 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
+            if _is_yaml_ref(node.get(part)):  # `--model=x.yaml --model.vocab_size=4096`: that file, edited
+                node[part] = {"include": node[part]}
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(key, "conflicts with another override")
-        node[parts[-1]] = value
+        if _is_yaml_ref(value) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]]["include"] = value  # the same, given the other way round
+        else:
+            node[parts[-1]] = value
         i += 1
     return tree
+
+
+def _is_yaml_ref(value: Any) -> bool:
+    return isinstance(value, str) and value.endswith((".yaml", ".yml"))
 
 
 def merge(base: dict[str, Any], update: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -364,7 +373,11 @@ def _rebase_file_refs(value: Any, base_dir: Path) -> Any:
 
 
 def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[str, Any]:
-    """A string where a sub-config is expected names a YAML file: `model: ../model/tiny.yaml`."""
+    """A string where a sub-config is expected names a YAML file: `model: ../model/tiny.yaml`.
+
+    A mapping there may name one with `include:` and change some of its keys:
+    `model: {include: ../model/tiny.yaml, vocab_size: 4096}`.
+    """
     hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
     if not hints:
         return data
@@ -374,16 +387,25 @@ def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[s
         sub = next((a for a in (get_args(tp) or (tp,)) if _is_config_class(a)), None)
         if sub is None:
             continue
-        if isinstance(value, str) and value.endswith((".yaml", ".yml")):
-            ref = Path(value)
-            ref = ref if ref.is_absolute() else base_dir / ref
-            try:
-                out[key] = resolve_file_refs(read_yaml(ref), ref.parent, sub)
-            except ConfigError as e:
-                raise e.under(key) from None
+        if _is_yaml_ref(value):
+            out[key] = _read_sub_config(value, base_dir, sub, key)
+        elif isinstance(value, dict) and _is_yaml_ref(value.get("include")):
+            rest = {k: v for k, v in value.items() if k != "include"}
+            out[key] = merge(
+                _read_sub_config(value["include"], base_dir, sub, key), resolve_file_refs(rest, base_dir, sub)
+            )
         elif isinstance(value, dict):
             out[key] = resolve_file_refs(value, base_dir, sub)
     return out
+
+
+def _read_sub_config(name: str, base_dir: Path, cls: type, key: str) -> dict[str, Any]:
+    ref = Path(name)
+    ref = ref if ref.is_absolute() else base_dir / ref
+    try:
+        return resolve_file_refs(read_yaml(ref), ref.parent, cls)
+    except ConfigError as e:
+        raise e.under(key) from None
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
