@@ -226,7 +226,10 @@ def markdown_table(report: dict) -> str:
                 continue
             stderr = metrics.get(f"{name}_stderr")
             se = f"{stderr:.4f}" if isinstance(stderr, float) and math.isfinite(stderr) else ""
-            lines.append(f"| {task} | {name} | {value:.4f} | {se} | {metrics.get('n', '')} |")
+            # Perplexity tasks count tokens: `val` scores the whole split, where training's
+            # validation may score its first `validation.max_rows` rows only.
+            n = metrics.get("n", f"{metrics['tokens']:,} tokens" if "tokens" in metrics else "")
+            lines.append(f"| {task} | {name} | {value:.4f} | {se} | {n} |")
     c = report["config"]
     lines += [
         "",
