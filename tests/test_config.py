@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -221,6 +222,33 @@ def test_list_items_are_overridden_by_index():
             load_config(TrainConfig, path, [override])
         assert info.value.key == key, override
         assert fragment in str(info.value) and "set on the command line" in str(info.value), override
+
+
+def test_yaml_words_and_numbers_given_for_strings_are_read_as_written(tmp_path):
+    """YAML 1.1 reads the Norwegian language code `no` as false and `007` as 7: where the field is a
+    string these were "expected a string, got False". Other fields still take the YAML value."""
+    from marinlm.data.pipeline import PipelineConfig
+    from marinlm.train.config import TrainConfig
+
+    data = CONFIGS / "data" / "shared-corpus.yaml"
+    cli = load_config(PipelineConfig, data, ["--langid.allowed=[en, no, 'on']", "--output_dir=007"])
+    assert cli.langid.allowed == ["en", "no", "on"] and cli.output_dir == "007"
+    (tmp_path / "d.yaml").write_text(f"include: {data}\nlangid:\n  allowed: [no, zh]\n  threshold: 1\n")
+    from_file = load_config(PipelineConfig, tmp_path / "d.yaml")
+    assert from_file.langid.allowed == ["no", "zh"] and from_file.langid.threshold == 1.0
+    save_config(from_file, tmp_path / "saved.yaml")
+    assert load_config(PipelineConfig, tmp_path / "saved.yaml") == from_file
+
+    train = CONFIGS / "train" / "tiny.yaml"
+    config = load_config(TrainConfig, train, ["--train.steps=1e3", "--checkpoint.async_save=yes", "--run_dir=1.50"])
+    assert (config.train.steps, config.checkpoint.async_save, config.run_dir) == (1000, True, "1.50")
+    for override, fragment in [
+        ("--train.steps=no", "expected an integer, got False"),
+        ("--train.steps=1.5e3x", "expected an integer, got '1.5e3x'"),
+        ("--train.steps=[1", "not a YAML value"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            load_config(TrainConfig, train, [override])
 
 
 def test_lossless_conversions_are_accepted():

@@ -94,8 +94,15 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against annotation `tp`, converting where it is lossless."""
     origin = get_origin(tp)
+    if isinstance(value, YamlScalar):
+        if tp is str or tp is Path:  # `run_dir: 007`, the language code `no`: the text as written
+            return _coerce(value.text, tp, key)
+        if origin is Literal and value.value not in get_args(tp) and value.text in get_args(tp):
+            return value.text
+        if origin not in (typing.Union, types.UnionType):  # a union tries each option with both
+            value = value.value
     if tp is Any:
-        return value
+        return plain(value)
     if origin in (typing.Union, types.UnionType):
         options = get_args(tp)
         if value is None:
@@ -152,18 +159,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        number = _number(value) if isinstance(value, str) else value  # `1e5`: see float below
+        if isinstance(number, float) and number.is_integer():
+            return int(number)
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         # PyYAML reads `3e-4` (no dot) as a string; accept any string Python reads as a float.
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str) and (number := _number(value)) is not None:
+            return number
         raise ConfigError(key, f"expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -174,6 +179,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return Path(value)
         raise ConfigError(key, f"expected a path, got {value!r}")
     raise ConfigError(key, f"unsupported config type {_type_name(tp)}")
+
+
+def _number(text: str) -> float | None:
+    """The float Python reads in `text`, or None."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -250,7 +263,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             i += 1
         else:
             raise ConfigError(body, "override has no value; write --key=value")
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.load(raw, Loader=_StrictLoader) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(key, f"not a YAML value: {raw!r} ({str(e).splitlines()[0]})") from None
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
@@ -314,8 +330,42 @@ def _merge_items(items: list, update: dict, key: str) -> list:
     return out
 
 
+class YamlScalar:
+    """A YAML scalar that reads as a bool, an integer or a number, with the text it was written as.
+
+    YAML 1.1 reads `no` (Norwegian's language code) as false and `007` as 7. Where the config
+    field is a string, the text is what was meant; every other field takes the value.
+    """
+
+    __slots__ = ("value", "text")
+
+    def __init__(self, value: Any, text: str):
+        self.value, self.text = value, text
+
+    def __eq__(self, other):
+        return self.value == (other.value if isinstance(other, YamlScalar) else other)
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def plain(value: Any) -> Any:
+    """`value` with every `YamlScalar` in it replaced by its value."""
+    if isinstance(value, YamlScalar):
+        return value.value
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last in silence)."""
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last in
+    silence), and reads bools, integers and numbers as `YamlScalar`s (mapping keys stay plain)."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
@@ -332,7 +382,19 @@ class _StrictLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
             seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+        return {plain(k): v for k, v in super().construct_mapping(node, deep=deep).items()}
+
+
+def _keep_text(construct):
+    return lambda loader, node: YamlScalar(construct(loader, node), node.value)
+
+
+for _tag, _construct in (
+    ("bool", yaml.SafeLoader.construct_yaml_bool),
+    ("int", yaml.SafeLoader.construct_yaml_int),
+    ("float", yaml.SafeLoader.construct_yaml_float),
+):
+    _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _keep_text(_construct))
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
