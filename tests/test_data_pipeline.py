@@ -317,6 +317,24 @@ def _run_cli(config_path: Path):
 
 
 @pytest.mark.slow
+def test_progress_has_a_total_so_a_rate_and_an_eta(tmp_path, capsys, monkeypatch):
+    """The curation bars counted documents with no total: no ETA, however long the job."""
+    from tqdm import tqdm
+
+    monkeypatch.setenv("MARINLM_PROGRESS_INTERVAL", "1000")  # off a terminal: the final line only
+    write_jsonl(tmp_path / "in" / "a.jsonl", synthetic_docs(30, seed=1), "a")
+    write_jsonl(tmp_path / "in" / "b.jsonl", synthetic_docs(90, seed=2) + synthetic_docs(10, seed=2), "b")
+    config = bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], progress=True)
+    run_pipeline(config)
+    lines = capsys.readouterr().err.splitlines()
+    filter_line = next(line for line in lines if line.startswith("curate: filter: 100%"))
+    write_line = next(line for line in lines if line.startswith("curate: write: 100%"))
+    size = sum(p.stat().st_size for p in (tmp_path / "in").iterdir())
+    total = tqdm.format_sizeof(size)
+    assert f"| {total}/{total} [" in filter_line, filter_line  # the input bytes, all read
+    assert "docs_out=130" in filter_line and "docs_out=120" in write_line  # 10 exact duplicates go at write
+
+
 def test_resume_after_kill_gives_identical_output(tmp_path):
     for i in range(6):
         write_jsonl(tmp_path / "in" / f"part{i}.jsonl", synthetic_docs(150, seed=20 + i, words=400), f"p{i}-")

@@ -240,7 +240,7 @@ def run_map(task: dict) -> dict:
         "para_tokens": np.asarray(para_tokens, dtype=np.int64),
         "para_ok": np.asarray(para_ok, dtype=bool),
     }
-    write_records(work / "stage1" / f"{shard}.docs.jsonl.zst", [doc_record(d) for d in kept], "jsonl.zst")
+    write_records(_stage1_docs(work, task), [doc_record(d) for d in kept], "jsonl.zst")
     with atomic_path(work / "stage1" / f"{shard}.index.npz") as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)
     order = ["read"] + [step.name for step in _build_steps(config, work)]
@@ -266,7 +266,7 @@ def run_write(task: dict) -> dict:
     config = from_dict(PipelineConfig, task["config"])
     out, work, shard = Path(config.output_dir), Path(task["work"]), task["shard"]
     plan = np.load(work / "stage2" / f"{shard}.plan.npz")
-    records = read_records(work / "stage1" / f"{shard}.docs.jsonl.zst")
+    records = read_records(_stage1_docs(work, task))
     removal: dict[int, set[int]] = {}
     for d, p in plan["para_remove"]:
         removal.setdefault(int(d), set()).add(int(p))
@@ -348,10 +348,16 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
     return tasks
 
 
-def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of) -> list[dict]:
-    """Run `fn` over `tasks` locally (processes) or on Ray; progress counts documents."""
+def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, size_of) -> list[dict]:
+    """Run `fn` over `tasks` locally (processes) or on Ray.
+
+    Progress counts the bytes each task reads (`size_of(task)`), so the bar has a total and an ETA
+    (a count of documents has neither before the end); the documents kept so far ride along.
+    """
     results = []
-    bar = progress_bar(total=None, desc=desc, unit="doc", disable=not config.progress)
+    sizes = {task["shard"]: size_of(task) for task in tasks}
+    bar = progress_bar(total=sum(sizes.values()), desc=desc, unit="B", unit_scale=True, disable=not config.progress)
+    docs, start = 0, time.perf_counter()
     try:
         if not tasks:
             return results
@@ -361,10 +367,17 @@ def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, unit_of
             outcomes = process_map(fn, tasks, min(config.workers or os.cpu_count() or 1, len(tasks)))
         for result in outcomes:
             results.append(result)
-            bar.update(unit_of(result))
+            docs += result["docs"]
+            rate = docs / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(docs_out=f"{docs:,}", docs_per_s=f"{rate:,.0f}", refresh=False)
+            bar.update(sizes[result["shard"]])
     finally:
         bar.close()
     return sorted(results, key=lambda r: r["shard"])
+
+
+def _stage1_docs(work: Path, task: dict) -> Path:
+    return work / "stage1" / f"{task['shard']}.docs.jsonl.zst"
 
 
 def _done(path: Path) -> dict | None:
@@ -419,7 +432,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
 
     todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
     units_run = len(todo)
-    _run_tasks(run_map, todo, config, "curate: filter", lambda r: r["docs"])
+    _run_tasks(run_map, todo, config, "curate: filter", lambda t: Path(t["path"]).stat().st_size)
     stage1 = [_done(work / "stage1" / f"{t['shard']}.done.json") for t in tasks]
 
     summary_path = work / "stage2.done.json"
@@ -431,7 +444,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
 
     todo = [t for t in tasks if _done(work / "stage3" / f"{t['shard']}.done.json") is None]
     units_run += len(todo)
-    _run_tasks(run_write, todo, config, "curate: write", lambda r: r["docs"])
+    _run_tasks(run_write, todo, config, "curate: write", lambda t: _stage1_docs(work, t).stat().st_size)
     stage3 = [_done(work / "stage3" / f"{t['shard']}.done.json") for t in tasks]
 
     manifest = {
