@@ -294,7 +294,8 @@ def run_quickstart(
     if budget_left < 1.0:
         print(
             f"note: the {minutes:g} min budget leaves {max(budget_left, 0.0):.1f} min for training after "
-            f"{elapsed_min:.1f} min of data stages; training for the minimum of 1 min, so the whole run takes longer"
+            f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; training "
+            "for the minimum of 1 min, so the whole run takes longer"
         )
     step_seconds = _calibrate_step_seconds(train_config)
     # Plan for 80% of the budget: logging, validation and checkpoints add ~20% to the bare step time,
