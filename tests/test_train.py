@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from marinlm.config import save_config
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
@@ -952,3 +954,63 @@ def test_the_runs_tokenizer_copy_is_never_a_partial_one(token_data, tmp_path):
     assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in source.iterdir())
     assert (copied / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert not (tmp_path / "run" / ".tokenizer.tmp").exists()
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@st.composite
+def _state_dicts(draw):
+    """A DCP state dict like the trainer's: model tensors, and optimizer state nested per parameter."""
+
+    def tensor():
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        dtype = draw(st.sampled_from(_DTYPES))
+        seed = draw(st.integers(0, 2**31 - 1))
+        raw = torch.randint(
+            0,
+            256,
+            (math.prod(shape) * dtype.itemsize,),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        # Any bit pattern, NaN payloads and infinities included; bools must be 0 or 1.
+        return (raw % 2).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
+
+    names = draw(
+        st.lists(
+            st.from_regex(r"[a-z]{1,4}(\.[a-z0-9]{1,3}){0,2}", fullmatch=True), min_size=1, max_size=4, unique=True
+        )
+    )
+    model = {name: tensor() for name in names}
+    optim = {
+        "state": {name: {"exp_avg": tensor(), "step": tensor()} for name in names[:2]},
+        "param_groups": [{"lr": draw(st.floats(0, 1)), "params": names[:2]}],
+    }
+    return {"model": model, "optim": optim}
+
+
+@settings(max_examples=25, deadline=None)
+@given(tensors=_state_dicts(), trainer_state=st.dictionaries(st.text(max_size=8), _JSON, max_size=4))
+def test_checkpoint_save_then_load_is_bitwise(tmp_path_factory, tensors, trainer_state):
+    """Property: whatever the tensors (dtypes, empty or 0-d shapes, any bit pattern) and whatever
+    JSON the trainer state holds, a checkpoint loads back exactly what was saved."""
+    root = tmp_path_factory.mktemp("ckpt")
+    manager = CheckpointManager(root, keep_last=1, check_space=False)
+    manager.save(7, tensors, trainer_state, "run_dir: x\n")
+    target = torch.utils._pytree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, tensors)
+    loaded_state = manager.load(list_checkpoints(root)[0], target)
+    assert loaded_state == trainer_state
+    saved, got = torch.utils._pytree.tree_leaves(tensors), torch.utils._pytree.tree_leaves(target)
+    for a, b in zip(saved, got, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            bits = (lambda t: t.reshape(-1).view(torch.uint8)) if a.dtype != torch.bool else (lambda t: t)
+            assert torch.equal(bits(a), bits(b))  # bitwise: NaN payloads too
+        else:
+            assert a == b
