@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -397,6 +398,16 @@ def test_lm_eval_adapter(tmp_path, loaded):
     assert 0.0 <= results["results"]["marinlm_toy"]["acc,none"] <= 1.0
 
 
+def strip_checkpoint_tokenizer(folder: Path) -> None:
+    """Make `folder` a checkpoint as saved before checkpoints kept the tokenizer."""
+    import shutil
+
+    shutil.rmtree(folder / "tokenizer")
+    complete = json.loads((folder / "COMPLETE.json").read_text())
+    complete["files"] = {k: v for k, v in complete["files"].items() if not k.startswith("tokenizer")}
+    (folder / "COMPLETE.json").write_text(json.dumps(complete))
+
+
 def test_eval_hook_logs_during_training(token_data, tmp_path):
     from marinlm.train.metrics import read_metrics
     from marinlm.train.trainer import run_training
@@ -417,6 +428,8 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
 
     loaded = load_model(tmp_path / "run")
     assert loaded.checkpoint.name == "step-00000004"
+    # A checkpoint without its own copy (saved before they kept one) reads the run's tokenizer.
+    strip_checkpoint_tokenizer(loaded.checkpoint)
     MarinTokenizer(train_bpe([t.upper() for t in SAMPLE_TEXTS] * 30, vocab_size=600)).save(
         tmp_path / "run" / "tokenizer"
     )
@@ -442,6 +455,31 @@ def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path
     assert f"warning: skipping unusable checkpoint: {newest}" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match=str(weights)):
         load_model(newest)
+
+
+def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token_data, tmp_path):
+    """`marinlm generate/eval CHECKPOINT` on a checkpoint copied elsewhere was "no tokenizer.json at
+    tokenizer": the tokenizer lived in the run folder only. Each checkpoint now keeps a copy."""
+    import shutil
+
+    from marinlm.train.inference import load_model
+    from marinlm.train.trainer import run_training
+
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 2}, checkpoint={"every_steps": 2}))
+    saved = tmp_path / "run" / "checkpoints" / "step-00000002"
+    shutil.copytree(saved, tmp_path / "elsewhere")
+    in_run = load_model(tmp_path / "run")
+    moved = load_model(tmp_path / "elsewhere")
+    assert moved.tokenizer_hash == in_run.tokenizer_hash == in_run.tokenizer.hash
+    for a, b in zip(moved.model.state_dict().values(), in_run.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # Checkpoints saved before they kept the tokenizer: the run's copy serves one in place; one moved
+    # out of its run is an error that says where the tokenizer was looked for.
+    for old in (saved, tmp_path / "elsewhere"):
+        strip_checkpoint_tokenizer(old)
+    assert load_model(saved).tokenizer_hash == in_run.tokenizer_hash
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no tokenizer (looked in {tmp_path / 'elsewhere'}/")):
+        load_model(tmp_path / "elsewhere")
 
 
 @pytest.mark.slow

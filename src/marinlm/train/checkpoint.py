@@ -7,6 +7,7 @@ A checkpoint is a folder `RUN/checkpoints/step-00000100/`:
     trainer_state.json    step, scheduler, loader position, pending router state, counters
     rng/rank-00000.pt     every rank's RNG state (tensors only)
     config.yaml           the resolved run config
+    tokenizer/            the run's tokenizer, so a checkpoint copied anywhere still generates and evaluates
     COMPLETE.json         written last: size and sha256 of every file above
 
 It is written under `step-00000100.tmp` and renamed once every rank has finished, so a killed job
@@ -222,8 +223,11 @@ class CheckpointManager:
         self.keep_last, self.async_save = keep_last, async_save
         self._pending = None  # (future, tmp_folder, final_folder)
 
-    def save(self, step: int, tensors: dict, trainer_state: dict, config_yaml: str) -> Path:
-        """Write checkpoint `step`. `tensors` is a DCP state dict (model and optimizer).
+    def save(
+        self, step: int, tensors: dict, trainer_state: dict, config_yaml: str, tokenizer: Path | None = None
+    ) -> Path:
+        """Write checkpoint `step`. `tensors` is a DCP state dict (model and optimizer); `tokenizer`
+        a folder copied in as `tokenizer/`.
 
         Raises CheckpointWriteError, on every rank, when the checkpoint would not fit in the free
         space (nothing is written) or its writing fails (the partial folder is removed).
@@ -245,6 +249,8 @@ class CheckpointManager:
             if self.rank == 0:
                 write_json_atomic(tmp / "trainer_state.json", trainer_state)
                 write_text_atomic(tmp / "config.yaml", config_yaml)
+                if tokenizer is not None and tokenizer.is_dir():
+                    shutil.copytree(tokenizer, tmp / "tokenizer")
 
         try:
             # The folder, then the small files: every rank learns of a failure in either (a full

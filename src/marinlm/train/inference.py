@@ -69,15 +69,30 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     load_tensors(folder, state)  # its config.yaml must still describe its tensors
     set_model_state_dict(model, state["model"])
     model.eval()
-    run_dir = folder.parent.parent
-    tokenizer = MarinTokenizer.load(run_dir / "tokenizer")
+    path = checkpoint_tokenizer(folder)
+    tokenizer = MarinTokenizer.load(path)
     trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
     if trained_with is not None and tokenizer.hash != trained_with:
         raise CheckpointError(
-            f"{run_dir / 'tokenizer'}: tokenizer {tokenizer.hash[:12]}… (vocab {tokenizer.vocab_size}) is not the one "
+            f"{path}: tokenizer {tokenizer.hash[:12]}… (vocab {tokenizer.vocab_size}) is not the one "
             f"{folder.name} was trained with ({trained_with[:12]}…); text would be encoded with the wrong vocabulary"
         )
     return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
+
+
+def checkpoint_tokenizer(folder: Path) -> Path:
+    """The tokenizer of a checkpoint: its own copy, else (a checkpoint saved before it kept one) its
+    run's, RUN/checkpoints/step-N/../../tokenizer."""
+    places = [folder / "tokenizer"]
+    if folder.parent.name == "checkpoints":
+        places.append(folder.parent.parent / "tokenizer")
+    for place in places:
+        if place.is_dir():
+            return place
+    raise FileNotFoundError(
+        f"{folder}: no tokenizer (looked in {' and '.join(map(str, places))}); copy the tokenizer folder "
+        f"of the run that saved it to {places[0]}"
+    )
 
 
 def document_start_id(loaded: LoadedModel) -> int:

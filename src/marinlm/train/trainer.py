@@ -212,7 +212,13 @@ class Trainer(ResumeMixin):
         }
 
     def save_checkpoint(self) -> Path:
-        path = self.checkpoints.save(self.step, self._state_tensors(), self._trainer_state(), dump_config(self.config))
+        path = self.checkpoints.save(
+            self.step,
+            self._state_tensors(),
+            self._trainer_state(),
+            dump_config(self.config),
+            tokenizer=self.run_dir / "tokenizer",
+        )
         self._last_checkpoint_step, self._last_checkpoint_time = self.step, time.perf_counter()
         self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
         return path
