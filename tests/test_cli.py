@@ -106,7 +106,7 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, cap
     text.write_text("some text to train on")
     argv = ["tokenizer", "train", f"--inputs=[{text}, {missing}]", f"--output_dir={tmp_path}/o"]
     assert main(argv) == 2
-    assert f"input path does not exist: {missing}" in capsys.readouterr().err
+    assert f"inputs: input path does not exist: {missing}" in capsys.readouterr().err  # the key, the path
 
 
 @pytest.mark.parametrize(

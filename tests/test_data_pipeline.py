@@ -260,10 +260,14 @@ def test_invalid_utf8_in_a_cut_text_file_rejects_only_its_document(tmp_path):
 
 
 def test_missing_input_and_bad_config_fail_fast(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        run_pipeline(bare_config(tmp_path / "o", [{"name": "x", "inputs": [str(tmp_path / "nope.jsonl")]}]))
-    assert not (tmp_path / "o").exists()  # nothing written before the inputs check out
     write_jsonl(tmp_path / "corpus" / "a.jsonl", synthetic_docs(3, seed=1), "a-")
+    sources = [
+        {"name": "x", "inputs": [str(tmp_path / "corpus")]},
+        {"name": "y", "inputs": [str(tmp_path / "nope.jsonl")]},
+    ]
+    with pytest.raises(FileNotFoundError, match=r"sources\[1\]\.inputs: input path does not exist: .*nope\.jsonl"):
+        run_pipeline(bare_config(tmp_path / "o", sources))
+    assert not (tmp_path / "o").exists()  # nothing written before the inputs check out
     with pytest.raises(ValueError, match=r"output_dir .*corpus/curated is inside input folder .*corpus of source 'x'"):
         run_pipeline(
             bare_config(tmp_path / "corpus" / "curated", [{"name": "x", "inputs": [str(tmp_path / "corpus")]}])

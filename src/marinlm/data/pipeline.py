@@ -324,14 +324,14 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
         raise ValueError("sources: give at least one source with inputs")
     tasks = []
     out = Path(config.output_dir).resolve()
-    for spec in config.sources:
+    for i, spec in enumerate(config.sources):
         for given in spec.inputs:
             if Path(given).is_dir() and out.is_relative_to(Path(given).resolve()):
                 raise ValueError(
                     f"output_dir {config.output_dir} is inside input folder {given} of source {spec.name!r}: "
                     "a rerun would read its own outputs; put the output elsewhere"
                 )
-        for path in expand_inputs(spec.inputs):  # a missing path fails here, before any work
+        for path in expand_inputs(spec.inputs, f"sources[{i}].inputs"):  # a miss fails here, before any work
             tasks.append(
                 {
                     "shard": f"{len(tasks):05d}",

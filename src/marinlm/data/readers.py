@@ -80,8 +80,9 @@ def curated_shards(folder: Path) -> list[Path] | None:
     return shards
 
 
-def expand_inputs(inputs: list[str] | str) -> list[Path]:
-    """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss."""
+def expand_inputs(inputs: list[str] | str, key: str = "inputs") -> list[Path]:
+    """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss, with
+    an error that names the config `key` the inputs came from."""
     if isinstance(inputs, str):
         inputs = [inputs]
     paths: list[Path] = []
@@ -90,22 +91,22 @@ def expand_inputs(inputs: list[str] | str) -> list[Path]:
         if any(ch in spec for ch in "*?["):
             matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"input glob matched nothing: {spec}")
+                raise FileNotFoundError(f"{key}: input glob matched nothing: {spec}")
             paths.extend(m for m in matches if m.is_file())
         elif p.is_dir() and (shards := curated_shards(p)) is not None:
             paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
         elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
             if not found:
-                raise FileNotFoundError(f"input directory has no {', '.join(SUFFIXES)} files: {spec}")
+                raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
             paths.extend(found)
         elif p.is_file():
             paths.append(p)
         else:
-            raise FileNotFoundError(f"input path does not exist: {spec}")
+            raise FileNotFoundError(f"{key}: input path does not exist: {spec}")
     for p in paths:
         if not p.name.endswith(SUFFIXES):
-            raise ValueError(f"{p}: unsupported input type; supported suffixes: {', '.join(SUFFIXES)}")
+            raise ValueError(f"{key}: {p}: unsupported input type; supported suffixes: {', '.join(SUFFIXES)}")
     return paths
 
 

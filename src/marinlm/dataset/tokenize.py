@@ -191,7 +191,10 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
     from marinlm.data.readers import expand_inputs
     from marinlm.tokenizer import MarinTokenizer
 
-    tok = MarinTokenizer.load(config.tokenizer)  # inputs checked before anything is written
+    try:  # inputs checked before anything is written
+        tok = MarinTokenizer.load(config.tokenizer)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"tokenizer: {e}") from None
     paths = expand_inputs(config.inputs)
     settings = {
         "job": "tokenize",
