@@ -7,7 +7,7 @@ Both tokenize the same documents with the same tokenizer. The bare call reads no
 nothing: its texts are already in memory, so it is the practical limit. Ours reads jsonl shards,
 splits train/val, writes token shards and indexes, hashes every file and writes a manifest.
 
-    python bench/tokenize.py [--workers 2] [--shards 8] [--repeat 3]
+    python bench/tokenize_throughput.py [--workers 2] [--shards 8] [--repeat 3]
 """
 
 from __future__ import annotations
