@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -337,6 +338,9 @@ def test_progress_has_a_total_so_a_rate_and_an_eta(tmp_path, capsys, monkeypatch
     total = tqdm.format_sizeof(size)
     assert f"| {total}/{total} [" in filter_line, filter_line  # the input bytes, all read
     assert "docs_out=130" in filter_line and "docs_out=120" in write_line  # 10 exact duplicates go at write
+    # The global dedup between the two has no units to count: it says what runs and how long it took.
+    assert lines.index("curate: dedup and mixture plan over 130 documents") < lines.index(write_line)
+    assert any(re.fullmatch(r"curate: dedup and mixture plan done in [\d.]+ s", line) for line in lines)
 
 
 def test_resume_after_kill_gives_identical_output(tmp_path):

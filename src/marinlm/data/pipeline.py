@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,6 +377,11 @@ def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, size_of
     return sorted(results, key=lambda r: r["shard"])
 
 
+def _say(config: PipelineConfig, line: str) -> None:
+    if config.progress:
+        print(line, file=sys.stderr, flush=True)
+
+
 def _stage1_docs(work: Path, task: dict) -> Path:
     return work / "stage1" / f"{task['shard']}.docs.jsonl.zst"
 
@@ -426,6 +432,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
         (work / sub).mkdir(parents=True, exist_ok=True)
     index_path = work / "decontam_index.npz"
     if config.decontam.enabled and config.decontam.eval_paths and not index_path.exists():
+        _say(config, f"curate: indexing the evaluation sets' {config.decontam.ngram}-grams for decontamination")
         index = NgramIndex.build(config.decontam.eval_paths, config.decontam.ngram, config.decontam.min_words)
         with atomic_path(index_path) as tmp, open(tmp, "wb") as f:
             index.save(f)
@@ -438,7 +445,12 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
     summary_path = work / "stage2.done.json"
     summary = _done(summary_path)
     if summary is None:
+        # One process over every document's hashes: no bar to show (it is not split into units), so
+        # say what runs and how long it took.
+        docs, began = sum(s["docs"] for s in stage1), time.perf_counter()
+        _say(config, f"curate: dedup and mixture plan over {docs:,} documents")
         summary = reduce(work, stage1, config)
+        _say(config, f"curate: dedup and mixture plan done in {time.perf_counter() - began:.1f} s")
         units_run += 1
         write_json_atomic(summary_path, summary)
 
