@@ -196,6 +196,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         base = base or next(b for b in cls.__mro__ if _choice_base(b))
         data = dict(data)
         name = data.pop("type", cls.type_name or None)
+        name = name.text if isinstance(name, YamlScalar) else name  # variant names are words
         if name not in base._variants:
             raise ConfigError(join_key(prefix, "type"), f"must be one of {sorted(base._variants)}, got {name!r}")
         cls = base._variants[name]
