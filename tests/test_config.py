@@ -231,8 +231,8 @@ def test_yaml_words_and_numbers_given_for_strings_are_read_as_written(tmp_path):
     from marinlm.train.config import TrainConfig
 
     data = CONFIGS / "data" / "shared-corpus.yaml"
-    cli = load_config(PipelineConfig, data, ["--langid.allowed=[en, no, 'on']", "--output_dir=007"])
-    assert cli.langid.allowed == ["en", "no", "on"] and cli.output_dir == "007"
+    cli = load_config(PipelineConfig, data, ["--langid.allowed=[en, no, 'on']", "--output_dir=2026-11-30"])
+    assert cli.langid.allowed == ["en", "no", "on"] and cli.output_dir == "2026-11-30"  # not a date
     (tmp_path / "d.yaml").write_text(f"include: {data}\nlangid:\n  allowed: [no, zh]\n  threshold: 1\n")
     from_file = load_config(PipelineConfig, tmp_path / "d.yaml")
     assert from_file.langid.allowed == ["no", "zh"] and from_file.langid.threshold == 1.0

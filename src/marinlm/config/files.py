@@ -129,6 +129,7 @@ for _tag, _construct in (
     ("bool", yaml.SafeLoader.construct_yaml_bool),
     ("int", yaml.SafeLoader.construct_yaml_int),
     ("float", yaml.SafeLoader.construct_yaml_float),
+    ("timestamp", yaml.SafeLoader.construct_yaml_timestamp),  # `run_dir: runs/2026-11-30` is a path
 ):
     _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _keep_text(_construct))
 

@@ -249,7 +249,7 @@ def to_dict(config: Any) -> Any:
 
 
 class YamlScalar:
-    """A YAML scalar that reads as a bool, an integer or a number, with the text it was written as.
+    """A YAML scalar that reads as a bool, an integer, a number or a date, with the text it was written as.
 
     YAML 1.1 reads `no` (Norwegian's language code) as false and `007` as 7. Where the config
     field is a string, the text is what was meant; every other field takes the value.
