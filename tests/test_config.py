@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 import yaml
@@ -238,6 +239,14 @@ def test_yaml_words_and_numbers_given_for_strings_are_read_as_written(tmp_path):
     assert from_file.langid.allowed == ["no", "zh"] and from_file.langid.threshold == 1.0
     save_config(from_file, tmp_path / "saved.yaml")
     assert load_config(PipelineConfig, tmp_path / "saved.yaml") == from_file
+
+    @dataclass(kw_only=True)
+    class Choices:
+        number: Literal[1, 2] = 1
+        word: Literal["on", "off"] = "on"
+
+    choices = load_config(Choices, None, ["--number=2", "--word=off"])
+    assert (choices.number, choices.word) == (2, "off") and type(choices.number) is int  # values, not wrappers
 
     train = CONFIGS / "train" / "tiny.yaml"
     config = load_config(TrainConfig, train, ["--train.steps=1e3", "--checkpoint.async_save=yes", "--run_dir=1.50"])

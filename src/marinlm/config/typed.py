@@ -93,8 +93,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if isinstance(value, YamlScalar):
         if tp is str or tp is Path:  # `run_dir: 007`, the language code `no`: the text as written
             return _coerce(value.text, tp, key)
-        if origin is Literal and value.value not in get_args(tp):  # `mode: off` where the options are words
-            value = value.text if all(isinstance(a, str) for a in get_args(tp)) else value.value
+        if origin is Literal:  # `mode: off` where the options are words: the word
+            words = value.value not in get_args(tp) and all(isinstance(a, str) for a in get_args(tp))
+            value = value.text if words else value.value
         elif origin not in (typing.Union, types.UnionType):  # a union tries each option with both
             value = value.value
     if tp is Any:
