@@ -69,12 +69,12 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     load_tensors(folder, state)  # its config.yaml must still describe its tensors
     set_model_state_dict(model, state["model"])
     model.eval()
-    path = checkpoint_tokenizer(folder)
-    tokenizer = MarinTokenizer.load(path)
+    tokenizer_dir = checkpoint_tokenizer(folder)
+    tokenizer = MarinTokenizer.load(tokenizer_dir)
     trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
     if trained_with is not None and tokenizer.hash != trained_with:
         raise CheckpointError(
-            f"{path}: tokenizer {tokenizer.hash[:12]}… (vocab {tokenizer.vocab_size}) is not the one "
+            f"{tokenizer_dir}: tokenizer {tokenizer.hash[:12]}… (vocab {tokenizer.vocab_size}) is not the one "
             f"{folder.name} was trained with ({trained_with[:12]}…); text would be encoded with the wrong vocabulary"
         )
     return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
