@@ -513,6 +513,10 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     assert [r["step"] for r in logged] == [2]
     options = EvalOptions(tasks=tasks, data_dir=str(tmp_path / "tasks"), limit=5)
     offline = run_eval(load_model(tmp_path / "run"), options)["results"]
+    # `--limit` takes that many rows of the validation split too; without it, all of them.
+    whole = run_eval(load_model(tmp_path / "run"), EvalOptions(tasks=["val"]))["results"]["val"]
+    seq_len = load_model(tmp_path / "run").config.data.seq_len
+    assert 4 * seq_len < offline["val"]["tokens"] <= 5 * seq_len < whole["tokens"]
     # `marinlm eval` under torchrun: the checkpoint loaded sharded (FSDP2), the items dealt over ranks.
     evaluate = ["eval", str(tmp_path / "run"), "--tasks", *tasks, "--limit", "5", "--data-dir", str(tmp_path / "tasks")]
     out = subprocess.run(

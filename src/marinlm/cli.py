@@ -292,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="folder with the task files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval beside the source)",
     )
-    ev.add_argument("--limit", type=int, default=None, help="score a deterministic subset of N items per task")
+    ev.add_argument(
+        "--limit", type=int, default=None, help="score a deterministic subset of N items per task (val: N rows)"
+    )
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")
     ev.add_argument("--predictions", action="store_true", help="also write per-item predictions")

@@ -134,7 +134,7 @@ def run_eval(
     for spec, task, items in prepared:
         t0 = time.perf_counter()
         if spec == "val":
-            results[spec] = _val_metrics(loaded, val_source, options.batch_size)
+            results[spec] = _val_metrics(loaded, val_source, options.batch_size, options.limit)
         elif spec.startswith("bpb:"):
             ll = scorer.loglikelihood_rolling(items, desc=spec)
             total = sum(x for x, _ in ll)
@@ -202,7 +202,9 @@ def _open_val(loaded):
         raise TaskDataError(f"task 'val' scores the validation split of the run's training data: {e}") from None
 
 
-def _val_metrics(loaded, val_source, batch_size: int) -> dict:
+def _val_metrics(loaded, val_source, batch_size: int, limit: int | None = None) -> dict:
+    """Loss and bits per byte over the split's rows, or its first `limit` rows in the loader's draw
+    order (spread over the split), as training's validation takes `validation.max_rows`."""
     from marinlm.dataset.loader import validation_batches
     from marinlm.train.step import validate
 
@@ -210,7 +212,7 @@ def _val_metrics(loaded, val_source, batch_size: int) -> dict:
     rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate() sums them
     metrics = validate(
         loaded.model,
-        validation_batches(val_source, batch_size, rank=rank, world_size=world),
+        validation_batches(val_source, batch_size, max_rows=limit, rank=rank, world_size=world),
         device=device,
         precision="fp32" if device.type == "cpu" else "bf16",
     )
@@ -226,8 +228,7 @@ def markdown_table(report: dict) -> str:
                 continue
             stderr = metrics.get(f"{name}_stderr")
             se = f"{stderr:.4f}" if isinstance(stderr, float) and math.isfinite(stderr) else ""
-            # Perplexity tasks count tokens: `val` scores the whole split, where training's
-            # validation may score its first `validation.max_rows` rows only.
+            # Perplexity tasks count tokens (how much of the split `val` scored, for one).
             n = metrics.get("n", f"{metrics['tokens']:,} tokens" if "tokens" in metrics else "")
             lines.append(f"| {task} | {name} | {value:.4f} | {se} | {n} |")
     c = report["config"]
