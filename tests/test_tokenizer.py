@@ -5,6 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tqdm import tqdm
 
 from marinlm.tokenizer import EOS, SPECIAL_TOKENS, MarinTokenizer, TokenizerTrainConfig, train_bpe, train_tokenizer
 from marinlm.utils.io import OutputInUseError
@@ -88,13 +89,18 @@ def test_chinese_corpus_tokenizes_sensibly(tmp_path):
     assert all(len(tok.encode(c)) == 1 for c in common)  # frequent characters are whole tokens
 
 
-def test_train_tokenizer_command_writes_loadable_folder(tmp_path):
+def test_train_tokenizer_command_writes_loadable_folder(tmp_path, capsys):
     from conftest import write_corpus
 
     write_corpus(tmp_path / "corpus", num_docs=60)
     config = TokenizerTrainConfig(inputs=[str(tmp_path / "corpus")], output_dir=str(tmp_path / "tok"), vocab_size=600)
     tok, report = train_tokenizer(config)
     assert report["documents"] == 60 and report["vocab_size"] == tok.vocab_size <= 600
+    # Off a terminal HF tokenizers shows nothing for what may be hours: our bar over the inputs' bytes does.
+    err = capsys.readouterr().err.splitlines()
+    size = tqdm.format_sizeof(sum(p.stat().st_size for p in (tmp_path / "corpus").rglob("*") if p.is_file()))
+    assert any(line.startswith("tokenizer: read: 100%") and f"| {size}/{size} [" in line for line in err), err
+    assert err[-1] == "tokenizer: computing the merges"
     again = MarinTokenizer.load(tmp_path / "tok")
     assert again.hash == tok.hash
     assert json.loads((tmp_path / "tok" / "train_report.json").read_text())["hash"] == tok.hash

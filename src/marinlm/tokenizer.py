@@ -27,7 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from marinlm.config import check
 from marinlm.utils.io import OutputInUseError, sha256_bytes, write_text_atomic
 from marinlm.utils.pool import call_in_child
-from marinlm.utils.progress import is_terminal
+from marinlm.utils.progress import is_terminal, progress_bar
 
 CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
 SPLIT_PATTERN = (
@@ -204,17 +204,25 @@ def iter_training_texts(
     paths = expand_inputs(inputs)
     sizes = [os.path.getsize(path) for path in paths]
     total = max(sum(sizes), 1)
-    for path, size in zip(paths, sizes, strict=True):
-        budget = max_bytes * size / total if max_bytes else float("inf")
-        taken = 0
-        for item in read_documents(path, text_field=text_field):
-            if taken >= budget:
-                break
-            if isinstance(item, Document):
-                yield item.text
-                taken += len(item.text.encode())
-            elif rejected is not None:
-                rejected.append(item)
+    # HF tokenizers draws its own bar on a terminal and nothing elsewhere: there (a log file, a
+    # Slurm job) the reading, the long part of training, gets a bar over the input files' bytes.
+    shown = not is_terminal(sys.stderr)
+    bar = progress_bar(total=sum(sizes), desc="tokenizer: read", unit="B", unit_scale=True, disable=not shown)
+    with bar:
+        for path, size in zip(paths, sizes, strict=True):
+            budget = max_bytes * size / total if max_bytes else float("inf")
+            taken = 0
+            for item in read_documents(path, text_field=text_field):
+                if taken >= budget:
+                    break
+                if isinstance(item, Document):
+                    yield item.text
+                    taken += len(item.text.encode())
+                elif rejected is not None:
+                    rejected.append(item)
+            bar.update(size)
+    if shown:
+        print("tokenizer: computing the merges", file=sys.stderr, flush=True)
 
 
 def _train_job(config: TokenizerTrainConfig) -> tuple[str, dict, list]:
