@@ -129,6 +129,23 @@ def test_train_tokenizer_reports_rejects_and_refuses_to_train_on_nothing(tmp_pat
     assert not (tmp_path / "tok2").exists()
 
 
+def test_the_command_line_trains_in_a_child_with_a_clean_log(tmp_path):
+    """Its child drew the new progress bar with tqdm's default lock, a multiprocessing semaphore, and
+    left it: "resource_tracker: There appear to be 1 leaked semaphore objects" ended the log."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, write_corpus
+
+    write_corpus(tmp_path / "corpus", num_docs=30)
+    argv = ["tokenizer", "train", f"--inputs=[{tmp_path / 'corpus'}]", f"--output_dir={tmp_path / 'tok'}"]
+    out = subprocess.run(
+        [sys.executable, "-m", "marinlm.cli", *argv, "--vocab_size=400"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tokenizer: read: 100%" in out.stderr and "leaked" not in out.stderr, out.stderr
+
+
 def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
     """HF tokenizers' training holds the main thread and Python sees no signal until it ends: Ctrl-C
     took effect only after the whole training (8 s later on this corpus; hours on a real one)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from tqdm import tqdm
 
@@ -58,6 +59,11 @@ def log_interval() -> float:
 def progress_bar(*, file=None, **kwargs) -> tqdm:
     """`tqdm(**kwargs)` on `file` (stderr by default); whole lines every few seconds off a terminal."""
     stream = sys.stderr if file is None else file
+    if getattr(tqdm, "_lock", None) is None:
+        # tqdm's default lock holds a multiprocessing semaphore, for bars shared across processes
+        # (ours never are). A worker process that draws a bar (tokenizer training's child) leaves
+        # it behind: "resource_tracker: There appear to be 1 leaked semaphore objects" at exit.
+        tqdm.set_lock(threading.RLock())
     if kwargs.get("disable") or is_terminal(stream):
         return tqdm(file=stream, dynamic_ncols=True, **kwargs)
     interval = log_interval()
