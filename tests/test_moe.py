@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from marinlm.model import AuxFreeRouterConfig, QBRouterConfig, RouterStats, SoftmaxTopKRouterConfig
-from marinlm.model.experts import RoutedExperts, expert_capacity
+from marinlm.model import experts as experts_module
+from marinlm.model.cpu_bf16 import emulated_bf16
+from marinlm.model.experts import RoutedExperts, expert_capacity, resolve_impl
 from marinlm.model.router import AuxFreeRouter, QBRouter, SoftmaxTopKRouter
 
 from conftest import build, tiny_config
@@ -26,8 +28,11 @@ def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
     return out
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop"])
-def test_expert_kernels_match_naive_loop_with_grads(impl):
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-3", "bmm", "loop"])
+def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
+    if impl == "chunked-of-3":  # experts span several chunks, the last one part padding
+        monkeypatch.setattr(experts_module, "CHUNK_ROWS", 3)
+        impl = "chunked"
     torch.manual_seed(0)
     module = RoutedExperts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
     module.reset_parameters()
@@ -45,8 +50,11 @@ def test_expert_kernels_match_naive_loop_with_grads(impl):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop"])
-def test_capacity_drops_later_tokens_and_counts_them(impl):
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
+def test_capacity_drops_later_tokens_and_counts_them(impl, monkeypatch):
+    if impl == "chunked-of-4":
+        monkeypatch.setattr(experts_module, "CHUNK_ROWS", 4)
+        impl = "chunked"
     torch.manual_seed(2)
     module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
     module.reset_parameters()
@@ -87,13 +95,18 @@ def test_grouped_mm_rejects_unaligned_widths_clearly():
 
 def test_cpu_autocast_dtype_follows_torch_policy_per_kernel():
     """Under CPU bf16 autocast, `grouped_mm` experts stay fp32 (as torch leaves `_grouped_mm`),
-    while the `bmm` and `loop` kernels are cast like any autocast matmul."""
+    while the `chunked`, `bmm` and `loop` kernels are cast like any autocast matmul."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         probe = torch._grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 8), offs=torch.tensor([2, 4], dtype=torch.int32))
     assert probe.dtype == torch.float32, "torch's CPU autocast now casts _grouped_mm: revisit compute_dtype"
     torch.manual_seed(0)
     x, experts, weights = torch.randn(20, 8), torch.randint(0, 4, (20, 2)), torch.rand(20, 2)
-    for impl, dtype in [("grouped_mm", torch.float32), ("bmm", torch.bfloat16), ("loop", torch.bfloat16)]:
+    for impl, dtype in [
+        ("grouped_mm", torch.float32),
+        ("chunked", torch.bfloat16),
+        ("bmm", torch.bfloat16),
+        ("loop", torch.bfloat16),
+    ]:
         module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
         module.reset_parameters()
         want, _ = module(x, experts, weights)
@@ -102,6 +115,17 @@ def test_cpu_autocast_dtype_follows_torch_policy_per_kernel():
         assert got.dtype == dtype, impl
         tol = 0 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_auto_kernel_is_chunked_only_for_native_cpu_bf16():
+    """`chunked` where oneDNN has bf16 GEMMs (bf16 batched products at full speed, whatever the
+    loads); `grouped_mm` in fp32, on GPUs and where bf16 is emulated."""
+    cpu, dims = torch.device("cpu"), (64, 128)
+    assert resolve_impl("auto", cpu, dims, torch.float32) == "grouped_mm"
+    want = "grouped_mm" if emulated_bf16(cpu) else "chunked"
+    assert resolve_impl("auto", cpu, dims, torch.bfloat16) == want
+    assert resolve_impl("auto", torch.device("cuda"), dims, torch.bfloat16) == "grouped_mm"
+    assert resolve_impl("auto", cpu, (6, 4), torch.float32) == "bmm"  # unaligned for grouped_mm
 
 
 def identity_router(cls, config, num_experts, top_k):

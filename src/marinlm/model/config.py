@@ -125,7 +125,7 @@ class SoftmaxTopKRouterConfig(RouterConfig):
         check(self.aux_loss_weight >= 0, "aux_loss_weight", f"must be >= 0, got {self.aux_loss_weight}")
 
 
-ExpertImpl = Literal["auto", "grouped_mm", "bmm", "loop"]
+ExpertImpl = Literal["auto", "grouped_mm", "chunked", "bmm", "loop"]
 
 
 @dataclass(kw_only=True)

@@ -1,37 +1,45 @@
 """Routed SwiGLU experts over tokens sorted by expert.
 
-Shape legend: N tokens, k experts per token, A assignments (N*k, fewer after capacity drops),
-E experts, D expert input width (d_model or the latent width), F expert hidden width, C slots
-per expert in the padded layout.
+Shape legend: N tokens, k experts per token, S = N*k token-major slots, A assignments kept (S,
+fewer after capacity drops), P rows of the experts' layout (A, plus padding for `chunked`),
+E experts, D expert input width (d_model or the latent width), F expert hidden width, C chunks
+or slots per expert, R rows per chunk.
 
-Dispatch sorts the N*k assignments by expert (stable, so token order within an expert), runs
-the experts on the sorted rows, puts each row back in its token-major slot and sums each token's
+Dispatch sorts the assignments by expert (stable, so token order within an expert), runs the
+experts on the sorted rows, puts each row back in its token-major slot and sums each token's
 k slots weighted by the combine weights. Every assignment owns one slot, so neither direction
 needs an accumulating scatter (slow on CPU, non-deterministic on GPU): gradients are bitwise
 reproducible.
-Three interchangeable kernels compute the sorted rows:
+Four interchangeable kernels compute the sorted rows:
 
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
   backward (its own fails on CPU with "Invalid strides/sizes").
-- `bmm`: rows scattered into an [E, C, D] buffer and batched matmuls; pays for padding.
+- `chunked`: each expert's rows padded to whole chunks of R = 64 rows, and one batched matmul
+  over the chunks with each chunk's expert matrix gathered beside it. Padding costs at most one
+  chunk per expert, whatever the loads; the weight gradient sums each expert's chunks in fp32.
+- `bmm`: rows scattered into an [E, C, D] buffer and batched matmuls; pads every expert to the
+  largest load.
 - `loop`: one matmul per expert; the reference, and needs a host sync for the counts.
 
-`auto` picks `grouped_mm` wherever the widths meet its 16-byte stride rule (on the 2-core AVX2
-CPU, inside a full training step, it ran 1.9 s against 2.3 s for `loop` and 2.9 s for `bmm`),
-and `bmm` otherwise.
+`auto` picks `chunked` on a CPU with bf16 GEMMs under bf16, `grouped_mm` elsewhere wherever the
+widths meet its 16-byte stride rule, and `bmm` otherwise. Measured on the 2-core AVX512-BF16 EPYC
+(bf16 GEMMs at ~410 GFLOP/s, fp32 at ~185), torch 2.13:
 
-Under autocast the expert matmuls run in the autocast dtype, with one exception: `grouped_mm`
-on CPU stays in the input dtype. That is what torch's CPU autocast itself does with
-`torch._grouped_mm` (its output stays fp32 under bf16 autocast), and what HF's experts, which
-call it directly, get. A CPU without AVX512/AMX emulates bf16 matmuls (~1 GFLOP/s against
-~170 fp32 on the 2-core dev VM); the model's linear layers and attention avoid that through
-model/cpu_bf16.py. A CPU with them (a 2-core AVX512-BF16 EPYC: bf16 GEMMs at 405 GFLOP/s against
-184 in fp32) is no better served by bf16 experts: oneDNN builds a kernel for every new row count,
-and each expert's count changes every step, so one grouped product of varying loads took 11.5 ms
-in bf16 against 2.7 ms in fp32 (1.7 ms in bf16 with the same loads each time), and a bench/
-train_step.py step under bf16 autocast took 967 ms with bf16 grouped experts against 715 ms with
-fp32 ones; `bmm` (padded to the largest load, 4-6x the mean at initialisation) took 816 ms.
-On CUDA, grouped GEMM is the production bf16 kernel.
+- A grouped product is one oneDNN matmul per expert. In bf16 oneDNN builds a kernel for every
+  new row count, and the counts change every step: one grouped product of varying loads took
+  11.5 ms in bf16 against 2.7 ms in fp32 (1.7 ms in bf16 with the same loads each time). And
+  products this small ([128, 384] x [384, 96]) split over two threads run at ~190 GFLOP/s in
+  bf16, ~120 in fp32. So `grouped_mm` on CPU stays fp32 under bf16 autocast, as torch's CPU
+  autocast leaves `torch._grouped_mm` (and as HF's experts, which call it directly, get).
+- A batched product over 64-row chunks keeps the shapes fixed and splits the batch over the
+  threads: [82, 64, 384] x [82, 384, 96] runs at ~305 GFLOP/s in bf16 (~105 in fp32). In a
+  bench/train_step.py step (qwen3-moe-style, 4 x 256 tokens, 28% padding rows at
+  initialisation), bf16 autocast took 580-620 ms with `chunked` against 660 ms with fp32
+  `grouped_mm`; in fp32 `chunked` was slower (835 against 785 ms), so `auto` keeps `grouped_mm`.
+
+A CPU without AVX512/AMX emulates bf16 matmuls (~1 GFLOP/s against ~170 fp32 on the 2-core dev
+VM): there `auto` keeps fp32 `grouped_mm`, and the model's linear layers and attention go
+through model/cpu_bf16.py. On CUDA, grouped GEMM is the production bf16 kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from marinlm.model.cpu_bf16 import gemm_dtype
+from marinlm.model.cpu_bf16 import emulated_bf16
 from marinlm.model.layers import trunc_normal_
 
 
@@ -90,46 +98,76 @@ def _grouped_mm_backward(ctx, dy_AF):
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def _to_slots(rows_AD: torch.Tensor, row_S: torch.Tensor) -> torch.Tensor:
-    """rows_AD[row_S], where row index A (one past the end) stands for a zero row."""
-    if row_S.shape[0] != rows_AD.shape[0]:  # some assignments were dropped
-        rows_AD = torch.cat([rows_AD, rows_AD.new_zeros(1, rows_AD.shape[1])])
-    return rows_AD.index_select(0, row_S)
+def _take(rows_RD: torch.Tensor, index_I: torch.Tensor, pad: bool) -> torch.Tensor:
+    """rows_RD[index_I]; with `pad`, index R (one past the end) stands for a zero row."""
+    if pad:
+        rows_RD = torch.cat([rows_RD, rows_RD.new_zeros(1, rows_RD.shape[1])])
+    return rows_RD.index_select(0, index_I)
 
 
 class _Dispatch(torch.autograd.Function):
-    """x_AD = x_ND[order_A // k]: the token row of each kept assignment, in expert-sorted order.
+    """x_PD = x_ND[slot_P // k] in `dtype`: the token row of each row of the experts' layout.
 
-    `row_S` inverts `order_A`: the sorted row of each token-major slot (S = N*k), or A where the
-    assignment was dropped. The backward gathers each slot's gradient row and sums each token's
-    k slots.
+    The layout holds the kept assignments sorted by expert, and, for the `chunked` kernel, zero
+    rows padding each expert to whole chunks: `slot_P` is the token-major slot (S = N*k) of each
+    row, or S for a padding row. `row_S` inverts it: the layout row of each slot, or P where the
+    assignment was dropped. The cast comes before the gather, so a bf16 kernel casts N rows, not
+    P. The backward gathers each slot's gradient row and sums each token's k slots in fp32.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, order_A, row_S, k):
+    def forward(ctx, x_ND, slot_P, row_S, k, kept, dtype):
         ctx.save_for_backward(row_S)
-        ctx.k = k
-        return x_ND.index_select(0, order_A // k)
+        ctx.k, ctx.dropped, ctx.dtype = k, kept < row_S.shape[0], x_ND.dtype
+        return _take(x_ND.to(dtype), slot_P // k, pad=kept < slot_P.shape[0])
 
     @staticmethod
-    def backward(ctx, dx_AD):
+    def backward(ctx, dx_PD):
         (row_S,) = ctx.saved_tensors
-        dx_SD = _to_slots(dx_AD, row_S)
-        return dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1), None, None, None
+        dx_SD = _take(dx_PD, row_S, pad=ctx.dropped)
+        dx_ND = dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1, dtype=torch.float32)
+        return dx_ND.to(ctx.dtype), None, None, None, None, None
 
 
 class _Undispatch(torch.autograd.Function):
-    """y_SD = y_AD put back in token-major slot order; a dropped assignment's slot is zero."""
+    """y_SD = y_PD put back in token-major slot order; a dropped assignment's slot is zero."""
 
     @staticmethod
-    def forward(ctx, y_AD, order_A, row_S):
-        ctx.save_for_backward(order_A)
-        return _to_slots(y_AD, row_S)
+    def forward(ctx, y_PD, slot_P, row_S, kept):
+        ctx.save_for_backward(slot_P)
+        ctx.padded = kept < slot_P.shape[0]
+        return _take(y_PD, row_S, pad=kept < row_S.shape[0])
 
     @staticmethod
     def backward(ctx, dy_SD):
-        (order_A,) = ctx.saved_tensors
-        return dy_SD.index_select(0, order_A), None, None
+        (slot_P,) = ctx.saved_tensors
+        return _take(dy_SD, slot_P, pad=ctx.padded), None, None, None
+
+
+class _ChunkWeights(torch.autograd.Function):
+    """w_CIO = w_EIO[expert_C].to(dtype): each chunk's expert matrix, in the kernel's dtype.
+
+    The backward sums each expert's chunk gradients in fp32 (an expert's chunks are contiguous,
+    so this is a segment sum) and returns them in the weight's dtype: one rounding, as one GEMM
+    over the expert's rows would have.
+    """
+
+    @staticmethod
+    def forward(ctx, w_EIO, expert_C, dtype):
+        ctx.save_for_backward(expert_C)
+        ctx.num_experts, ctx.dtype = w_EIO.shape[0], w_EIO.dtype
+        return w_EIO.to(dtype).index_select(0, expert_C)
+
+    @staticmethod
+    def backward(ctx, dw_CIO):
+        (expert_C,) = ctx.saved_tensors
+        dw_EIO = dw_CIO.new_zeros((ctx.num_experts, *dw_CIO.shape[1:]), dtype=torch.float32)
+        dw_EIO.index_add_(0, expert_C, dw_CIO.float())
+        return dw_EIO.to(ctx.dtype), None, None
+
+
+# Rows per chunk of the `chunked` kernel: each expert's rows are padded to a multiple of it.
+CHUNK_ROWS = 64
 
 
 def compute_dtype(x: torch.Tensor, impl: str = "bmm") -> torch.dtype:
@@ -156,6 +194,8 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
         )
     if impl != "auto":
         return impl
+    if device.type == "cpu" and dtype == torch.bfloat16 and not emulated_bf16(device):
+        return "chunked"
     return "grouped_mm" if aligned else "bmm"
 
 
@@ -211,37 +251,52 @@ class RoutedExperts(nn.Module):
         # Alignment is checked at the autocast width: aligned in bf16 implies aligned in fp32.
         impl = resolve_impl(self.impl, x_ND.device, tuple(self.down_proj.shape[1:]), compute_dtype(x_ND))
         dtype = compute_dtype(x_ND, impl)
-        A = order_A.shape[0]
-        row_S = torch.full((N * k,), A, dtype=order_A.dtype, device=order_A.device)
-        row_S[order_A] = torch.arange(A, device=order_A.device)
-        x_AD = _Dispatch.apply(x_ND, order_A, row_S, k).to(dtype)
-        w_gate, w_up, w_down = (w.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        A, S = order_A.shape[0], N * k
+        if impl == "chunked":  # each expert's rows padded to whole chunks
+            chunks_E = (counts_E + CHUNK_ROWS - 1) // CHUNK_ROWS
+            row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * CHUNK_ROWS + rank_A
+            expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
+            P = expert_C.shape[0] * CHUNK_ROWS
+        else:
+            row_A, P = torch.arange(A, device=order_A.device), A
+        slot_P = torch.full((P,), S, dtype=order_A.dtype, device=order_A.device)
+        slot_P[row_A] = order_A
+        row_S = torch.full((S,), P, dtype=order_A.dtype, device=order_A.device)
+        row_S[order_A] = row_A
+        x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, A, dtype)
+        experts = (self.gate_proj, self.up_proj, self.down_proj)
+        if impl == "chunked":
+            w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
+            x_CRD = x_PD.view(-1, CHUNK_ROWS, x_PD.shape[1])
+            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up)
+            y_PD = torch.bmm(h_CRF, w_down).view(P, -1)
+        else:
+            w_gate, w_up, w_down = (w.to(dtype) for w in experts)
         if impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            h_AF = F.silu(grouped_mm(x_AD, w_gate, offsets_E)) * grouped_mm(x_AD, w_up, offsets_E)
-            y_AD = grouped_mm(h_AF, w_down, offsets_E)
+            h_PF = F.silu(grouped_mm(x_PD, w_gate, offsets_E)) * grouped_mm(x_PD, w_up, offsets_E)
+            y_PD = grouped_mm(h_PF, w_down, offsets_E)
         elif impl == "bmm":
             slots = capacity if capacity is not None else int(counts_E.max())
-            x_ECD = x_AD.new_zeros(E, slots, x_AD.shape[1])
-            x_ECD = x_ECD.index_put((expert_sorted_A, rank_A), x_AD)
+            x_ECD = x_PD.new_zeros(E, slots, x_PD.shape[1])
+            x_ECD = x_ECD.index_put((expert_sorted_A, rank_A), x_PD)
             h_ECF = F.silu(torch.bmm(x_ECD, w_gate)) * torch.bmm(x_ECD, w_up)
-            y_AD = torch.bmm(h_ECF, w_down)[expert_sorted_A, rank_A]
+            y_PD = torch.bmm(h_ECF, w_down)[expert_sorted_A, rank_A]
         elif impl == "loop":
             pieces, start = [], 0
             for e, count in enumerate(counts_E.tolist()):
-                xe = x_AD[start : start + count]
+                xe = x_PD[start : start + count]
                 pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e])
                 start += count
-            y_AD = torch.cat(pieces)
-        else:
-            raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, bmm, loop")
-        y_NKD = _Undispatch.apply(y_AD, order_A, row_S).view(N, k, -1)
-        # The weighted sum over each token's k slots as one batched [1, k] @ [k, D] product in
-        # the experts' dtype; bf16 on a CPU without a bf16 GEMM runs it in fp32 (model/cpu_bf16.py).
-        gemm = gemm_dtype(dtype, x_ND.device)
+            y_PD = torch.cat(pieces)
+        elif impl != "chunked":
+            raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, chunked, bmm, loop")
+        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, A).view(N, k, -1)
+        # The weighted sum over each token's k slots, in fp32 and rounded once to the experts'
+        # dtype, as a [1, k] @ [k, D] product would; elementwise, as [1, k] products are slow.
         with torch.autocast(x_ND.device.type, enabled=False):
-            w_N1K = weights_NK.to(dtype).to(gemm).unsqueeze(1)
-            out_ND = torch.bmm(w_N1K, y_NKD.to(gemm)).squeeze(1).to(dtype)
+            w_NK1 = weights_NK.to(dtype).float().unsqueeze(-1)
+            out_ND = (y_NKD.float() * w_NK1).sum(1).to(dtype)
         return out_ND, dropped
 
 
