@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from marinlm.model.config import AttentionConfig
-from marinlm.model.cpu_bf16 import Linear, scaled_dot_product_attention
+from marinlm.model.cpu_attention import scaled_dot_product_attention
+from marinlm.model.cpu_bf16 import Linear
 from marinlm.model.layers import ConvState, SConv, apply_rope, rms_normalize, rope_cos_sin, trunc_normal_
 
 

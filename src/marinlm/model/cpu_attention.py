@@ -1,0 +1,108 @@
+"""Attention for short rows on CPU: two batched GEMMs around an fp32 softmax.
+
+Shape legend: B batch, H query heads, K KV heads, G = H / K query heads per KV head, T query
+length, S key length, Dh head dim, X = B*K batched products.
+
+Each KV head's G query heads are stacked into one [G*T, Dh] operand, so grouped-query attention
+runs without repeating keys or values, and the scores of all heads come from one batched GEMM.
+The scores are fp32 (fp32 operands), the softmax is fp32 and kept in fp32 for the backward, and
+the probabilities are rounded to the input dtype only as operands of the products with V and
+dY. The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
+dQ = dS·K, dK = dSᵀ·Q), with dP in fp32 and dS rounded to the input dtype for its two GEMMs.
+
+torch's CPU flash kernel works through queries and keys in blocks, which pays at long rows where
+[T, S] scores would not fit in cache, and costs at short ones. At the bench/train_step.py shape
+(4 x 256 tokens, 6 query and 2 KV heads of 64, causal), forward and backward together, on the
+2-core AVX512-BF16 EPYC with torch 2.13: bf16 8.0 ms here against 10.9 ms for flash; in a whole
+bench/train_step.py step under bf16 autocast, 583 against 619 ms (best of 8, interleaved).
+torch's CPU kernel rounds only its outputs, so its error is lower: tests/test_cpu_attention.py
+holds ours within 2x of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from marinlm.model.cpu_bf16 import emulated_bf16
+from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
+
+# Where this path is taken: bf16 (in fp32 it ran no faster than flash: 15.9 against 16.0 ms at
+# the shape above), keys up to 512 (at 2 x 512 tokens 15.7 against 18.4 ms; at 1 x 1,024, where
+# flash's causal block skipping pays, 51.5 against 22.3 ms), and at most 32 MB of fp32 scores.
+MAX_KEYS = 512
+MAX_SCORES = 1 << 23
+
+
+def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None) -> bool:
+    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask or none, and
+    short rows (MAX_KEYS, MAX_SCORES)."""
+    B, H, T, _ = q_BHTD.shape
+    S = k_BKSD.shape[2]
+    return (
+        q_BHTD.device.type == "cpu"
+        and q_BHTD.dtype == torch.bfloat16
+        and not emulated_bf16(q_BHTD.device)
+        and (attn_mask is None or attn_mask.dtype == torch.bool)
+        and S <= MAX_KEYS
+        and B * H * T * S <= MAX_SCORES
+    )
+
+
+def _scores(q_XMD, k_XSD, allowed_X1TS, G, scale):
+    """Softmax probabilities [X, G*T, S] in fp32; `allowed` is broadcast over the G heads."""
+    X, M, _ = q_XMD.shape
+    s_XMS = torch.bmm(q_XMD.float(), k_XSD.float().transpose(1, 2)).mul_(scale)
+    s_XGTS = s_XMS.view(X, G, M // G, -1)
+    s_XGTS.masked_fill_(~allowed_X1TS, float("-inf"))
+    return torch.softmax(s_XMS, dim=-1)
+
+
+class _ShortAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHTD, k_BKSD, v_BKSD, allowed_X1TS, scale):
+        B, H, T, Dh = q_BHTD.shape
+        K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+        G = H // K
+        q_XMD = q_BHTD.reshape(B * K, G * T, Dh)
+        k_XSD = k_BKSD.reshape(B * K, S, Dh)
+        v_XSD = v_BKSD.reshape(B * K, S, Dh)
+        p_XMS = _scores(q_XMD, k_XSD, allowed_X1TS, G, scale)
+        y_XMD = torch.bmm(p_XMS.to(q_BHTD.dtype), v_XSD)
+        ctx.save_for_backward(q_XMD, k_XSD, v_XSD, p_XMS, y_XMD)
+        ctx.scale, ctx.shapes = scale, (q_BHTD.shape, k_BKSD.shape)
+        return y_XMD.view(B, H, T, Dh)
+
+    @staticmethod
+    def backward(ctx, dy_BHTD):
+        q_XMD, k_XSD, v_XSD, p_XMS, y_XMD = ctx.saved_tensors
+        q_shape, k_shape = ctx.shapes
+        dtype = y_XMD.dtype
+        dy_XMD = dy_BHTD.reshape(y_XMD.shape).to(dtype)
+        dv_XSD = torch.bmm(p_XMS.to(dtype).transpose(1, 2), dy_XMD)
+        dp_XMS = torch.bmm(dy_XMD.float(), v_XSD.float().transpose(1, 2))
+        delta_XM1 = (dy_XMD.float() * y_XMD.float()).sum(-1, keepdim=True)
+        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).mul_(ctx.scale).to(dtype)
+        dq_XMD = torch.bmm(ds_XMS, k_XSD)
+        dk_XSD = torch.bmm(ds_XMS.transpose(1, 2), q_XMD)
+        return dq_XMD.view(q_shape), dk_XSD.view(k_shape), dv_XSD.view(k_shape), None, None
+
+
+def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, scale=None) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=..., enable_gqa=True)` for
+    a boolean [B or 1, 1, T, S] mask (True = may attend) or a causal one, on short rows."""
+    B, H, T, Dh = q_BHTD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    if attn_mask is None:
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device)
+        if is_causal:  # aligned to the top left, as in SDPA
+            attn_mask = attn_mask.tril()
+    allowed_X1TS = attn_mask.expand(B, 1, T, S).repeat_interleave(K, dim=0)
+    return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, allowed_X1TS, Dh**-0.5 if scale is None else scale)
+
+
+def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, enable_gqa=False):
+    """The model's attention kernel: `short_attention` where `use_short_attention` holds, else
+    `F.scaled_dot_product_attention` (through model/cpu_bf16.py where bf16 is emulated)."""
+    if use_short_attention(q_BHTD, k_BKSD, attn_mask):
+        return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal)
+    return _sdpa(q_BHTD, k_BKSD, v_BKSD, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)

@@ -1,0 +1,102 @@
+"""The short-row CPU attention (model/cpu_attention.py) against torch's SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from marinlm.model import cpu_attention, cpu_bf16
+from marinlm.model.attention import attention_mask
+
+
+def qkv(B, H, K, T, S, dtype, seed=0, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, L, 16, generator=g) for n, L in ((H, T), (K, S), (K, S)))
+    q, k, v = (spread * q).to(dtype), (spread * k).to(dtype), v.to(dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def packed_mask(B, T, window):
+    """Two documents per row, split at a different point in each row, with a sliding window."""
+    doc = torch.stack([(torch.arange(T) >= 3 + 2 * b).long() for b in range(B)])
+    pos = torch.where(doc == 0, torch.arange(T), torch.arange(T) - (3 + 2 * torch.arange(B)).unsqueeze(1))
+    return attention_mask(doc, pos, doc, pos, window)
+
+
+def outputs_and_grads(fn, q, k, v, g):
+    y = fn(q, k, v)
+    return [y, *torch.autograd.grad(y, (q, k, v), g)]
+
+
+CASES = {
+    "causal, grouped heads": dict(H=6, K=2, T=12, S=12, mask=None),
+    "packed documents and a window": dict(H=4, K=4, T=12, S=12, mask="packed"),
+    "decoding against a longer cache": dict(H=4, K=2, T=3, S=12, mask="cache"),
+}
+
+
+def case_mask(case, B):
+    if case["mask"] == "packed":
+        return packed_mask(B, case["T"], window=5)
+    if case["mask"] == "cache":  # the last 3 of 12 positions attend to everything up to themselves
+        T, S = case["T"], case["S"]
+        return (torch.arange(S) <= torch.arange(S - T, S).unsqueeze(1)).expand(B, 1, T, S)
+    return None
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_sdpa_in_fp32_with_gradients(name):
+    """In fp32 nothing is rounded: forward and the written-out backward equal SDPA's."""
+    case, B = CASES[name], 2
+    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.float32)
+    mask = case_mask(case, B)
+    g = torch.randn(B, case["H"], case["T"], 16, generator=torch.Generator().manual_seed(1))
+
+    def ours(q, k, v):
+        return cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None)
+
+    def ref(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+    for a, b in zip(outputs_and_grads(ours, q, k, v, g), outputs_and_grads(ref, q, k, v, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bf16_error_is_close_to_torch_bf16_kernel(name):
+    """bf16 inputs: against an fp64 reference on the same (exact) values, our output and
+    gradients are within 2x the error of torch's CPU bf16 SDPA, plus half a rounding step.
+
+    torch's CPU kernel rounds only its outputs; ours rounds P and dS to bf16 as operands of the
+    second GEMMs, where GPU FlashAttention rounds them too, which costs up to ~1.9x its error
+    here. Scores spread over about ±12 make bf16-rounded scores fail this (5.7x on y)."""
+    case, B = CASES[name], 2
+    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.bfloat16, seed=3, spread=3.0)
+    mask = case_mask(case, B)
+    g = torch.randn(B, case["H"], case["T"], 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+    exact = outputs_and_grads(sdpa, *(t.detach().double().requires_grad_() for t in (q, k, v)), g.double())
+    ours = outputs_and_grads(
+        lambda q, k, v: cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None), q, k, v, g
+    )
+    torch_bf16 = outputs_and_grads(sdpa, q, k, v, g)
+    for what, a, b, want in zip(("y", "dq", "dk", "dv"), ours, torch_bf16, exact):
+        assert a.dtype == torch.bfloat16, what
+        ours_err = (a.double() - want).abs().max().item()
+        torch_err = (b.double() - want).abs().max().item()
+        assert ours_err <= 2 * torch_err + 2**-9 * want.abs().max().item(), (what, ours_err, torch_err)
+
+
+def test_taken_for_short_native_bf16_rows_only(monkeypatch):
+    q, k, _ = qkv(1, 4, 2, 8, 8, torch.bfloat16)
+    take = cpu_attention.use_short_attention
+    native = not cpu_bf16.emulated_bf16("cpu")
+    assert take(q, k) == native
+    assert not take(q.float(), k.float())  # fp32: flash is as fast
+    long_k = torch.zeros(1, 2, cpu_attention.MAX_KEYS + 1, 16, dtype=torch.bfloat16)
+    assert not take(q, long_k)
+    assert not take(q, k, attn_mask=torch.zeros(8, 8))  # an additive float mask goes to SDPA
+    monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
+    assert not take(q, k)  # emulated bf16 GEMMs: model/cpu_bf16.py's fp32 path
