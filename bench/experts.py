@@ -1,4 +1,4 @@
-"""Expert kernels on this machine: grouped_mm vs padded bmm vs per-expert loop, forward+backward.
+"""Expert kernels on this machine: grouped_mm, chunked, padded bmm and a per-expert loop, forward+backward.
 
 Also times a naive per-token loop as the peer a reader would write first. Routing is realistic:
 a random router over normalised activations, so loads are uneven as at initialisation.
@@ -50,7 +50,7 @@ def main() -> None:
     )
     for dtype in (torch.float32, torch.bfloat16):
         results = {}
-        for impl in ("grouped_mm", "bmm", "loop"):
+        for impl in ("grouped_mm", "chunked", "bmm", "loop"):
             module = RoutedExperts(a.experts, a.dim, a.hidden, 0.02, impl)
             module.reset_parameters()
             results[impl] = time_step(module, x, experts, weights, dtype)

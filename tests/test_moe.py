@@ -31,7 +31,7 @@ def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-3", "bmm", "loop"])
 def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
     if impl == "chunked-of-3":  # experts span several chunks, the last one part padding
-        monkeypatch.setattr(experts_module, "CHUNK_ROWS", 3)
+        monkeypatch.setattr(experts_module, "chunk_rows", lambda assignments, experts: 3)
         impl = "chunked"
     torch.manual_seed(0)
     module = RoutedExperts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
@@ -53,7 +53,7 @@ def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
 def test_capacity_drops_later_tokens_and_counts_them(impl, monkeypatch):
     if impl == "chunked-of-4":
-        monkeypatch.setattr(experts_module, "CHUNK_ROWS", 4)
+        monkeypatch.setattr(experts_module, "chunk_rows", lambda assignments, experts: 4)
         impl = "chunked"
     torch.manual_seed(2)
     module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
@@ -126,6 +126,30 @@ def test_auto_kernel_is_chunked_only_for_native_cpu_bf16():
     assert resolve_impl("auto", cpu, dims, torch.bfloat16) == want
     assert resolve_impl("auto", torch.device("cuda"), dims, torch.bfloat16) == "grouped_mm"
     assert resolve_impl("auto", cpu, (6, 4), torch.float32) == "bmm"  # unaligned for grouped_mm
+
+
+def test_chunk_rows_follow_the_mean_load():
+    chunk_rows = experts_module.chunk_rows
+    assert chunk_rows(4096, 32) == 64  # mean 128: the smallest chunk
+    assert chunk_rows(32768, 32) == 256  # mean 1,024: a quarter of it
+    assert chunk_rows(1 << 20, 8) == 512  # capped
+    assert chunk_rows(10, 0) == 64
+
+
+def test_chunk_plan_pads_the_least():
+    plan = experts_module._chunk_plan
+    # Near balance (mean 100, largest 110): one chunk per expert, 128 rows wide (32-row steps),
+    # no more rows than 64-row chunks take (4,096).
+    balanced = torch.tensor([100, 110, 90, 100] * 8)
+    rows, chunks = plan(balanced, int(balanced.sum()))
+    assert rows == 128 and chunks.tolist() == [1] * 32
+    # Largest load 150: one chunk each would be 160 wide (5,120 rows); 64-row chunks take 4,608.
+    rows, chunks = plan(torch.tensor([128, 150, 106, 128] * 8), 4096)
+    assert rows == 64 and chunks.tolist() == [2, 3, 2, 2] * 8
+    # Skewed as at initialisation (one expert with 4x the mean): 64-row chunks.
+    skewed = torch.tensor([512] + [113] * 31)
+    rows, chunks = plan(skewed, int(skewed.sum()))
+    assert rows == 64 and chunks.tolist() == [8] + [2] * 31
 
 
 def identity_router(cls, config, num_experts, top_k):
