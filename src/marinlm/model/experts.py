@@ -152,9 +152,10 @@ class _Undispatch(torch.autograd.Function):
 class _ChunkWeights(torch.autograd.Function):
     """w_CIO = w_EIO[expert_C].to(dtype): each chunk's expert matrix, in the kernel's dtype.
 
-    The backward sums each expert's chunk gradients in fp32 (an expert's chunks are contiguous,
-    so this is a segment sum) and returns them in the weight's dtype: one rounding, as one GEMM
-    over the expert's rows would have.
+    The backward sums each expert's chunk gradients (bf16 GEMM outputs under bf16) in fp32 and
+    returns the sums in the weight's dtype, so fp32 master weights get no rounding beyond the
+    chunks' own. The sum is an index_add_ over chunks: deterministic on CPU, the device this
+    kernel is picked for.
     """
 
     @staticmethod
@@ -175,9 +176,9 @@ def chunk_rows(assignments: int, num_experts: int) -> int:
     """Rows per chunk of the `chunked` kernel: a quarter of the mean load, as a power of two in
     [64, 512]. Each expert's rows are padded to whole chunks, so a chunk is at most a quarter of
     an average expert's rows of padding; larger chunks mean fewer gathered weight copies and
-    larger products. On the 2-core EPYC in bf16, at 8,192 x 4 assignments over 32 experts
-    (mean 1,024): 64 rows 178-325 ms, 128 176 ms, 256 139 ms, 512 183 ms (bench/experts.py's
-    shape, forward and backward)."""
+    larger products. On the 2-core EPYC in bf16, forward and backward at bench/experts.py's
+    shape (8,192 x 4 assignments over 32 experts, mean 1,024; one run each, on a noisy host):
+    64 rows 178-325 ms, 128 rows 176 ms, 256 rows 139 ms, 512 rows 183 ms."""
     mean = assignments / max(num_experts, 1)
     rows = 64
     while rows < 512 and rows * 2 <= mean / 4:
@@ -205,7 +206,7 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
     if impl == "grouped_mm" and not aligned:
         raise ValueError(
             f"expert impl grouped_mm needs widths {dims} to be multiples of 16 bytes in {dtype}; "
-            "use impl auto, bmm or loop"
+            "use impl auto, chunked, bmm or loop"
         )
     if impl != "auto":
         return impl
