@@ -154,8 +154,8 @@ class _ChunkWeights(torch.autograd.Function):
 
     The backward sums each expert's chunk gradients (bf16 GEMM outputs under bf16) in fp32 and
     returns the sums in the weight's dtype, so fp32 master weights get no rounding beyond the
-    chunks' own. The sum is an index_add_ over chunks: deterministic on CPU, the device this
-    kernel is picked for.
+    chunks' own. The sum is an index_add_ over chunks: deterministic on CPU, and on CUDA under
+    torch.use_deterministic_algorithms, which the trainer turns on.
     """
 
     @staticmethod
