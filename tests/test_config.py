@@ -255,7 +255,8 @@ def test_yaml_words_and_numbers_given_for_strings_are_read_as_written(tmp_path):
         ("--train.steps=no", "expected an integer, got False"),
         ("--train.steps=1.5e3x", "expected an integer, got '1.5e3x'"),
         ("--train.steps=[1", "not a YAML value"),
-        ("--model.moe.impl=no", "must be one of ['auto', 'grouped_mm', 'bmm', 'loop'], got 'no'"),  # not False
+        # The word as written, not False:
+        ("--model.moe.impl=no", "must be one of ['auto', 'grouped_mm', 'chunked', 'bmm', 'loop'], got 'no'"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             load_config(TrainConfig, train, [override])
