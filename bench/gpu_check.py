@@ -3,8 +3,8 @@
 Parts, each in its own process (a CUDA fault in one cannot hide the others), about 4 minutes in
 all on an H100/H200:
 - kernels: measured bf16 matmul throughput (the MFU denominator) next to the datasheet peak; the
-  expert kernels `grouped_mm` (the GPU path), padded `bmm` and the per-expert loop in bf16, values
-  against the loop and speed.
+  expert kernels `grouped_mm` (the GPU path), `chunked`, padded `bmm` and the per-expert loop in
+  bf16, values against the loop and speed.
 - steps: bf16-autocast MuonH training steps of `small` and a wider hero-shaped model: tokens/s,
   MFU, and a profiler table of where the wider step spends its GPU time.
 - packed: the `tiny` preset with packed documents (segment ids, ignored labels) on the GPU in bf16
@@ -130,7 +130,7 @@ def part_kernels(device: str, dry: bool) -> None:
     ids = torch.randint(0, e, (n, k), device=device)
     w = torch.rand(n, k, device=device)
     experts = {}
-    for impl in ("grouped_mm", "bmm", "loop"):
+    for impl in ("grouped_mm", "chunked", "bmm", "loop"):
         torch.manual_seed(0)  # the same weights for every kernel
         m = RoutedExperts(e, d, h, 0.02, impl).to(device)
         m.reset_parameters()

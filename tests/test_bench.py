@@ -18,9 +18,9 @@ def test_gpu_check_dry_run_compares_kernels_and_packed_batches(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = out.stdout.split("# summary")[1]
-    for impl in ("grouped_mm", "bmm", "loop"):  # fp32 on CPU: every kernel equals the loop
+    for impl in ("grouped_mm", "chunked", "bmm", "loop"):  # fp32 on CPU: every kernel equals the loop
         assert f"{impl}" in summary
-    assert summary.count("rel. diff to loop 0.0e+00") == 3, summary
+    assert summary.count("rel. diff to loop 0.0e+00") == 4, summary
     assert "packed tiny batch" in summary and "cpu bf16 loss" in summary
     assert (tmp_path / "kernels.log").is_file() and (tmp_path / "packed.log").is_file()
 
