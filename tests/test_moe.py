@@ -50,6 +50,18 @@ def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "bmm", "loop"])
+def test_no_tokens_give_an_empty_output(impl):
+    """An empty batch (an expert-parallel rank can be sent none) is not an error."""
+    module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
+    module.reset_parameters()
+    x = torch.randn(0, 8, requires_grad=True)
+    y, dropped = module(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert y.shape == (0, 8) and dropped == 0
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
 def test_capacity_drops_later_tokens_and_counts_them(impl, monkeypatch):
     if impl == "chunked-of-4":

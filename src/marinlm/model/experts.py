@@ -1,9 +1,9 @@
 """Routed SwiGLU experts over tokens sorted by expert.
 
 Shape legend: N tokens, k experts per token, S = N*k token-major slots, A assignments kept (S,
-fewer after capacity drops), P rows of the experts' layout (A, plus padding for `chunked`),
-E experts, D expert input width (d_model or the latent width), F expert hidden width, C chunks
-or slots per expert, R rows per chunk.
+fewer after capacity drops), P rows of the experts' layout (A, plus padding for `chunked` and
+`bmm`), E experts, D expert input width (d_model or the latent width), F expert hidden width,
+C chunks, R rows per chunk.
 
 Dispatch sorts the assignments by expert (stable, so token order within an expert), runs the
 experts on the sorted rows, puts each row back in its token-major slot and sums each token's
@@ -15,12 +15,12 @@ Four interchangeable kernels compute the sorted rows:
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
   backward (its own fails on CPU with "Invalid strides/sizes").
 - `chunked`: each expert's rows padded to whole chunks of R rows (`chunk_rows`: 64 to 512), and
-  one batched matmul over the chunks with each chunk's expert matrix gathered beside it. Where
-  loads are near balance and that pads no less, one chunk per expert as wide as the largest load
-  (`_chunk_plan`): a padded `bmm` over the stacked matrices, with 32-row steps of width. Padding costs at most one
-  chunk per expert, whatever the loads; the weight gradient sums each expert's chunks in fp32.
-- `bmm`: rows scattered into an [E, C, D] buffer and batched matmuls; pads every expert to the
-  largest load.
+  one batched matmul over the chunks with each chunk's expert matrix gathered beside it. Padding
+  costs less than one chunk per expert, whatever the loads; the weight gradient sums each
+  expert's chunks in fp32. Where loads are near balance and that pads no less, one chunk per
+  expert as wide as the largest load, in 32-row steps (`_chunk_plan`).
+- `bmm`: the same layout with one chunk per expert, as wide as the capacity or the largest load;
+  batched matmuls over the stacked matrices, paying for the padding of every smaller load.
 - `loop`: one matmul per expert; the reference, and needs a host sync for the counts.
 
 `auto` picks `chunked` on a CPU with bf16 GEMMs under bf16, `grouped_mm` elsewhere wherever the
@@ -113,8 +113,8 @@ def _take(rows_RD: torch.Tensor, index_I: torch.Tensor, pad: bool) -> torch.Tens
 class _Dispatch(torch.autograd.Function):
     """x_PD = x_ND[slot_P // k] in `dtype`: the token row of each row of the experts' layout.
 
-    The layout holds the kept assignments sorted by expert, and, for the `chunked` kernel, zero
-    rows padding each expert to whole chunks: `slot_P` is the token-major slot (S = N*k) of each
+    The layout holds the kept assignments sorted by expert, and, for the padded kernels (`chunked`,
+    `bmm`), zero rows padding each expert to whole chunks: `slot_P` is the token-major slot (S = N*k) of each
     row, or S for a padding row. `row_S` inverts it: the layout row of each slot, or P where the
     assignment was dropped. The cast comes before the gather, so a bf16 kernel casts N rows, not
     P. The backward gathers each slot's gradient row and sums each token's k slots in fp32.
@@ -215,11 +215,20 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
     return "grouped_mm" if aligned else "bmm"
 
 
-def _chunk_plan(counts_E: torch.Tensor, assignments: int) -> tuple[int, torch.Tensor]:
-    """(rows per chunk R, chunks per expert) for the `chunked` kernel: `chunk_rows` chunks, or,
-    where that pads no less (loads near balance), one chunk per expert as wide as the largest
-    load rounded up to 32 rows, which needs no gathered weights and no summed weight gradients."""
+def _chunk_plan(
+    counts_E: torch.Tensor, assignments: int, capacity: int | None = None, one_per_expert: bool = False
+) -> tuple[int, torch.Tensor]:
+    """(rows per chunk R, chunks per expert) for the padded kernels.
+
+    `bmm` (`one_per_expert`): one chunk per expert, as wide as the capacity or the largest load.
+    `chunked`: `chunk_rows` chunks or, where that pads no less (loads near balance), one chunk per
+    expert as wide as the largest load rounded up to 32 rows, which needs no gathered weights and
+    no summed weight gradients.
+    """
     E = counts_E.shape[0]
+    if one_per_expert:
+        widest = capacity if capacity is not None else max(int(counts_E.max()), 1)
+        return widest, torch.ones_like(counts_E)
     R = chunk_rows(assignments, E)
     chunks_E = (counts_E + R - 1) // R
     widest = (counts_E.max().clamp_min(1) + 31) // 32 * 32
@@ -281,9 +290,12 @@ class RoutedExperts(nn.Module):
         # Alignment is checked at the autocast width: aligned in bf16 implies aligned in fp32.
         impl = resolve_impl(self.impl, x_ND.device, tuple(self.down_proj.shape[1:]), compute_dtype(x_ND))
         dtype = compute_dtype(x_ND, impl)
+        if impl not in ("grouped_mm", "chunked", "bmm", "loop"):
+            raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, chunked, bmm, loop")
         A, S = order_A.shape[0], N * k
-        if impl == "chunked":  # each expert's rows padded to whole chunks of R rows
-            R, chunks_E = _chunk_plan(counts_E, A)
+        padded = impl in ("chunked", "bmm")  # each expert's rows padded to whole chunks of R rows
+        if padded:
+            R, chunks_E = _chunk_plan(counts_E, A, capacity if impl == "bmm" else None, impl == "bmm")
             row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * R + rank_A
             expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
             P = expert_C.shape[0] * R
@@ -295,36 +307,26 @@ class RoutedExperts(nn.Module):
         row_S[order_A] = row_A
         x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, A, dtype)
         experts = (self.gate_proj, self.up_proj, self.down_proj)
-        if impl == "chunked":
-            if P == E * R:  # one chunk per expert: the stacked matrices as they are
-                w_gate, w_up, w_down = (w.to(dtype) for w in experts)
-            else:
-                w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
-            x_CRD = x_PD.view(-1, R, x_PD.shape[1])
-            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up)
-            y_PD = torch.bmm(h_CRF, w_down).view(P, -1)
-        else:
+        if padded and P != E * R:  # several chunks for some expert: each chunk's matrices
+            w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
+        else:  # otherwise the stacked matrices as they are
             w_gate, w_up, w_down = (w.to(dtype) for w in experts)
-        if impl == "grouped_mm":
+        if padded:
+            x_CRD = x_PD.view(P // R, R, x_PD.shape[1])
+            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up)
+            y_PD = torch.bmm(h_CRF, w_down).view(P, w_down.shape[-1])
+        elif impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
             h_PF = F.silu(grouped_mm(x_PD, w_gate, offsets_E)) * grouped_mm(x_PD, w_up, offsets_E)
             y_PD = grouped_mm(h_PF, w_down, offsets_E)
-        elif impl == "bmm":
-            slots = capacity if capacity is not None else int(counts_E.max())
-            x_ECD = x_PD.new_zeros(E, slots, x_PD.shape[1])
-            x_ECD = x_ECD.index_put((expert_sorted_A, rank_A), x_PD)
-            h_ECF = F.silu(torch.bmm(x_ECD, w_gate)) * torch.bmm(x_ECD, w_up)
-            y_PD = torch.bmm(h_ECF, w_down)[expert_sorted_A, rank_A]
-        elif impl == "loop":
+        else:  # loop
             pieces, start = [], 0
             for e, count in enumerate(counts_E.tolist()):
                 xe = x_PD[start : start + count]
                 pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e])
                 start += count
             y_PD = torch.cat(pieces)
-        elif impl != "chunked":
-            raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, chunked, bmm, loop")
-        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, A).view(N, k, -1)
+        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, A).view(N, k, y_PD.shape[1])
         # The weighted sum over each token's k slots: one [1, k] @ [k, D] product per token in the
         # experts' dtype (fp32 sums, one rounding). On CPU such small products are slow (18 ms of
         # a 600 ms bench/train_step.py step), so the same sum runs elementwise in fp32 there; on
