@@ -39,8 +39,8 @@ widths meet its 16-byte stride rule, and `bmm` otherwise. Measured on the 2-core
   initialisation), bf16 autocast took 580-620 ms with `chunked` against 660 ms with fp32
   `grouped_mm`; in fp32 `chunked` was slower (835 against 785 ms), so `auto` keeps `grouped_mm`.
   With loads near balance (bench/experts.py, max/mean 1.2), forward and backward in bf16:
-  8,192 x 4 assignments, 192 -> 192: `chunked` 110 ms, `bmm` 126, `grouped_mm` 185; 1,024 x 4,
-  384 -> 96: 21.3, 21.1 and 36.2 ms.
+  8,192 x 4 assignments, 192 -> 192: `chunked` 126 ms, `bmm` 124, `grouped_mm` 211; 1,024 x 4,
+  384 -> 96: 17.3, 17.8 and 31.6 ms. In fp32 there: 233, 200 and 218 ms; 34.4, 30.9 and 35.3.
 
 A CPU without AVX512/AMX emulates bf16 matmuls (~1 GFLOP/s against ~170 fp32 on the 2-core dev
 VM): there `auto` keeps fp32 `grouped_mm`, and the model's linear layers and attention go
