@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
+from marinlm.quickstart import MARKER, _median_step_seconds, build_default_corpus, corpus_prompt, run_quickstart
 
 from conftest import write_corpus
 
@@ -17,6 +17,27 @@ def test_default_corpus_ships_with_python(tmp_path):
     stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     assert build_default_corpus(tmp_path) == counts
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+
+
+def test_step_time_is_measured_over_a_window_not_a_few_slow_steps():
+    """A host busy for the first calls (the warm-up and two more) and idle after: the planned step
+    time is the idle one, because the median runs over a window of seconds."""
+    import time
+
+    calls = []
+
+    def step():
+        calls.append(None)
+        time.sleep(0.15 if len(calls) <= 3 else 0.01)
+
+    seconds = _median_step_seconds(step, min_seconds=0.5)
+    assert seconds < 0.05 and len(calls) > 10
+    calls.clear()
+    # With no window, 4 steps of which 2 are slow: the median is dragged up (as the old 4-step calibration was).
+    assert _median_step_seconds(step, min_seconds=0.0) > 0.05
+    calls.clear()
+    _median_step_seconds(step, min_seconds=100.0, max_steps=12)
+    assert len(calls) == 13  # the warm-up and at most max_steps
 
 
 @pytest.mark.slow
