@@ -255,6 +255,32 @@ def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, monkey
     assert fused.token_ce is None
 
 
+def test_fused_loss_with_logits_far_apart_across_vocabulary_blocks(monkeypatch):
+    """Each vocabulary block is exponentiated against the running max at that block and rescaled
+    to the softmax in the backward pass. With logits tens of nats apart, where the max jumps from
+    block to block (and exp(logit - final max) underflows in the early blocks), the loss and both
+    gradients must still equal an fp64 reference, z-loss included."""
+    from marinlm.model.loss import chunked_loss
+
+    monkeypatch.setattr("marinlm.model.loss.vocab_block_rows", lambda vocab, tokens, device: 16)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 8, generator=gen).requires_grad_()
+    # Rows of W grow along the vocabulary, so later blocks hold logits up to ~100 nats larger.
+    w = (torch.randn(80, 8, generator=gen) * torch.linspace(0.1, 8.0, 80).unsqueeze(1)).requires_grad_()
+    labels = torch.tensor([0, 5, 17, 40, 79, 63, -100, 2, 31])
+    loss = chunked_loss(h, w, labels, z_weight=1e-4, chunk=4)[0]
+    grads = torch.autograd.grad(loss, (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logits = h64 @ w64.t()
+    assert (logits.amax(1) - logits.amin(1)).min() > 40  # far apart indeed
+    keep = labels != -100
+    ref = F.cross_entropy(logits[keep], labels[keep]) + 1e-4 * torch.logsumexp(logits[keep], 1).square().mean()
+    ref_grads = torch.autograd.grad(ref, (h64, w64))
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
 def test_fused_chunked_loss_under_bf16_autocast():
     config = tiny_config(loss_chunk_tokens=5)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
