@@ -24,9 +24,12 @@ price is that dW (fp32, the head's unsharded size: 3.1 GB for the hero) lives fr
 pass until the backward pass reaches the head.
 
 `python bench/lm_loss.py` measures it against F.linear + F.cross_entropy (+ logsumexp) on the
-2-core dev CPU, chunks of 1,024 tokens: 3.6-5.5x less peak memory at every shape, and 1.17x the
-speed without a z-loss up to 3.24x with one (one logsumexp serves both losses, and no [N, V]
-buffer is written and read back). Blocking the vocabulary took the qwen3-moe-style shape
+2-core dev CPU, chunks of 1,024 tokens: 3.1-7.9x less peak memory at every shape, and mostly
+faster, most where the vocabulary is large against the width (3.5-3.7x at 4,096 x 128 x 65,536:
+one logsumexp serves both losses, and no [N, V] buffer is written and read back). Where the
+GEMMs dominate it is level to a little faster, within this host's noise: two runs on
+2026-12-01 gave 1.08-1.49x at the tiny and qwen3-moe-style shapes and 0.97x and 1.48x at
+2,048 x 512 x 128,256. Blocking the vocabulary took the qwen3-moe-style shape
 (1,024 x 384 x 16,384) from 332 to 259 ms against 3 x 72 ms for its three GEMMs at this CPU's
 measured peak; keeping the first pass's exponentials, rather than computing them again in the
 second, took it from 240.5 to 230.6 ms in fp32 and from 141.5 to 130.4 ms under bf16 autocast
