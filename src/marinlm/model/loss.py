@@ -123,7 +123,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             max_C = torch.full((C,), float("-inf"), device=h_ND.device)
             sumexp_C = torch.zeros(C, device=h_ND.device)
             target_C = torch.zeros(C, device=h_ND.device)
-            block_max = []  # the running max each block was exponentiated against
+            done = []  # per block: its rows, the running max it was exponentiated against, its labels
             for s, e in blocks:  # logits, target logits and an online logsumexp, block by block
                 block_BC = logits_VC[s:e]
                 if gemm == torch.float32:
@@ -140,7 +140,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 # it to softmax with one multiply instead of a second exp.
                 sumexp_C = sumexp_C * torch.exp(max_C - new_max_C) + block_BC.sub_(new_max_C).exp_().sum(0)
                 max_C = new_max_C
-                block_max.append(max_C)
+                done.append((s, e, max_C, inside_C, in_block_1C))
             lse_C = max_C + torch.log(sumexp_C)
             ce_sum += ((lse_C - target_C) * valid_C).sum()
             z_sum += (lse_C.square() * valid_C).sum()
@@ -148,13 +148,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # the block's share of dh = gᵀ·W and its rows of dW = g·h.
             scale_C = valid_C * (1 + 2 * z_weight * lse_C) / denominator
             dh_CD = torch.zeros(C, h_CD.shape[1], dtype=torch.float32, device=h_ND.device)
-            for (s, e), block_max_C in zip(blocks, block_max):
+            for s, e, block_max_C, inside_C, in_block_1C in done:
                 # softmax = exp(logits - block max) · exp(block max - lse)
                 grad_BC = logits_VC[s:e].mul_(torch.exp(block_max_C - lse_C) * scale_C)
-                inside_C = (labels_C >= s) & (labels_C < e)
-                grad_BC.scatter_add_(
-                    0, (labels_C - s).clamp(0, e - s - 1).unsqueeze(0), (-valid_C / denominator * inside_C).unsqueeze(0)
-                )
+                grad_BC.scatter_add_(0, in_block_1C, (-valid_C / denominator * inside_C).unsqueeze(0))
                 grad_BC = cast(grad_BC)
                 if gemm == torch.float32:
                     dh_CD.addmm_(grad_BC.t(), w_cd[s:e])
