@@ -6,10 +6,10 @@ fewer after capacity drops), P rows of the experts' layout (A, plus padding for 
 C chunks, R rows per chunk.
 
 Dispatch sorts the assignments by expert (stable, so token order within an expert), runs the
-experts on the sorted rows, puts each row back in its token-major slot and sums each token's
-k slots weighted by the combine weights. Every assignment owns one slot, so neither direction
-needs an accumulating scatter (slow on CPU, non-deterministic on GPU): gradients are bitwise
-reproducible.
+experts on the sorted rows with each row's hidden activations scaled by its combine weight,
+puts each row back in its token-major slot and sums each token's k slots. Every assignment
+owns one slot, so neither direction needs an accumulating scatter (slow on CPU,
+non-deterministic on GPU): gradients are bitwise reproducible.
 Four interchangeable kernels compute the sorted rows:
 
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
@@ -306,6 +306,15 @@ class RoutedExperts(nn.Module):
         row_S = torch.full((S,), P, dtype=order_A.dtype, device=order_A.device)
         row_S[order_A] = row_A
         x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, A, dtype)
+        # Each row's combine weight scales its hidden activations, before the (linear) down
+        # projection: w * (h @ W_down) = (w * h) @ W_down. That scales F-wide rows instead of
+        # D-wide outputs, and the combine becomes a plain sum over each token's k slots. In the
+        # bf16 bench/train_step.py step (qwen3-moe-style, F = D/4), interleaved against scaling the
+        # outputs: min 587 against 603 ms and 554 against 569 (10 rounds each); fp32 884 against 889.
+        w_S = weights_NK.reshape(-1).to(dtype)
+        if P > A:  # padding rows point at slot S: weight zero
+            w_S = torch.cat([w_S, w_S.new_zeros(1)])
+        w_P1 = w_S.index_select(0, slot_P).unsqueeze(-1)
         experts = (self.gate_proj, self.up_proj, self.down_proj)
         if padded and P != E * R:  # several chunks for some expert: each chunk's matrices
             w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
@@ -313,30 +322,21 @@ class RoutedExperts(nn.Module):
             w_gate, w_up, w_down = (w.to(dtype) for w in experts)
         if padded:
             x_CRD = x_PD.view(P // R, R, x_PD.shape[1])
-            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up)
+            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up) * w_P1.view(P // R, R, 1)
             y_PD = torch.bmm(h_CRF, w_down).view(P, w_down.shape[-1])
         elif impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            h_PF = F.silu(grouped_mm(x_PD, w_gate, offsets_E)) * grouped_mm(x_PD, w_up, offsets_E)
+            h_PF = F.silu(grouped_mm(x_PD, w_gate, offsets_E)) * grouped_mm(x_PD, w_up, offsets_E) * w_P1
             y_PD = grouped_mm(h_PF, w_down, offsets_E)
         else:  # loop
             pieces, start = [], 0
             for e, count in enumerate(counts_E.tolist()):
-                xe = x_PD[start : start + count]
-                pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e])
+                xe, we = x_PD[start : start + count], w_P1[start : start + count]
+                pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e]) * we) @ w_down[e])
                 start += count
             y_PD = torch.cat(pieces)
         y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, A).view(N, k, y_PD.shape[1])
-        # The weighted sum over each token's k slots: one [1, k] @ [k, D] product per token in the
-        # experts' dtype (fp32 sums, one rounding). On CPU such small products are slow (18 ms of
-        # a 600 ms bench/train_step.py step), so the same sum runs elementwise in fp32 there; on
-        # GPU the elementwise form would hold an fp32 copy of y for the backward.
-        with torch.autocast(x_ND.device.type, enabled=False):
-            if x_ND.device.type == "cpu":
-                w_NK1 = weights_NK.to(dtype).float().unsqueeze(-1)
-                out_ND = (y_NKD.float() * w_NK1).sum(1).to(dtype)
-            else:
-                out_ND = torch.bmm(weights_NK.to(dtype).unsqueeze(1), y_NKD).squeeze(1)
+        out_ND = y_NKD.sum(1, dtype=torch.float32).to(dtype)  # fp32 sums, one rounding
         return out_ND, dropped
 
 
