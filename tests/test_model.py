@@ -281,6 +281,33 @@ def test_fused_loss_with_logits_far_apart_across_vocabulary_blocks(monkeypatch):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("chunk", [9, 4])  # one chunk; several, the last one shorter
+def test_fused_loss_never_reads_uninitialised_buffers(bf16, chunk, monkeypatch):
+    """The fused loss allocates its buffers with torch.empty and must write every element before
+    reading it (the first chunk writes dW, later ones add to it). With every torch.empty and
+    empty_like filled with NaN, loss and gradients must equal those of a normal run bit for bit."""
+    from marinlm.model.loss import chunked_loss
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 8, generator=gen).requires_grad_()
+    w = torch.randn(40, 8, generator=gen).requires_grad_()
+    labels = torch.tensor([0, 5, 17, 39, 21, -100, 2, 31, 11])
+    monkeypatch.setattr("marinlm.model.loss.vocab_block_rows", lambda vocab, tokens, device: 16)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = chunked_loss(h, w, labels, z_weight=1e-4, chunk=chunk)[0]
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    want = run()
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    for got, ref in zip(run(), want):
+        assert torch.equal(got, ref)
+
+
 def test_fused_chunked_loss_under_bf16_autocast():
     config = tiny_config(loss_chunk_tokens=5)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -109,7 +109,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         h_cd, w_cd = cast(h_ND), cast(weight_VD)
         V = w_cd.shape[0]
         dh_ND = torch.empty_like(h_cd)
-        dw_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        # The first chunk writes every row of dW, later ones add to it: no zero fill.
+        dw_VD = torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         ce_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         z_sum = torch.zeros_like(ce_sum)
         for start in range(0, h_ND.shape[0], chunk):
@@ -157,8 +158,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     dh_CD.addmm_(grad_BC.t(), w_cd[s:e])
                 else:
                     dh_CD += (grad_BC.t() @ w_cd[s:e]).float()
-                if compute_dtype == torch.float32:
+                if compute_dtype == torch.float32 and start == 0:
+                    torch.mm(grad_BC, h_CD, out=dw_VD[s:e])
+                elif compute_dtype == torch.float32:
                     dw_VD[s:e].addmm_(grad_BC, h_CD)
+                elif start == 0:
+                    dw_VD[s:e].copy_(cast(grad_BC @ h_CD))
                 else:
                     dw_VD[s:e] += cast(grad_BC @ h_CD).float()
             dh_ND[start : start + chunk] = cast(dh_CD)
