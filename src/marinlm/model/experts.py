@@ -311,10 +311,7 @@ class RoutedExperts(nn.Module):
         # D-wide outputs, and the combine becomes a plain sum over each token's k slots. In the
         # bf16 bench/train_step.py step (qwen3-moe-style, F = D/4), interleaved against scaling the
         # outputs: min 587 against 603 ms and 554 against 569 (10 rounds each); fp32 884 against 889.
-        w_S = weights_NK.reshape(-1).to(dtype)
-        if P > A:  # padding rows point at slot S: weight zero
-            w_S = torch.cat([w_S, w_S.new_zeros(1)])
-        w_P1 = w_S.index_select(0, slot_P).unsqueeze(-1)
+        w_P1 = _take(weights_NK.reshape(-1, 1).to(dtype), slot_P, pad=P > A)  # padding rows: weight 0
         experts = (self.gate_proj, self.up_proj, self.down_proj)
         if padded and P != E * R:  # several chunks for some expert: each chunk's matrices
             w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
