@@ -55,6 +55,7 @@ def test_quickstart_smoke_run(tmp_path, capsys):
     assert after < before - 1.0  # it learned something
     for stage in ("corpus", "curation", "tokenizer", "tokenize", "training", "evaluation", "sample"):
         assert f"| {stage} |" in text
+    assert "Temperature 0.7, top-k 40, repetition penalty 1.2, seed 0" in text  # the sample's settings
     assert (tmp_path / "run" / "loss.png").stat().st_size > 5000
     assert list((tmp_path / "run" / "train" / "checkpoints").glob("step-*"))
     assert not stale.exists()  # replaced, so evaluation and `generate` read this run's model

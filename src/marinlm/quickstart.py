@@ -361,9 +361,10 @@ def run_quickstart(
 
     t = stage("7/8 sample")
     prompt = corpus_prompt(root / "tokens", tok) if corpus else DEFAULT_PROMPT
-    sample = generate_text(
-        loaded, prompt, SamplingConfig(max_new_tokens=120, temperature=0.7, top_k=40, seed=seed), stream=None
-    )
+    # CTRL's repetition penalty (HF's `repetition_penalty`) at 1.2: without it a model this small
+    # at temperature 0.7 often loops on one word ("a list of a list of ...").
+    sampling = SamplingConfig(max_new_tokens=120, temperature=0.7, top_k=40, repetition_penalty=1.2, seed=seed)
+    sample = generate_text(loaded, prompt, sampling, stream=None)
     print(prompt + sample)
     stages.append(Stage("sample", time.perf_counter() - t, f"{len(sample)} characters"))
 
@@ -381,6 +382,7 @@ def run_quickstart(
         (uni_loss, uni_bpb),
         prompt,
         sample,
+        sampling,
         summary,
         peak / 1024 / 1024,
         time.perf_counter() - began,
@@ -391,7 +393,7 @@ def run_quickstart(
 
 
 def _write_report(
-    root, stages, metrics, start_val, end_val, unigram, prompt, sample, summary, peak_gb, total_s, trainer
+    root, stages, metrics, start_val, end_val, unigram, prompt, sample, sampling, summary, peak_gb, total_s, trainer
 ) -> Path:
     from marinlm.train.metrics import plot_loss
 
@@ -426,6 +428,10 @@ def _write_report(
         "![loss](loss.png)",
         "",
         "## Sample",
+        "",
+        f"Temperature {sampling.temperature}, top-k {sampling.top_k}, repetition penalty "
+        f"{sampling.repetition_penalty}, seed {sampling.seed}; `marinlm generate {root / 'train'} --prompt ...` "
+        "samples more (`--help` lists the settings).",
         "",
         "```python" if prompt == DEFAULT_PROMPT else "```",
         prompt + sample,
