@@ -11,6 +11,8 @@ all on an H100/H200:
   against the same batch on the CPU in fp32: loss and gradients.
 - hf: bench/train_step.py on CUDA, marinlm against HF `Qwen3MoeForCausalLM`, same weights and batch.
 - loss: bench/lm_loss.py on CUDA, the fused chunked LM-head loss against F.linear + F.cross_entropy.
+- attention: bench/attention.py on CUDA, sliding-window attention block by block against one masked
+  SDPA per row, for each block size (the data `band_block` needs to choose blocks on GPUs).
 - torchrun: the trainer under torchrun + NCCL + FSDP2 for 20 steps with checkpoints, then resumed
   to 30 steps with FSDP2 CPU offload (the paths CPU CI cannot run).
 
@@ -242,6 +244,11 @@ def part_loss(device: str, dry: bool) -> None:
     run_bench("lm_loss.py", args, lambda line: " x " in line and " ms " in line)
 
 
+def part_attention(device: str, dry: bool) -> None:
+    args = ["--repeats", "1", "--shapes", "1"] if dry else ["--device", "cuda", "--repeats", "10"]
+    run_bench("attention.py", args, lambda line: "torch / ours" in line or " ms" in line or "window" in line)
+
+
 def part_torchrun(device: str, dry: bool) -> None:
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
     from marinlm.quickstart import build_default_corpus
@@ -342,6 +349,7 @@ PARTS = {
     "packed": part_packed,
     "hf": part_hf,
     "loss": part_loss,
+    "attention": part_attention,
     "torchrun": part_torchrun,
 }
 

@@ -12,9 +12,12 @@ from conftest import ROOT
 GPU_CHECK = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu"]
 
 
-def test_gpu_check_dry_run_compares_kernels_and_packed_batches(tmp_path):
+def test_gpu_check_dry_run_compares_kernels_packed_batches_and_attention(tmp_path):
     out = subprocess.run(
-        [*GPU_CHECK, "--parts", "kernels,packed", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+        [*GPU_CHECK, "--parts", "kernels,packed,attention", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = out.stdout.split("# summary")[1]
@@ -22,6 +25,7 @@ def test_gpu_check_dry_run_compares_kernels_and_packed_batches(tmp_path):
         assert f"{impl}" in summary
     assert summary.count("rel. diff to loop 0.0e+00") == 4, summary
     assert "packed tiny batch" in summary and "cpu bf16 loss" in summary
+    assert "banded, blocks of 32" in summary and "torch / ours: " in summary  # bench/attention.py ran
     assert (tmp_path / "kernels.log").is_file() and (tmp_path / "packed.log").is_file()
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from marinlm.config import load_config
 from marinlm.model import MarinConfig
-from marinlm.model.attention import attention_mask
+from marinlm.model.attention import attention_mask, band_block, banded_attention, banded_mask
 from marinlm.model.layers import SConv, doc_ids_and_positions
 from marinlm.model.summary import summarize
 
@@ -85,6 +85,72 @@ def test_masked_sdpa_matches_naive_reference(window):
     mask = attention_mask(doc, pos, doc, pos, window)
     got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got, naive_attention(q, k, v, seg, window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16, 37])  # shorter than a block, whole blocks, a part-filled last block
+@pytest.mark.parametrize("window, block", [(1, 4), (3, 8), (8, 8), (20, 8)])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("packed", [True, False])
+def test_banded_attention_equals_the_whole_row_masked_sdpa(T, window, block, kv_heads, packed):
+    """Outputs and all three input gradients, in float64, with packed documents and without
+    (the model's doc ids are then all 0)."""
+    gen = torch.Generator().manual_seed(T * 100 + window * 10 + block + kv_heads)
+    B, H, Dh = 2, 4, 8
+    q, k, v = (
+        torch.randn(B, n, T, Dh, generator=gen, dtype=torch.float64).requires_grad_() for n in (H, kv_heads, kv_heads)
+    )
+    seg = torch.cumsum(torch.rand(B, T, generator=gen) < 0.15, dim=1)
+    if packed:
+        doc, pos = doc_ids_and_positions(seg)
+    else:
+        doc, pos = torch.zeros(B, T, dtype=torch.long), torch.arange(T).expand(B, T)
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attention_mask(doc, pos, doc, pos, window), enable_gqa=True
+    )
+    mask = banded_mask(doc, pos, window, block)
+    # Every softmax row has a key, the padding queries' too: some kernels (model/cpu_attention.py)
+    # turn an empty row into NaN, which the backward would carry into dK and dV.
+    assert mask.allowed_X1QS.any(-1).all()
+    got = banded_attention(q, k, v, mask)
+    dy = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dy), torch.autograd.grad(want, (q, k, v), dy)):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    if T == 37 and window == 3 and kv_heads == 2 and packed:
+        torch.testing.assert_close(got.float(), naive_attention(q.float(), k.float(), v.float(), seg, window))
+
+
+def test_banded_attention_is_taken_where_cheaper_and_matches_the_model_without_it(monkeypatch):
+    """Blocks for long rows on CPU (the sizes measured fastest in `band_block`); the model's logits
+    and gradients equal those of one masked SDPA per row."""
+    import marinlm.model.attention as attention
+    import marinlm.model.transformer as transformer
+
+    cpu = torch.device("cpu")
+    assert [band_block(T, w, cpu) for T, w in [(256, 64), (1024, 256), (4096, 2048)]] == [32, 64, 256]
+    assert band_block(64, 64, cpu) is None and band_block(256, 64, torch.device("meta")) is None
+    config = tiny_config(attention={"sliding_window": 8})
+    model = build(config)
+    randomize_identity_inits(model)
+    ids = torch.randint(0, config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(3))
+    seg = packed_segments(2, 70, [9, 41])
+
+    def run():
+        model.zero_grad()
+        logits = model(ids, seg).logits
+        logits.square().mean().backward()
+        return logits, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    calls = []
+    monkeypatch.setattr(attention, "banded_attention", lambda *a: calls.append(1) or banded_attention(*a))
+    banded = run()
+    assert len(calls) == 3  # tiny's three local layers
+    monkeypatch.setattr(transformer, "band_block", lambda *a: None)
+    whole_row = run()
+    assert len(calls) == 3
+    torch.testing.assert_close(banded[0], whole_row[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(banded[1], whole_row[1]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_positions_restart_and_repeated_ids_are_new_documents():

@@ -7,13 +7,18 @@ Masking works from two per-token integers, the packed-document id and the positi
 document, so one rule covers training on packed rows, left-padded batches and a KV cache:
 a query attends to a key iff same document, key position <= query position, and (local layers)
 query position - key position < window.
+
+Local layers of long rows attend block by block (`banded_attention`): one masked SDPA over the
+whole row computes all T x T scores although each query may see at most `window` keys.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.config import AttentionConfig
@@ -36,6 +41,93 @@ def attention_mask(
     if window is not None:
         allowed &= distance < window
     return allowed.unsqueeze(1)
+
+
+@dataclass
+class BandedMask:
+    """A local layer's mask cut into query blocks for `banded_attention`: block j holds queries
+    [j*block, (j+1)*block) and the `window + block` keys [j*block - window, (j+1)*block) that hold
+    every key they may see (within a document, positions advance one per token)."""
+
+    allowed_X1QS: torch.Tensor  # [B * blocks, 1, block, window + block]
+    block: int
+    window: int
+
+
+def band_block(T: int, window: int, device: torch.device) -> int | None:
+    """The query block `banded_attention` uses for rows of T tokens, or None where one masked SDPA
+    over the whole row is kept.
+
+    Measured on the 2-core AVX2 CPU, torch 2.13 fp32, forward and backward of one local layer
+    against masked SDPA over the whole row (torch's flash kernel), best of 7:
+    - `tiny` (8 x 256 tokens, window 64, 4 heads of 32): blocks of 16 / 32 / 64 / 128 took 8.4 /
+      7.4 / 8.7 / 10.2 ms against 9.9;
+    - `small` (2 x 1,024, window 256, 6 heads of 64): 32 / 64 / 128 / 256 took 36.1 / 34.2 / 38.3 /
+      48.2 ms against 87-90;
+    - the hero's window (1 x 4,096, window 2,048, 4 heads of 64): 64 / 128 / 256 / 512 took 357 /
+      324 / 294 / 330 ms against 502.
+    Hence a block near 4·sqrt(window), a power of two (32, 64, 256 above), taken where it computes
+    at most 80% of the T x T scores. Not measured on GPUs, where the whole-row SDPA is kept.
+    """
+    if device.type != "cpu":
+        return None
+    block = 1 << max(4, round(math.log2(4 * math.sqrt(window))))
+    blocks = -(-T // block)
+    return block if blocks * block * (window + block) <= 0.8 * T * T else None
+
+
+def banded_mask(doc_BT: torch.Tensor, pos_BT: torch.Tensor, window: int, block: int) -> BandedMask:
+    """`attention_mask(doc, pos, doc, pos, window)` in the blocks of `BandedMask`.
+
+    The row is padded at the end to whole blocks and the keys also at the front by `window`; no
+    real query sees a padding key, and each padding query sees only its own (zero) key, so that
+    no softmax row is empty."""
+    B, T = doc_BT.shape
+    blocks = -(-T // block)
+    pad = blocks * block - T
+    real_BT = torch.ones_like(doc_BT, dtype=torch.bool)
+
+    def queries(x_BT, value):  # [B, blocks, block]
+        return F.pad(x_BT, (0, pad), value=value).view(B, blocks, block)
+
+    def keys(x_BT, value):  # [B, blocks, window + block]
+        return F.pad(x_BT, (window, pad), value=value).unfold(1, window + block, block)
+
+    distance_BNQS = queries(pos_BT, 0).unsqueeze(-1) - keys(pos_BT, 0).unsqueeze(-2)
+    allowed_BNQS = (
+        (queries(doc_BT, 0).unsqueeze(-1) == keys(doc_BT, 0).unsqueeze(-2))
+        & (distance_BNQS >= 0)
+        & (distance_BNQS < window)
+        & keys(real_BT, False).unsqueeze(-2)
+    )
+    slot = torch.arange(window + block, device=doc_BT.device)
+    own_QS = slot == window + torch.arange(block, device=doc_BT.device).unsqueeze(-1)
+    allowed_BNQS = torch.where(queries(real_BT, False).unsqueeze(-1), allowed_BNQS, own_QS)
+    return BandedMask(allowed_BNQS.reshape(B * blocks, 1, block, window + block), block, window)
+
+
+def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, mask: BandedMask):
+    """Sliding-window attention as one SDPA over the [B * blocks] query blocks of `mask`, each
+    against its `window + block` keys: T x (window + block) scores instead of T x T."""
+    B, H, T, Dh = q_BHTD.shape
+    K = k_BKTD.shape[1]
+    block, window = mask.block, mask.window
+    blocks = mask.allowed_X1QS.shape[0] // B
+    pad = blocks * block - T
+    q_XHQD = F.pad(q_BHTD, (0, 0, 0, pad)).view(B, H, blocks, block, Dh).transpose(1, 2)
+
+    def keys(x_BKTD):  # [B * blocks, K, window + block, Dh], overlapping windows copied out
+        x_BKND = F.pad(x_BKTD, (0, 0, window, pad)).unfold(2, window + block, block)
+        return x_BKND.permute(0, 2, 1, 4, 3).reshape(B * blocks, K, window + block, Dh)
+
+    y_XHQD = scaled_dot_product_attention(
+        q_XHQD.reshape(B * blocks, H, block, Dh),
+        keys(k_BKTD),
+        keys(v_BKTD),
+        attn_mask=mask.allowed_X1QS,
+        enable_gqa=H != K,
+    )
+    return y_XHQD.view(B, blocks, H, block, Dh).transpose(1, 2).reshape(B, H, blocks * block, Dh)[:, :, :T]
 
 
 @dataclass
@@ -128,8 +220,8 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """Attend. `mask` is the precomputed [B,1,T,T] mask for this layer kind, or None for plain
-        causal attention; with `cache`, the mask is built against the cached keys instead."""
+        """Attend. `mask` is the precomputed [B,1,T,T] mask for this layer kind, a `BandedMask`, or
+        None for plain causal attention; with `cache`, the mask is built against the cached keys."""
         B, T, _ = a_BTD.shape
         H, Dh, K = self.num_heads, self.head_dim, self.num_kv
         q_BTHD = self.q_proj(a_BTD).view(B, T, H, Dh)
@@ -168,14 +260,17 @@ class Attention(nn.Module):
             mask = attention_mask(doc_BT, pos_BT, cache.doc_BS, cache.pos_BS, self.window)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        y_BHTD = scaled_dot_product_attention(
-            q_BHTD,
-            k_BKSD.to(q_BHTD.dtype),
-            v_BKSD.to(q_BHTD.dtype),
-            attn_mask=mask,
-            is_causal=mask is None,
-            enable_gqa=H != K,
-        )
+        if isinstance(mask, BandedMask):
+            y_BHTD = banded_attention(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), mask)
+        else:
+            y_BHTD = scaled_dot_product_attention(
+                q_BHTD,
+                k_BKSD.to(q_BHTD.dtype),
+                v_BKSD.to(q_BHTD.dtype),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=H != K,
+            )
         if cache is not None:
             cache.trim()
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from marinlm.model.attention import Attention, LayerCache, attention_mask
+from marinlm.model.attention import Attention, LayerCache, attention_mask, band_block, banded_mask
 from marinlm.model.config import MarinConfig
 from marinlm.model.cpu_bf16 import Linear
 from marinlm.model.layers import GatedNorm, RMSNorm, SConv, SwiGLU, doc_ids_and_positions, trunc_normal_
@@ -185,7 +185,11 @@ class MarinForCausalLM(nn.Module):
             global_mask = attention_mask(doc_ids, positions, doc_ids, positions, None)
         window = self.config.attention.sliding_window
         if caches is None and window is not None and (segment_ids is not None or window < T):
-            local_mask = attention_mask(doc_ids, positions, doc_ids, positions, window)
+            block = band_block(T, window, input_ids.device)
+            if block is None:
+                local_mask = attention_mask(doc_ids, positions, doc_ids, positions, window)
+            else:
+                local_mask = banded_mask(doc_ids, positions, window, block)
         elif caches is None:
             local_mask = global_mask
 
