@@ -174,6 +174,9 @@ class MarinForCausalLM(nn.Module):
             caches, doc_ids, positions: incremental decoding state, used by `generate`.
         """
         B, T = input_ids.shape
+        # Blocks hold every key a query may see only where positions advance one per token inside
+        # a document, as those derived here do (not so for doc ids and positions passed in).
+        banded = doc_ids is None
         if doc_ids is None:
             if segment_ids is None:
                 doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
@@ -185,7 +188,7 @@ class MarinForCausalLM(nn.Module):
             global_mask = attention_mask(doc_ids, positions, doc_ids, positions, None)
         window = self.config.attention.sliding_window
         if caches is None and window is not None and (segment_ids is not None or window < T):
-            block = band_block(T, window, input_ids.device)
+            block = band_block(T, window, input_ids.device) if banded else None
             if block is None:
                 local_mask = attention_mask(doc_ids, positions, doc_ids, positions, window)
             else:
