@@ -48,7 +48,11 @@ def test_quickstart_smoke_run(tmp_path, capsys):
     (tmp_path / "run" / MARKER).touch()
     report = run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")], minutes=1.5)
     # 1.5 min leaves under the 1 min training minimum, and the user is told the run will overrun it.
-    assert "training for the minimum of 1 min, so the whole run takes longer" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "training for the minimum of 1 min, so the whole run takes longer" in out
+    # Re-planned once from the training's own step time, after 30 steps (5% of the plan is fewer).
+    replans = re.findall(r"\[step 30\] [\d.]+ s/step over steps 2-30: re-planned from (\d+) to (\d+) steps", out)
+    assert len(replans) == 1 and int(replans[0][1]) > 30, out[-2000:]
     text = report.read_text()
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
     after = float(re.search(r"validation, after training \| ([\d.]+)", text).group(1))

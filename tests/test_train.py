@@ -601,6 +601,42 @@ def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypat
     assert summary["steps"] == 2
 
 
+def test_a_run_lengthened_mid_run_keeps_its_warmup_and_follows_the_new_schedule(token_data, tmp_path):
+    """`Trainer.set_total_steps` (the quickstart's re-plan): from 8 planned steps to 12 at step 3."""
+    from marinlm.config import load_config
+    from marinlm.optim import lr_multiplier
+    from marinlm.train.config import TrainConfig
+
+    config = train_config(token_data, tmp_path / "run", schedule={"warmup_fraction": 0.25})  # 2 of 8 steps
+    trainer = Trainer(config, resume="none")
+    next_lr = []
+
+    def lengthen(result):
+        if trainer.step == 3:
+            trainer.set_total_steps(12)
+            next_lr.append(trainer.optimizer.param_groups[0]["lr"])
+
+    trainer.add_hook(lengthen, every=1)
+    summary = trainer.fit()
+    trainer.close()
+    assert summary["steps"] == 12 and not summary["stopped_early"]
+    with pytest.raises(ValueError, match="train.steps: the run is at step 12"):
+        trainer.set_total_steps(12)
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / "run") if "train/lr" in r}
+    assert sorted(lrs) == list(range(1, 13))
+    schedule = load_config(TrainConfig, tmp_path / "run" / "config.yaml").schedule
+    assert schedule.warmup_steps == 2  # as 25% of 8 gave; 25% of 12 would be 3
+    base = trainer.scheduler.base_lrs[0]
+    # The lr logged at a step is the next step's; step 3's was logged before the change, which
+    # also sets the next step's.
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(base * lr_multiplier(step, 8 if step <= 3 else 12, schedule), rel=1e-6), step
+    assert next_lr == [pytest.approx(base * lr_multiplier(3, 12, schedule), rel=1e-6)]
+    assert lrs[3] != next_lr[0]
+    saved = load_config(TrainConfig, tmp_path / "run" / "checkpoints" / "step-00000012" / "config.yaml")
+    assert saved.train.steps == 12 and saved.schedule.warmup_steps == 2
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train(token_data, tmp_path):
     run_training(train_config(token_data, tmp_path / "eager", train={"steps": 2}), resume="none")

@@ -32,7 +32,7 @@ from marinlm.dataset.shards import EmptySplitError
 from marinlm.model.cpu_bf16 import gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
-from marinlm.optim import build_optimizer, build_scheduler
+from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.train.checkpoint import (
@@ -118,6 +118,7 @@ class Trainer(ResumeMixin):
         )
         self.step, self.bad_steps, self.events = 0, 0, []
         self._last_checkpoint_step = self._last_validation_step = None
+        self._bar = None  # fit()'s progress bar, while it runs
         self.last_validation: dict[str, float] | None = None
         self.flops_per_token = self.model_summary.flops_per_token
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
@@ -246,6 +247,28 @@ class Trainer(ResumeMixin):
         """Call `fn(step_result)` after every `every`-th step (and after the last step)."""
         self.hooks.append((every, fn))
 
+    def set_total_steps(self, steps: int) -> None:
+        """Change the run's length while it trains (the quickstart re-plans from the step time it
+        observes); every rank must call it alike. The warmup stays as it was and the rest of the
+        schedule spreads over the new length: called at the end of warmup, the learning rate
+        follows the schedule of a run planned at that length. The run's config.yaml, its later
+        checkpoints and the progress bar follow."""
+        c = self.config
+        if steps <= self.step:
+            raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be longer, got {steps}")
+        s = c.schedule
+        if s.warmup_steps is None:  # keep the warmup a fraction of the old length gave
+            s.warmup_steps = min(round(s.warmup_fraction * c.train.steps), c.train.steps - 1)
+        c.train.steps = steps
+        self.scheduler.lr_lambdas = [lambda step: lr_multiplier(step, steps, s)] * len(self.optimizer.param_groups)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next step's, too
+            group["lr"] = base * lr_multiplier(self.scheduler.last_epoch, steps, s)
+        if self.info.is_main:
+            write_text_atomic(self.run_dir / "config.yaml", dump_config(c))
+        if self._bar is not None:
+            self._bar.total = steps
+            self._bar.refresh()
+
     def _log_event(self, message: str) -> None:
         if self.info.is_main:
             tqdm.write(f"[step {self.step}] {message}")
@@ -310,6 +333,7 @@ class Trainer(ResumeMixin):
             unit="step",
             disable=not (self.info.is_main and c.logging.progress),
         )
+        self._bar = bar
         profiler = self._profiler()
         stopped_early = False
         if self.info.is_main and c.logging.progress:
@@ -387,6 +411,7 @@ class Trainer(ResumeMixin):
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
             bar.close()
+            self._bar = None
             if profiler is not None:
                 profiler.stop()
             if self.sinks is not None:
