@@ -156,9 +156,8 @@ class _Replan:
 
     def __init__(self, trainer, train_minutes: float):
         self.trainer, self.train_minutes = trainer, train_minutes
-        planned, schedule = trainer.config.train.steps, trainer.config.schedule
-        warmup = schedule.warmup_steps if schedule.warmup_steps is not None else schedule.warmup_fraction * planned
-        self.at = max(30, round(0.05 * planned), round(warmup))
+        planned = trainer.config.train.steps
+        self.at = max(30, round(0.05 * planned), trainer.config.schedule.warmup(planned))
         if self.at > planned // 2:  # too late: the learning rate has decayed most of the way
             self.at = None
         self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too

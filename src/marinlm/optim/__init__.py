@@ -137,12 +137,16 @@ class ScheduleConfig:
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.decay_fraction <= 1, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
 
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps`: `warmup_steps`, else `warmup_fraction` of it."""
+        steps = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_fraction * total_steps)
+        return min(steps, total_steps - 1)
+
 
 def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
     """Multiplier for 0-based `step` of `total_steps`: ramps over warmup to 1 at step `warmup`,
     and reaches exactly `min_lr_ratio` at the last step."""
-    warmup = config.warmup_steps if config.warmup_steps is not None else round(config.warmup_fraction * total_steps)
-    warmup = min(warmup, total_steps - 1)
+    warmup = config.warmup(total_steps)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     last = total_steps - 1

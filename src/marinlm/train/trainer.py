@@ -258,7 +258,7 @@ class Trainer(ResumeMixin):
             raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be longer, got {steps}")
         s = c.schedule
         if s.warmup_steps is None:  # keep the warmup a fraction of the old length gave
-            s.warmup_steps = min(round(s.warmup_fraction * c.train.steps), c.train.steps - 1)
+            s.warmup_steps = s.warmup(c.train.steps)
         c.train.steps = steps
         self.scheduler.lr_lambdas = [lambda step: lr_multiplier(step, steps, s)] * len(self.optimizer.param_groups)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next step's, too
