@@ -260,16 +260,12 @@ class Attention(nn.Module):
             mask = attention_mask(doc_BT, pos_BT, cache.doc_BS, cache.pos_BS, self.window)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
+        k_BKSD, v_BKSD = k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype)
         if isinstance(mask, BandedMask):
-            y_BHTD = banded_attention(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), mask)
+            y_BHTD = banded_attention(q_BHTD, k_BKSD, v_BKSD, mask)
         else:
             y_BHTD = scaled_dot_product_attention(
-                q_BHTD,
-                k_BKSD.to(q_BHTD.dtype),
-                v_BKSD.to(q_BHTD.dtype),
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=H != K,
+                q_BHTD, k_BKSD, v_BKSD, attn_mask=mask, is_causal=mask is None, enable_gqa=H != K
             )
         if cache is not None:
             cache.trim()
