@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from marinlm.quickstart import MARKER, _median_step_seconds, build_default_corpus, corpus_prompt, run_quickstart
+from marinlm.optim import ScheduleConfig
+from marinlm.quickstart import (
+    MARKER,
+    _median_step_seconds,
+    _Replan,
+    build_default_corpus,
+    corpus_prompt,
+    run_quickstart,
+)
 
 from conftest import write_corpus
 
@@ -38,6 +47,56 @@ def test_step_time_is_measured_over_a_window_not_a_few_slow_steps():
     calls.clear()
     _median_step_seconds(step, min_seconds=100.0, max_steps=12)
     assert len(calls) == 13  # the warm-up and at most max_steps
+
+
+class _FakeTrainer:
+    """What `_Replan` reads of a Trainer: the step, the planned length, the schedule."""
+
+    def __init__(self, steps: int):
+        self.step = 0
+        self.config = SimpleNamespace(train=SimpleNamespace(steps=steps), schedule=ScheduleConfig(warmup_fraction=0.03))
+        self.lengths = []
+
+    def set_total_steps(self, steps: int) -> None:
+        assert steps > self.step
+        self.config.train.steps = steps
+        self.lengths.append((self.step, steps))
+
+
+def _train_under(replan_trainer, step_seconds, minutes, monkeypatch):
+    """Run a fake training of `step_seconds(step)` per step under `_Replan` and a time budget, as
+    Trainer.fit does; returns (steps done, seconds used)."""
+    import marinlm.quickstart as quickstart
+
+    clock = [0.0]
+    monkeypatch.setattr(quickstart.time, "perf_counter", lambda: clock[0])
+    trainer = replan_trainer
+    hook = _Replan(trainer, minutes)
+    while trainer.step < trainer.config.train.steps and clock[0] < minutes * 60:
+        clock[0] += step_seconds(trainer.step + 1)
+        trainer.step += 1
+        hook(None)
+    return trainer.step, clock[0]
+
+
+def test_the_run_is_replanned_from_its_step_time_and_shortened_when_the_host_slows(monkeypatch, capsys):
+    # Calibrated at 0.8 s/step (600 steps for 10 min), trains at 0.5 s/step, then the host slows
+    # to 0.8 s/step from step 200: first lengthened, then shortened to end inside the budget.
+    trainer = _FakeTrainer(600)
+    steps, seconds = _train_under(trainer, lambda step: 0.5 if step < 200 else 0.8, 10.0, monkeypatch)
+    out = capsys.readouterr().out
+    assert trainer.lengths[0][0] == 30 and trainer.lengths[0][1] == 966  # re-planned longer at step 30
+    assert len(trainer.lengths) == 2 and 200 < trainer.lengths[1][0] <= 260  # shortened once, soon after
+    assert "the host slowed to 0.80 s/step over the last 30 steps: shortened from" in out
+    assert steps == trainer.config.train.steps and seconds < 600  # the schedule ran to its end in time
+    # A host that gets faster later leaves the plan alone: the run ends early rather than late.
+    trainer = _FakeTrainer(600)
+    steps, seconds = _train_under(trainer, lambda step: 0.5 if step < 200 else 0.3, 10.0, monkeypatch)
+    assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and seconds < 600
+    # A steady host: one re-plan, and the schedule ends with the margin left for validation and checkpoints.
+    trainer = _FakeTrainer(600)
+    steps, seconds = _train_under(trainer, lambda step: 0.6, 10.0, monkeypatch)
+    assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and 450 < seconds < 520
 
 
 @pytest.mark.slow

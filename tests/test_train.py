@@ -637,6 +637,35 @@ def test_a_run_lengthened_mid_run_keeps_its_warmup_and_follows_the_new_schedule(
     assert saved.train.steps == 12 and saved.schedule.warmup_steps == 2
 
 
+def test_a_run_shortened_mid_run_ends_its_schedule_at_the_new_length(token_data, tmp_path):
+    """The quickstart's later re-plans shorten a run whose host slowed: from 12 planned steps to 6
+    at step 4, the learning rate still decays to its floor, and the last checkpoint is step 6."""
+    from marinlm.optim import lr_multiplier
+
+    config = train_config(
+        token_data, tmp_path / "run", train={"steps": 12}, schedule={"warmup_fraction": 0.25}
+    )  # warmup 3 of 12 steps
+    trainer = Trainer(config, resume="none")
+
+    def shorten(result):
+        if trainer.step == 4:
+            trainer.set_total_steps(6)
+
+    trainer.add_hook(shorten, every=1)
+    summary = trainer.fit()
+    trainer.close()
+    assert summary["steps"] == 6 and not summary["stopped_early"]
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / "run") if "train/lr" in r}
+    assert sorted(lrs) == list(range(1, 7))
+    base, schedule = trainer.scheduler.base_lrs[0], trainer.config.schedule
+    assert schedule.warmup_steps == 3
+    # The lr logged at a step is the next step's; step 4's was logged before the change. The last
+    # step (0-based 5, logged at step 5) runs at the schedule's floor, as a run planned at 6 steps.
+    assert lrs[4] == pytest.approx(base * lr_multiplier(4, 12, schedule), rel=1e-6)
+    assert lrs[5] == pytest.approx(base * schedule.min_lr_ratio, rel=1e-6)
+    assert [p.name for p in sorted((tmp_path / "run" / "checkpoints").glob("step-*"))][-1] == "step-00000006"
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train(token_data, tmp_path):
     run_training(train_config(token_data, tmp_path / "eager", train={"steps": 2}), resume="none")

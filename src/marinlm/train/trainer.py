@@ -248,14 +248,14 @@ class Trainer(ResumeMixin):
         self.hooks.append((every, fn))
 
     def set_total_steps(self, steps: int) -> None:
-        """Change the run's length while it trains (the quickstart re-plans from the step time it
-        observes); every rank must call it alike. The warmup stays as it was and the rest of the
+        """Lengthen or shorten the run while it trains (the quickstart re-plans from the step time
+        it observes); every rank must call it alike. The warmup stays as it was and the rest of the
         schedule spreads over the new length: called at the end of warmup, the learning rate
         follows the schedule of a run planned at that length. The run's config.yaml, its later
         checkpoints and the progress bar follow."""
         c = self.config
         if steps <= self.step:
-            raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be longer, got {steps}")
+            raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be past it, got {steps}")
         s = c.schedule
         if s.warmup_steps is None:  # keep the warmup a fraction of the old length gave
             s.warmup_steps = s.warmup(c.train.steps)
@@ -459,7 +459,7 @@ class Trainer(ResumeMixin):
             code, save_due = (int(v) for v in all_reduce_(flags, op="max").tolist())
             if code == 2 and self._signal is None:
                 self._signal = "SIGTERM"  # another rank's; torchrun sends every worker the same
-        reason = {0: None, 1: f"time budget of {self.config.train.max_minutes} min reached", 2: self._signal}[code]
+        reason = {0: None, 1: f"time budget of {self.config.train.max_minutes:.3g} min reached", 2: self._signal}[code]
         return reason, bool(save_due)
 
     def _profiler(self):
