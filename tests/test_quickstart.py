@@ -80,23 +80,30 @@ def _train_under(replan_trainer, step_seconds, minutes, monkeypatch):
 
 
 def test_the_run_is_replanned_from_its_step_time_and_shortened_when_the_host_slows(monkeypatch, capsys):
+    def blips(step):  # a validation every 60 steps, a checkpoint every 150
+        return (1.0 if step % 60 == 0 else 0.0) + (2.0 if step % 150 == 0 else 0.0)
+
     # Calibrated at 0.8 s/step (600 steps for 10 min), trains at 0.5 s/step, then the host slows
     # to 0.8 s/step from step 200: first lengthened, then shortened to end inside the budget.
     trainer = _FakeTrainer(600)
-    steps, seconds = _train_under(trainer, lambda step: 0.5 if step < 200 else 0.8, 10.0, monkeypatch)
+    steps, seconds = _train_under(trainer, lambda step: (0.5 if step < 200 else 0.8) + blips(step), 10.0, monkeypatch)
     out = capsys.readouterr().out
-    assert trainer.lengths[0][0] == 30 and trainer.lengths[0][1] == 966  # re-planned longer at step 30
-    assert len(trainer.lengths) == 2 and 200 < trainer.lengths[1][0] <= 260  # shortened once, soon after
-    assert "the host slowed to 0.80 s/step over the last 30 steps: shortened from" in out
+    assert trainer.lengths[0] == (30, 1083)  # 30 + 0.9 * (600 - 15 s) / 0.5 s
+    assert "[step 30] 0.50 s/step over steps 2-30: re-planned from 600 to 1083 steps" in out
+    assert len(trainer.lengths) > 1 and all(200 < at <= 270 for at, _ in trainer.lengths[1:])  # soon after
+    # Measured over the last 3 checks' 90 steps; then, from the new plan on, over the steps since it.
+    assert "[step 210] the host slowed to 0.57 s/step over steps 121-210: shortened from 1083 to 978 steps" in out
+    assert "[step 240] the host slowed to 0.83 s/step over steps 211-240: shortened from 978 to 738 steps" in out
     assert steps == trainer.config.train.steps and seconds < 600  # the schedule ran to its end in time
     # A host that gets faster later leaves the plan alone: the run ends early rather than late.
     trainer = _FakeTrainer(600)
-    steps, seconds = _train_under(trainer, lambda step: 0.5 if step < 200 else 0.3, 10.0, monkeypatch)
+    steps, seconds = _train_under(trainer, lambda step: (0.5 if step < 200 else 0.3) + blips(step), 10.0, monkeypatch)
     assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and seconds < 600
-    # A steady host: one re-plan, and the schedule ends with the margin left for validation and checkpoints.
+    # A steady host: one re-plan, validations and checkpoints are not taken for a slowdown, and the
+    # schedule ends with little of the budget unused.
     trainer = _FakeTrainer(600)
-    steps, seconds = _train_under(trainer, lambda step: 0.6, 10.0, monkeypatch)
-    assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and 450 < seconds < 520
+    steps, seconds = _train_under(trainer, lambda step: 0.6 + blips(step), 10.0, monkeypatch)
+    assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and 550 < seconds < 600
 
 
 @pytest.mark.slow

@@ -149,18 +149,24 @@ class _Replan:
     """A hook that plans the run's length again from the training's own step time: once after 5%
     of the planned steps (at least 30, and at least the warmup), longer or shorter; then, every as
     many steps, shorter again wherever the host has slowed so much that the rest of the run would
-    no longer fit in the time left.
+    no longer fit in the time left. Never longer after the first plan: the learning rate, past its
+    peak, would rise again.
 
     The calibration measures a few seconds; on a shared host those can be slow: a clean-clone run
     measured 0.65 s/step, planned 625 steps, then trained at 0.43 s/step and ended after 4.9 of its
     8.5 min, 0.8 nats/token above the runs that planned 1,100-1,500 steps. The host can also slow
     down later: another clean-clone run re-planned 947 steps at 0.44 s/step, slowed to ~0.6 s/step,
     and was stopped by its time budget at step 848, with the learning rate still at 15% of its peak
-    instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range.
+    instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range. With only
+    one re-plan, 20% of the time was kept back for such slowdowns, and on a steady host it went
+    unused (a run trained 6.4 of its 8.5 min).
     """
 
-    SLACK = 0.8  # of the time left, as at planning: for validation, checkpoints and a shared host's slowdowns
-    OVERRUN = 0.95  # a later check shortens the run when the steps left would take more of the time left
+    # Of the time left, planned for steps: logging, validation and checkpoints took 3% (a clean-clone
+    # run: 675 steps in 383 s, median step 0.552 s), and the later checks absorb a host's slowdowns.
+    SLACK = 0.9
+    OVERRUN = 0.98  # a later check shortens the run when the steps left would take more of the time left
+    WINDOWS = 3  # a later check measures over its last 3 windows: a validation or checkpoint is a blip
 
     def __init__(self, trainer, train_minutes: float):
         self.trainer, self.train_minutes = trainer, train_minutes
@@ -168,28 +174,34 @@ class _Replan:
         self.every = max(30, round(0.05 * planned), trainer.config.schedule.warmup(planned))
         self.at = self.every if self.every <= planned // 2 else None  # later: the LR has decayed most of the way
         self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too
-        self.last: tuple[int, float] | None = None  # (step, time) the step time is measured from
+        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOWS)
+        self.replanned = False
 
     def __call__(self, result) -> None:
         step, now = self.trainer.step, time.perf_counter()
         if step == 1:  # the first step warms up caches and allocator: timed from its end
-            self.last = (1, now)
-        if self.at is None or self.last is None or step != self.at:
+            self.marks.append((1, now))
+        if self.at is None or not self.marks or step != self.at:
             return
-        step_seconds = (now - self.last[1]) / (step - self.last[0])
+        self.at = step + self.every
+        since, then = self.marks[0]  # step 1, the last re-plan, or WINDOWS checks back
+        step_seconds = (now - then) / (step - since)
+        self.marks.append((step, now))
         left = self.train_minutes * 60 - (now - self.began)
-        first, planned = self.last[0] == 1, self.trainer.config.train.steps
-        self.last, self.at = (step, now), step + self.every
-        if not first and (planned - step) * step_seconds <= self.OVERRUN * left:
-            return  # on course; never longer after the first plan, where the learning rate would rise again
+        planned = self.trainer.config.train.steps
+        if self.replanned and (planned - step) * step_seconds <= self.OVERRUN * left:
+            return  # on course
         steps = step + int(left * self.SLACK / step_seconds)  # after the first plan, fewer than planned
         if steps <= step:
             return
         self.trainer.set_total_steps(steps)
-        if first:
-            what = f"{step_seconds:.2f} s/step over steps 2-{step}: re-planned"
+        self.marks.clear()
+        self.marks.append((step, now))
+        if not self.replanned:
+            what = f"{step_seconds:.2f} s/step over steps {since + 1}-{step}: re-planned"
         else:
-            what = f"the host slowed to {step_seconds:.2f} s/step over the last {self.every} steps: shortened"
+            what = f"the host slowed to {step_seconds:.2f} s/step over steps {since + 1}-{step}: shortened"
+        self.replanned = True
         tqdm.write(f"[step {step}] {what} from {planned} to {steps} steps, to end in the {left / 60:.1f} min left")
 
 
