@@ -376,8 +376,9 @@ def run_quickstart(
             "for the minimum of 1 min, so the whole run takes longer"
         )
     step_seconds = _calibrate_step_seconds(train_config)
-    # Plan for 80% of the budget: logging, validation and checkpoints add ~20% to the bare step time,
-    # and a run that hits the time limit stops before its learning rate has decayed.
+    # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
+    # noisy, and a run that hits the time limit stops before its learning rate has decayed. `_Replan`
+    # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
     train_config.train.steps = max(20, int(train_minutes * 60 * 0.8 / step_seconds))
     train_config.train.max_minutes = train_minutes
     train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
