@@ -62,8 +62,9 @@ def test_no_tokens_give_an_empty_output(impl):
     assert x.grad.shape == (0, 8)
 
 
+@pytest.mark.parametrize("full", [0, 3])  # the first or the last expert overflows
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
-def test_capacity_drops_later_tokens_and_counts_them(impl, monkeypatch):
+def test_capacity_drops_later_tokens_and_counts_them(impl, full, monkeypatch):
     if impl == "chunked-of-4":
         monkeypatch.setattr(experts_module, "chunk_rows", lambda assignments, experts: 4)
         impl = "chunked"
@@ -71,7 +72,8 @@ def test_capacity_drops_later_tokens_and_counts_them(impl, monkeypatch):
     module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
     module.reset_parameters()
     N, k = 12, 2
-    experts = torch.stack([torch.zeros(N, dtype=torch.long), torch.randint(1, 4, (N,))], 1)  # all hit expert 0
+    others = (full + torch.randint(1, 4, (N,))) % 4
+    experts = torch.stack([torch.full((N,), full), others], 1)  # every token picks expert `full`
     weights = torch.rand(N, k, requires_grad=True)
     capacity = expert_capacity(N, k, 4, 1.0)  # 6 slots per expert
     assert capacity == 6
@@ -303,3 +305,40 @@ def test_incremental_merge_equals_merging_all():
     whole = RouterStats.merge(parts)
     for name in ("load", "z_loss", "dropped", "num_tokens", "beta"):
         torch.testing.assert_close(getattr(running, name), getattr(whole, name))
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        {"capacity_factor": 0.5},  # QB with its margin histogram; capacity drops
+        {"capacity_factor": None, "router": {"type": "softmax_topk"}},  # dropless
+    ],
+)
+def test_the_model_compiles_as_one_graph_forward_and_backward(moe):
+    """Routing, counting, capacity drops and the grouped experts have shapes fixed by the batch,
+    not by the routing: no host sync, and no graph break when torch.compile traces a block
+    (torch.bincount and boolean indexing each broke the graph, 23 breaks in the 2-layer model).
+    Counted without fullgraph=True, as training compiles: fullgraph traces bincount."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")  # aot_eager traces the backward too
+    config = tiny_config(num_layers=2, max_seq_len=32, attention={"sliding_window": 8}, moe=moe)
+    eager = build(config)
+    compiled = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    segments = torch.arange(32).div(12, rounding_mode="floor").expand(2, 32)  # packed documents
+    outs = []
+    for model in (eager, torch.compile(compiled, backend=backend)):
+        model.train()
+        out = model(ids, segment_ids=segments)
+        out.logits.float().square().mean().backward()
+        outs.append(out)
+    assert backend.frame_count == 1, f"{backend.frame_count} graphs"
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-4, atol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for a, b in zip(outs[0].router_stats, outs[1].router_stats):
+        torch.testing.assert_close(b.load, a.load)
+        torch.testing.assert_close(b.dropped, a.dropped)
+    assert (sum(s.dropped for s in outs[0].router_stats) > 0) == (config.moe.capacity_factor is not None)

@@ -1,9 +1,9 @@
 """Routed SwiGLU experts over tokens sorted by expert.
 
-Shape legend: N tokens, k experts per token, S = N*k token-major slots, A assignments kept (S,
-fewer after capacity drops), P rows of the experts' layout (A, plus padding for `chunked` and
-`bmm`), E experts, D expert input width (d_model or the latent width), F expert hidden width,
-C chunks, R rows per chunk.
+Shape legend: N tokens, k experts per token, S = N*k token-major slots, A = S assignments in
+expert order, P rows of the experts' layout (S for `grouped_mm` and `loop`, plus padding for
+`chunked` and `bmm`), E experts, D expert input width (d_model or the latent width), F expert
+hidden width, C chunks, R rows per chunk.
 
 Dispatch sorts the assignments by expert (stable, so token order within an expert), runs the
 experts on the sorted rows with each row's hidden activations scaled by its combine weight,
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.cpu_bf16 import emulated_bf16
-from marinlm.model.layers import trunc_normal_
+from marinlm.model.layers import bincount, trunc_normal_
 
 
 @torch.library.custom_op("marinlm::grouped_mm", mutates_args=())
@@ -113,40 +113,42 @@ def _take(rows_RD: torch.Tensor, index_I: torch.Tensor, pad: bool) -> torch.Tens
 class _Dispatch(torch.autograd.Function):
     """x_PD = x_ND[slot_P // k] in `dtype`: the token row of each row of the experts' layout.
 
-    The layout holds the kept assignments sorted by expert, and, for the padded kernels (`chunked`,
-    `bmm`), zero rows padding each expert to whole chunks: `slot_P` is the token-major slot (S = N*k) of each
-    row, or S for a padding row. `row_S` inverts it: the layout row of each slot, or P where the
-    assignment was dropped. The cast comes before the gather, so a bf16 kernel casts N rows, not
-    P. The backward gathers each slot's gradient row and sums each token's k slots in fp32.
+    The layout holds the kept assignments sorted by expert, and zero rows: for the padded kernels
+    (`chunked`, `bmm`), padding each expert to whole chunks; for `grouped_mm` and `loop`, one per
+    dropped assignment, at the end, so that P = S whatever the routing. `slot_P` is the
+    token-major slot (S = N*k) of each row, or S for a padding row. `row_S` inverts it: the layout
+    row of each slot, or P where the assignment was dropped. The cast comes before the gather, so
+    a bf16 kernel casts N rows, not P. The backward gathers each slot's gradient row and sums each
+    token's k slots in fp32.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, slot_P, row_S, k, kept, dtype):
+    def forward(ctx, x_ND, slot_P, row_S, k, padded, dropped, dtype):
         ctx.save_for_backward(row_S)
-        ctx.k, ctx.dropped, ctx.dtype = k, kept < row_S.shape[0], x_ND.dtype
-        return _take(x_ND.to(dtype), slot_P // k, pad=kept < slot_P.shape[0])
+        ctx.k, ctx.dropped, ctx.dtype = k, dropped, x_ND.dtype
+        return _take(x_ND.to(dtype), slot_P // k, pad=padded)
 
     @staticmethod
     def backward(ctx, dx_PD):
         (row_S,) = ctx.saved_tensors
         dx_SD = _take(dx_PD, row_S, pad=ctx.dropped)
         dx_ND = dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1, dtype=torch.float32)
-        return dx_ND.to(ctx.dtype), None, None, None, None, None
+        return dx_ND.to(ctx.dtype), None, None, None, None, None, None
 
 
 class _Undispatch(torch.autograd.Function):
     """y_SD = y_PD put back in token-major slot order; a dropped assignment's slot is zero."""
 
     @staticmethod
-    def forward(ctx, y_PD, slot_P, row_S, kept):
+    def forward(ctx, y_PD, slot_P, row_S, padded, dropped):
         ctx.save_for_backward(slot_P)
-        ctx.padded = kept < slot_P.shape[0]
-        return _take(y_PD, row_S, pad=kept < row_S.shape[0])
+        ctx.padded = padded
+        return _take(y_PD, row_S, pad=dropped)
 
     @staticmethod
     def backward(ctx, dy_SD):
         (slot_P,) = ctx.saved_tensors
-        return _take(dy_SD, slot_P, pad=ctx.padded), None, None, None
+        return _take(dy_SD, slot_P, pad=ctx.padded), None, None, None, None
 
 
 class _ChunkWeights(torch.autograd.Function):
@@ -277,41 +279,50 @@ class RoutedExperts(nn.Module):
             order_A = torch.argsort(flat_A, stable=True)
         else:
             order_A = torch.argsort(flat_A * N + priority_N.repeat_interleave(k))
-        counts_E = torch.bincount(flat_A, minlength=E)
+        # Every shape below is fixed by N, k and E, not by the routing: no host sync and, under
+        # torch.compile, no graph break (the padded kernels' plan aside).
+        counts_E = bincount(flat_A, E)
         expert_sorted_A = flat_A[order_A]
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         rank_A = torch.arange(flat_A.numel(), device=flat_A.device) - starts_E[expert_sorted_A]
         dropped = torch.zeros((), device=x_ND.device)
+        keep_A = None
         if capacity is not None:
             keep_A = rank_A < capacity
             dropped = (~keep_A).sum().float()
-            order_A, expert_sorted_A, rank_A = order_A[keep_A], expert_sorted_A[keep_A], rank_A[keep_A]
             counts_E = counts_E.clamp(max=capacity)
         # Alignment is checked at the autocast width: aligned in bf16 implies aligned in fp32.
         impl = resolve_impl(self.impl, x_ND.device, tuple(self.down_proj.shape[1:]), compute_dtype(x_ND))
         dtype = compute_dtype(x_ND, impl)
         if impl not in ("grouped_mm", "chunked", "bmm", "loop"):
             raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, chunked, bmm, loop")
-        A, S = order_A.shape[0], N * k
+        S = N * k
         padded = impl in ("chunked", "bmm")  # each expert's rows padded to whole chunks of R rows
         if padded:
-            R, chunks_E = _chunk_plan(counts_E, A, capacity if impl == "bmm" else None, impl == "bmm")
+            kept = S if keep_A is None else int(counts_E.sum())  # these kernels' plan syncs anyway
+            R, chunks_E = _chunk_plan(counts_E, kept, capacity if impl == "bmm" else None, impl == "bmm")
             row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * R + rank_A
             expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
             P = expert_C.shape[0] * R
-        else:
-            row_A, P = torch.arange(A, device=order_A.device), A
-        slot_P = torch.full((P,), S, dtype=order_A.dtype, device=order_A.device)
+        elif keep_A is None:
+            row_A, P = torch.arange(S, device=order_A.device), S
+        else:  # the kept rows first, in expert order; the last rows stay zero, one per drop
+            row_A, P = (torch.cumsum(counts_E, 0) - counts_E)[expert_sorted_A] + rank_A, S
+        has_padding = padded or keep_A is not None
+        if keep_A is not None:
+            row_A = torch.where(keep_A, row_A, P)  # a dropped assignment has no row: P
+        slot_P = torch.full((P + 1,), S, dtype=order_A.dtype, device=order_A.device)
         slot_P[row_A] = order_A
+        slot_P = slot_P[:P]  # row P collected the dropped assignments' slots
         row_S = torch.full((S,), P, dtype=order_A.dtype, device=order_A.device)
         row_S[order_A] = row_A
-        x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, A, dtype)
+        x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, has_padding, keep_A is not None, dtype)
         # Each row's combine weight scales its hidden activations, before the (linear) down
         # projection: w * (h @ W_down) = (w * h) @ W_down. That scales F-wide rows instead of
         # D-wide outputs, and the combine becomes a plain sum over each token's k slots. In the
         # bf16 bench/train_step.py step (qwen3-moe-style, F = D/4), interleaved against scaling the
         # outputs: min 587 against 603 ms and 554 against 569 (10 rounds each); fp32 884 against 889.
-        w_P1 = _take(weights_NK.reshape(-1, 1).to(dtype), slot_P, pad=P > A)  # padding rows: weight 0
+        w_P1 = _take(weights_NK.reshape(-1, 1).to(dtype), slot_P, pad=has_padding)  # padding rows: weight 0
         experts = (self.gate_proj, self.up_proj, self.down_proj)
         if padded and P != E * R:  # several chunks for some expert: each chunk's matrices
             w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
@@ -323,6 +334,8 @@ class RoutedExperts(nn.Module):
             y_PD = torch.bmm(h_CRF, w_down).view(P, w_down.shape[-1])
         elif impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            if keep_A is not None:  # the zero rows after the kept ones go to the last expert
+                offsets_E[-1] = P
             h_PF = F.silu(grouped_mm(x_PD, w_gate, offsets_E)) * grouped_mm(x_PD, w_up, offsets_E) * w_P1
             y_PD = grouped_mm(h_PF, w_down, offsets_E)
         else:  # loop
@@ -331,8 +344,8 @@ class RoutedExperts(nn.Module):
                 xe, we = x_PD[start : start + count], w_P1[start : start + count]
                 pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e]) * we) @ w_down[e])
                 start += count
-            y_PD = torch.cat(pieces)
-        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, A).view(N, k, y_PD.shape[1])
+            y_PD = torch.cat([*pieces, w_down.new_zeros(P - start, w_down.shape[2])])
+        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, has_padding, keep_A is not None).view(N, k, y_PD.shape[1])
         out_ND = y_NKD.sum(1, dtype=torch.float32).to(dtype)  # fp32 sums, one rounding
         return out_ND, dropped
 

@@ -188,3 +188,9 @@ def apply_rope(x_BTHD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tenso
     if 2 * half == x_BTHD.shape[-1]:
         return rotated
     return torch.cat([rotated, x_BTHD[..., 2 * half :]], dim=-1)
+
+
+def bincount(index_I: torch.Tensor, n: int) -> torch.Tensor:
+    """`torch.bincount(index, minlength=n)` for indices below n, with the shape fixed at [n]:
+    torch.compile traces it (bincount's data-dependent length is a graph break)."""
+    return torch.zeros(n, dtype=torch.long, device=index_I.device).scatter_add_(0, index_I, torch.ones_like(index_I))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.config import AuxFreeRouterConfig, QBRouterConfig, RouterConfig, SoftmaxTopKRouterConfig
-from marinlm.model.layers import trunc_normal_
+from marinlm.model.layers import bincount, trunc_normal_
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Router(nn.Module):
             return F.linear(x_ND.float(), self.weight.float())
 
     def _stats(self, logits_NE, experts_NK, beta=None) -> RouterStats:
-        load = torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts).float()
+        load = bincount(experts_NK.reshape(-1), self.num_experts).float()
         z = torch.logsumexp(logits_NE.detach(), dim=-1)
         return RouterStats(
             load=load,
@@ -144,7 +144,7 @@ class QBRouter(Router):
         width = 2 * self.range / bins
         index = ((margins_NE + self.range) / width).floor().long().clamp_(0, bins - 1)
         flat = (index + torch.arange(E, device=index.device) * bins).reshape(-1)
-        return torch.bincount(flat, minlength=E * bins).float().view(E, bins)
+        return bincount(flat, E * bins).float().view(E, bins)
 
     def beta_from_histogram(self, hist_EB: torch.Tensor, num_tokens: float) -> torch.Tensor:
         """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin."""
