@@ -673,6 +673,9 @@ def test_compiled_blocks_train(token_data, tmp_path):
         train_config(token_data, tmp_path / "compiled", train={"steps": 2}, parallel={"compile": True}), resume="none"
     )
     assert losses(tmp_path / "eager") == pytest.approx(losses(tmp_path / "compiled"), rel=1e-3)
+    # Validation runs the compiled blocks again, recompiled without grad (local and global layers).
+    val = [[r["val/loss"] for r in read_metrics(tmp_path / run) if "val/loss" in r] for run in ("eager", "compiled")]
+    assert len(val[0]) == 1 and val[1] == pytest.approx(val[0], rel=1e-3)
 
 
 @pytest.mark.slow
