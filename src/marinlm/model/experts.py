@@ -309,9 +309,7 @@ class RoutedExperts(nn.Module):
             row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * R + rank_A
             expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
             P = expert_C.shape[0] * R
-        elif keep_A is None:
-            row_A, P = torch.arange(S, device=order_A.device), S
-        else:  # the kept rows first, in expert order; the last rows stay zero, one per drop
+        else:  # the kept rows in expert order (all S without a capacity); then a zero row per drop
             row_A, P = (torch.cumsum(counts_E, 0) - counts_E)[expert_sorted_A] + rank_A, S
         has_padding = padded or keep_A is not None
         if keep_A is not None:
