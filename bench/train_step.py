@@ -14,6 +14,11 @@ on such a CPU therefore measures that dispatch, not better kernels; the fp32 rat
     python bench/train_step.py [--batch 4] [--seq 256] [--steps 3] [--skip-bf16]
     python bench/train_step.py --device cuda --batch 16 --seq 1024 --steps 10   # bf16 autocast only
 
+On CPU it then profiles one more pair of steps of ours and of HF's fastest, prints where each one's
+time goes (expert GEMMs, other GEMMs with their GFLOP/s, attention, optimizer, gathers and copies,
+elementwise), and the step time if every GEMM ran at the peak with the rest unchanged: how much any
+GEMM kernel could still buy.
+
 `--compile` also times both sides with each decoder block compiled (`torch.compile`, regional, as
 `parallel.compile` does in training) and prints the compiled-against-compiled ratio beside the eager one.
 """
@@ -32,7 +37,7 @@ from marinlm.config import load_config
 from marinlm.hf.qwen3_moe import qwen3_moe_hf_config, to_hf_state_dict
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.model.summary import summarize
-from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
+from marinlm.utils.perf import CATEGORIES, matmul_peak_flops, time_breakdown, tune_cpu_allocator
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 # Overrides of configs/model/small.yaml for a 1.1B-total, 0.31B-active hero-shaped model: big enough
@@ -133,6 +138,39 @@ def cuda_matmul_peak(dtype: torch.dtype, size: int = 8192, repeats: int = 20) ->
         a @ b
     torch.cuda.synchronize()
     return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def print_breakdown(steps: dict, best: dict[str, float], config: MarinConfig, peak: float, hf_time: float) -> None:
+    """Profile one more pair of steps of each contender and show where its time goes, and what the
+    step would take with every GEMM at the peak and everything else as it is: the most that faster
+    GEMM kernels could buy."""
+    F = config.moe.expert_dim  # HF's Qwen3-MoE experts multiply gate and up as one [2F, D] matrix
+    att = config.attention
+    widths = {config.d_model, config.vocab_size, config.moe.num_experts, att.num_heads * att.head_dim}
+    assert not widths & {F, 2 * F}, f"expert width {F} (or {2 * F}) is also a model width: GEMMs not told apart"
+    parts = {name: time_breakdown(step, steps=2, expert_dims=(F, 2 * F)) for name, step in steps.items()}
+    print("  where a step's time goes (profiled: each op's own time; GEMM rates in GFLOP/s):")
+    print(f"    {'':<22}" + "".join(f"{name:>30}" for name in parts))
+    for category in CATEGORIES:
+        cells = []
+        for part in parts.values():
+            seconds, flops = part[category]
+            share = seconds / sum(s for s, _ in part.values())
+            rate = f"{flops / seconds / 1e9:6.1f}" if flops else " " * 6
+            cells.append(f"{seconds * 1e3:9.1f} ms {share:4.0%}  {rate}")
+        print(f"    {category:<22}" + "".join(f"{c:>30}" for c in cells))
+    for name, part in parts.items():
+        # In the profiled steps' own time: the host's speed, and the profiler's cost per op, differ
+        # from the timed steps', so the fraction is carried over, not the milliseconds.
+        profiled = sum(s for s, _ in part.values())
+        gemm_s = sum(part[c][0] for c in ("expert GEMMs", "other GEMMs"))
+        gemm_flops = sum(part[c][1] for c in ("expert GEMMs", "other GEMMs"))
+        bound = best[name] * (profiled - gemm_s + gemm_flops / peak) / profiled
+        print(
+            f"  {name}: with every GEMM at the peak ({gemm_s * 1e3:.0f} -> {gemm_flops / peak * 1e3:.0f} ms of "
+            f"{profiled * 1e3:.0f} profiled) the step would take >= {bound * 1e3:.0f} ms"
+            + (f", {hf_time / bound:.2f}x HF" if name == "marinlm" else "")
+        )
 
 
 def build_ours(config: MarinConfig, device: str = "cpu") -> MarinForCausalLM:
@@ -254,6 +292,8 @@ def main() -> None:
                 f"  MFU {mfu:6.1%} of the fp32 peak its GEMMs run at"
                 f"  (HF not timed there: its bf16 matmuls run at {peaks[dtype] / 1e9:.1f} GFLOP/s)"
             )
+        if dev == "cpu" and not emulated:
+            print_breakdown({k: steps[k] for k in ("marinlm", hf_best)}, best, qwen, peaks[dtype], best[hf_best])
         if "marinlm small" in best:
             ratio = best["marinlm small"] / best["marinlm"]
             print(

@@ -1,11 +1,17 @@
 """bench/gpu_check.py runs only where a GPU is lent, for minutes of scarce device time: its dry run on
-CPU keeps it from rotting in between (the cheap parts here; every part with `--device cpu`)."""
+CPU keeps it from rotting in between (the cheap parts here; every part with `--device cpu`). Also the
+profile breakdown that bench/train_step.py prints."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+
+import torch
+import torch.nn.functional as F
+
+from marinlm.utils.perf import CATEGORIES, time_breakdown
 
 from conftest import ROOT
 
@@ -49,3 +55,39 @@ def test_gpu_check_rejects_unknown_parts(tmp_path):
     assert out.returncode == 2
     assert "unknown part(s) kernal" in out.stderr and "kernels" in out.stderr
     assert not list(tmp_path.iterdir())  # refused before any part ran
+
+
+def test_time_breakdown_sorts_each_ops_time_and_counts_gemm_flops_by_shape():
+    a, b, w_expert = torch.randn(64, 48), torch.randn(48, 32), torch.randn(48, 24)
+    x, y = torch.randn(2, 64, 48), torch.randn(2, 48, 32)
+    q = torch.randn(1, 2, 16, 8)
+    p = torch.nn.Parameter(torch.randn(1000))
+    p.grad = torch.randn(1000)
+    opt = torch.optim.AdamW([p], fused=True)
+
+    def step():
+        a @ b  # mm
+        torch.addmm(torch.zeros(32), a, b)
+        torch.bmm(x, y)
+        a @ w_expert  # the one product of expert width 24
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        opt.step()
+        torch.index_select(a, 0, torch.tensor([3, 1]))
+        torch.relu(a)
+
+    parts = time_breakdown(step, steps=3, expert_dims=(24,))
+    assert list(parts) == list(CATEGORIES)
+    seconds = {c: s for c, (s, _) in parts.items()}
+    flops = {c: f for c, (_, f) in parts.items()}
+    assert flops["expert GEMMs"] == 2 * 64 * 48 * 24  # per call, not summed over the three
+    assert flops["other GEMMs"] == 2 * (2 * 64 * 48 * 32) + 2 * 2 * 64 * 48 * 32
+    assert all(f == 0 for c, f in flops.items() if "GEMM" not in c)
+    assert all(s > 0 for s in seconds.values()), seconds
+    assert time_breakdown(step, steps=1)["expert GEMMs"] == (0.0, 0.0)  # no expert widths: all other
+
+    big = torch.nn.Parameter(torch.randn(1 << 20))
+    big.grad = torch.randn(1 << 20)
+    adam = torch.optim.AdamW([big], fused=True)
+    adam.step()  # its state made
+    parts = time_breakdown(adam.step, steps=3)
+    assert parts["optimizer"][0] > 0.5 * sum(s for s, _ in parts.values())  # the fused kernel, not its step count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -59,3 +60,70 @@ def tune_cpu_allocator() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 31))
+
+
+# Leaf ops by what they are, for `time_breakdown`. Anything not named here counts as "elementwise
+# and other" (norms, activations, softmax, reductions, the loss's exp/log, small index ops).
+_GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
+_ATTENTION = ("aten::_scaled_dot_product_flash_attention", "aten::_flash_attention", "aten::_efficient_attention")
+_OPTIMIZER = ("aten::_fused_adam", "aten::_foreach_", "Optimizer.")  # the last: its Python, as a range
+_MOVES = {
+    "aten::index_select", "aten::index", "aten::index_add_", "aten::index_put_", "aten::gather",
+    "aten::scatter", "aten::scatter_", "aten::scatter_add_", "aten::copy_", "aten::cat", "aten::clone",
+    "aten::fill_", "aten::zero_", "aten::embedding_dense_backward", "aten::_grouped_mm",
+}  # fmt: skip
+CATEGORIES = (
+    "expert GEMMs",
+    "other GEMMs",
+    "attention kernel",
+    "optimizer",
+    "gathers and copies",
+    "elementwise and other",
+)
+
+
+def gemm_operands(name: str, shapes: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The two multiplied operands' shapes among a GEMM call's profiled input shapes."""
+    if name in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
+        return shapes[1], shapes[2]  # (self, mat1, mat2, beta, alpha)
+    return shapes[0], shapes[1]  # (self, mat2[, out])
+
+
+def gemm_flops(name: str, shapes: list[list[int]]) -> int:
+    """FLOPs of one GEMM call from the profiler's input shapes: 2·M·K·N per product."""
+    a, b = gemm_operands(name, shapes)
+    return 2 * math.prod(a) * b[-1]
+
+
+def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dict[str, tuple[float, float]]:
+    """Where the CPU time of `fn()` goes: {category: (seconds per call, GEMM FLOPs per call)}.
+
+    Each op's self time is counted once, under its own category (CATEGORIES), so the categories
+    add up to the profiled total. GEMMs are split into the experts' and the rest by shape: a
+    product with one of `expert_dims` among its sizes is an expert's (pass the expert width, and
+    twice it where gate and up are one product, only where no other width of the model is equal).
+    `fn` should be warm; it is run `steps` times under the profiler.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            fn()
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    flops = dict.fromkeys(CATEGORIES, 0.0)
+    for event in prof.key_averages(group_by_input_shape=True):
+        name, spent = event.key, event.self_cpu_time_total / 1e6
+        if name in _GEMMS:
+            a, b = gemm_operands(name, event.input_shapes)
+            category = "expert GEMMs" if set(expert_dims) & {*a, *b} else "other GEMMs"
+            flops[category] += gemm_flops(name, event.input_shapes) * event.count
+        elif name.startswith(_ATTENTION):
+            category = "attention kernel"
+        elif name.startswith(_OPTIMIZER):
+            category = "optimizer"
+        elif name in _MOVES:
+            category = "gathers and copies"
+        else:  # also autograd nodes and custom ops: their own time is dispatch overhead
+            category = "elementwise and other"
+        seconds[category] += spent
+    return {c: (seconds[c] / steps, flops[c] / steps) for c in CATEGORIES}
