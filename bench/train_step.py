@@ -146,7 +146,8 @@ def print_breakdown(steps: dict, best: dict[str, float], config: MarinConfig, pe
     GEMM kernels could buy."""
     F = config.moe.expert_dim  # HF's Qwen3-MoE experts multiply gate and up as one [2F, D] matrix
     att = config.attention
-    widths = {config.d_model, config.vocab_size, config.moe.num_experts, att.num_heads * att.head_dim}
+    heads = {att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim}
+    widths = {config.d_model, config.vocab_size, config.moe.num_experts, *heads}
     assert not widths & {F, 2 * F}, f"expert width {F} (or {2 * F}) is also a model width: GEMMs not told apart"
     parts = {name: time_breakdown(step, steps=2, expert_dims=(F, 2 * F)) for name, step in steps.items()}
     print("  where a step's time goes (profiled: each op's own time; GEMM rates in GFLOP/s):")
