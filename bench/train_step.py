@@ -142,12 +142,10 @@ def cuda_matmul_peak(dtype: torch.dtype, size: int = 8192, repeats: int = 20) ->
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def print_breakdown(
-    steps: dict, best: dict[str, float], config: MarinConfig, peak: float, hf_time: float, rounds: int = 3
-) -> None:
-    """Profile a few more steps of each contender and show where its time goes, and what the step
-    would take with every GEMM at the peak and everything else as it is: the most that faster GEMM
-    kernels could buy."""
+def print_breakdown(steps: dict, best: dict[str, float], config: MarinConfig, peak: float, rounds: int = 3) -> None:
+    """Profile a few more steps of marinlm and of the HF contender in `steps`, show where each one's
+    time goes, and what its step would take with every GEMM at the peak and everything else as it
+    is: the most that faster GEMM kernels could buy."""
     F = config.moe.expert_dim  # HF's Qwen3-MoE experts multiply gate and up as one [2F, D] matrix
     att = config.attention
     heads = {att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim}
@@ -158,6 +156,7 @@ def print_breakdown(
         for name, step in steps.items():
             profiles[name].append(time_breakdown(step, steps=1, expert_dims=(F, 2 * F)))
     parts = {name: min(runs, key=lambda part: sum(s for s, _ in part.values())) for name, runs in profiles.items()}
+    totals = {name: sum(s for s, _ in part.values()) for name, part in parts.items()}
     print(
         f"  where a step's time goes (profiled: the fastest of {rounds} interleaved steps each, each op's own time; "
         "GEMM rates in GFLOP/s):"
@@ -165,23 +164,24 @@ def print_breakdown(
     print(f"    {'':<22}" + "".join(f"{name:>30}" for name in parts))
     for category in CATEGORIES:
         cells = []
-        for part in parts.values():
+        for name, part in parts.items():
             seconds, flops = part[category]
-            share = seconds / sum(s for s, _ in part.values())
+            share = seconds / totals[name]
             rate = f"{flops / seconds / 1e9:6.1f}" if flops else " " * 6
             cells.append(f"{seconds * 1e3:9.1f} ms {share:4.0%}  {rate}")
         print(f"    {category:<22}" + "".join(f"{c:>30}" for c in cells))
+    hf = next(name for name in parts if name != "marinlm")
     for name, part in parts.items():
         # In the profiled steps' own time: the host's speed, and the profiler's cost per op, differ
         # from the timed steps', so the fraction is carried over, not the milliseconds.
-        profiled = sum(s for s, _ in part.values())
+        profiled = totals[name]
         gemm_s = sum(part[c][0] for c in ("expert GEMMs", "other GEMMs"))
         gemm_flops = sum(part[c][1] for c in ("expert GEMMs", "other GEMMs"))
         bound = best[name] * (profiled - gemm_s + gemm_flops / peak) / profiled
         print(
             f"  {name}: with every GEMM at the peak ({gemm_s * 1e3:.0f} -> {gemm_flops / peak * 1e3:.0f} ms of "
             f"{profiled * 1e3:.0f} profiled) the step would take >= {bound * 1e3:.0f} ms"
-            + (f", {hf_time / bound:.2f}x HF" if name == "marinlm" else "")
+            + (f", {best[hf] / bound:.2f}x {hf}" if name == "marinlm" else "")
         )
 
 
@@ -311,7 +311,7 @@ def main() -> None:
                 f"  (HF not timed there: its bf16 matmuls run at {peaks[dtype] / 1e9:.1f} GFLOP/s)"
             )
         if dev == "cpu" and not emulated:
-            print_breakdown({k: steps[k] for k in ("marinlm", hf_best)}, best, qwen, peaks[dtype], best[hf_best])
+            print_breakdown({k: steps[k] for k in ("marinlm", hf_best)}, best, qwen, peaks[dtype])
         if "marinlm small" in best:
             ratio = best["marinlm small"] / best["marinlm"]
             print(
