@@ -90,12 +90,6 @@ def gemm_operands(name: str, shapes: list[list[int]]) -> tuple[list[int], list[i
     return shapes[0], shapes[1]  # (self, mat2[, out])
 
 
-def gemm_flops(name: str, shapes: list[list[int]]) -> int:
-    """FLOPs of one GEMM call from the profiler's input shapes: 2·M·K·N per product."""
-    a, b = gemm_operands(name, shapes)
-    return 2 * math.prod(a) * b[-1]
-
-
 def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dict[str, tuple[float, float]]:
     """Where the CPU time of `fn()` goes: {category: (seconds per call, GEMM FLOPs per call)}.
 
@@ -117,7 +111,7 @@ def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dic
         if name in _GEMMS:
             a, b = gemm_operands(name, event.input_shapes)
             category = "expert GEMMs" if set(expert_dims) & {*a, *b} else "other GEMMs"
-            flops[category] += gemm_flops(name, event.input_shapes) * event.count
+            flops[category] += 2 * math.prod(a) * b[-1] * event.count  # 2·M·K·N per product
         elif name.startswith(_ATTENTION):
             category = "attention kernel"
         elif name.startswith(_OPTIMIZER):
