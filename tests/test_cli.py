@@ -241,3 +241,20 @@ def test_a_mistyped_run_folder_is_named_as_missing(tmp_path, capsys):
     ):
         assert main(command) == 2
         assert f"error: {tmp_path / 'typo'}: no such run or checkpoint folder" in capsys.readouterr().err
+
+
+def test_a_folder_of_runs_names_the_runs_inside(tmp_path, capsys):
+    """`marinlm generate runs/quickstart` read 'no usable checkpoint', though its run is in train/."""
+    from marinlm.train.checkpoint import STEP_PREFIX
+
+    (tmp_path / "train" / "checkpoints" / f"{STEP_PREFIX}00000010").mkdir(parents=True)
+    (tmp_path / "tokens").mkdir()
+    for command in (["generate", str(tmp_path), "--prompt", "x"], ["eval", str(tmp_path), "--tasks", "val"]):
+        assert main(command) == 2
+        assert (
+            f"error: {tmp_path}: not a run folder; the runs inside it: {tmp_path / 'train'}" in capsys.readouterr().err
+        )
+    # A run whose checkpoints are all gone is still reported as such, not searched below.
+    (tmp_path / "train" / "checkpoints" / f"{STEP_PREFIX}00000010").rmdir()
+    assert main(["generate", str(tmp_path / "train"), "--prompt", "x"]) == 2
+    assert "no usable checkpoint" in capsys.readouterr().err

@@ -46,6 +46,12 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
         except CheckpointError as e:
             if rank == 0:
                 print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
+    if not candidates:
+        # A folder of runs given for a run (the quickstart's runs/quickstart holds its run in train/):
+        # name the runs inside rather than report this one as broken.
+        runs = sorted(str(p.parent) for p in path.glob("*/checkpoints") if list_checkpoints(p))
+        if runs:
+            raise FileNotFoundError(f"{path}: not a run folder; the runs inside it: {', '.join(runs)}")
     raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
 
 
