@@ -674,12 +674,18 @@ def test_generating_past_max_seq_len_warns(loaded, capsys):
 def test_without_data_dir_tasks_come_from_the_env_or_an_error_says_how(tmp_path, monkeypatch):
     """An installed package has no ../shared/data/eval: the error named a path inside site-packages."""
     import marinlm.eval.runner as runner
+    import marinlm.eval.tasks as tasks
 
     write_tasks(tmp_path / "tasks")
     monkeypatch.setattr(runner, "DEFAULT_DATA_DIR", tmp_path / "site-packages" / "shared" / "data" / "eval")
     monkeypatch.delenv(runner.DATA_ENV, raising=False)
-    with pytest.raises(TaskDataError, match=r"no --data-dir was given, MARINLM_EVAL_DATA is not set.*--hf"):
+    with pytest.raises(TaskDataError, match=r"no --data-dir was given, MARINLM_EVAL_DATA is not set.*--hf") as e:
         prepare(EvalOptions(tasks=["arc_easy"]))
+    assert str(e.value).startswith("task 'arc_easy' needs arc_easy.jsonl: ") and "site-packages" not in str(e.value)
+    # A task read from HF datasets with a bad row keeps its own error: it is not a missing folder.
+    monkeypatch.setattr(tasks, "_hf_rows", lambda spec, name: [{"query": "Q", "gold": 0}])
+    with pytest.raises(TaskDataError, match=r"missing field 'choices'"):
+        prepare(EvalOptions(tasks=["arc_easy"], hf_datasets={"arc_easy.jsonl": "some/dataset:test"}))
     monkeypatch.setenv(runner.DATA_ENV, str(tmp_path / "tasks"))
     assert len(prepare(EvalOptions(tasks=["arc_easy"]))[0][2]) > 0
     with pytest.raises(TaskDataError, match=r"elsewhere/arc_easy.jsonl: task file not found \(point"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from marinlm.config import check
 from marinlm.eval.lm import Scorer
-from marinlm.eval.tasks import MMLU, TaskDataError, read_text, score, subset, task_registry
+from marinlm.eval.tasks import MMLU, TaskDataError, TaskFileMissing, read_text, score, subset, task_registry
 from marinlm.parallel.distributed import rank_and_world
 from marinlm.train.inference import document_start_id
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
@@ -89,13 +89,14 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             task = registry[spec]
             try:
                 items = task.load(_data_dir(options))
-            except TaskDataError as e:
+            except TaskFileMissing:
                 if _data_dir(options) != DEFAULT_DATA_DIR or DEFAULT_DATA_DIR.is_dir():
                     raise
+                # Not the path that was tried: it lies inside the installed package, not a place to fill.
                 raise TaskDataError(
-                    f"{e}: no --data-dir was given, {DATA_ENV} is not set, and there is no ../shared/data/eval "
-                    "beside the source (an installed package has none); give one of the first two, or load "
-                    "the task from HF datasets with --hf"
+                    f"task {spec!r} needs {', '.join(task.files)}: no --data-dir was given, {DATA_ENV} is not set, "
+                    "and there is no ../shared/data/eval beside the source (an installed package has none); give "
+                    "one of the first two, or load the task from HF datasets with --hf"
                 ) from None
             if not items:
                 raise TaskDataError(f"{_data_dir(options) / task.files[0]}: task {spec!r} has no items")

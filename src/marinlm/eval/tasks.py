@@ -38,6 +38,10 @@ class TaskDataError(ValueError):
     """A task file that is missing, malformed or inconsistent; the message names file and line."""
 
 
+class TaskFileMissing(TaskDataError):
+    """A task file that is not on disk (and not given as an HF datasets source)."""
+
+
 @dataclass
 class Item:
     requests: list[Request]
@@ -98,7 +102,7 @@ def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
             (f"{HF_SOURCES[path.name]}[{i}]", row) for i, row in enumerate(_hf_rows(HF_SOURCES[path.name], path.name))
         ]
     elif not path.is_file():
-        raise TaskDataError(f"{path}: task file not found (point --data-dir at the evaluation data)")
+        raise TaskFileMissing(f"{path}: task file not found (point --data-dir at the evaluation data)")
     else:
         raw = []
         for n, line in enumerate(read_text(path).splitlines(), start=1):
