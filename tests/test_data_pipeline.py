@@ -202,6 +202,10 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
     a = report["accounting"]["raw"]
     assert a["in"] == a["kept"] + a["dropped"] + a["rejected"]
     assert a["rejected"] == len(rejected) == 8
+    assert (
+        "each rejected record (unreadable, with its file and line) in `rejected/`"
+        in (tmp_path / "out" / "report.md").read_text()
+    )
 
 
 def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_else(tmp_path):

@@ -159,7 +159,8 @@ def _markdown(report: dict) -> str:
         )
     lines += [
         "",
-        "Invariant: in = kept + dropped + rejected (checked).",
+        "Invariant: in = kept + dropped + rejected (checked). Nothing is lost: each dropped document is in "
+        "`dropped/STEP/`, each rejected record (unreadable, with its file and line) in `rejected/`, with its reason.",
         "",
         "## Steps",
         "",
