@@ -1,5 +1,8 @@
 """The command line: overrides reach configs; commands without a config reject unknown flags."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -258,3 +261,32 @@ def test_a_folder_of_runs_names_the_runs_inside(tmp_path, capsys):
     (tmp_path / "train" / "checkpoints" / f"{STEP_PREFIX}00000010").rmdir()
     assert main(["generate", str(tmp_path / "train"), "--prompt", "x"]) == 2
     assert "no usable checkpoint" in capsys.readouterr().err
+
+
+def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path, monkeypatch, capsys):
+    """The stages' default configs did not meet: `data run` wrote runs/curated-shared and
+    `tokenizer train` ./tokenizer, where the next stage did not look. Runs the README's lines as
+    written (training cut to 2 steps), from a folder with ../shared beside it."""
+    import re
+    import shlex
+
+    from conftest import ROOT, shared_data
+
+    shared = shared_data().parent  # the configs name ../shared/data
+    block = re.search(r"## Stage by stage\n.*?```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert [c[1] for c in commands] == ["data", "tokenizer", "tokenize", "train", "generate", "eval"]
+    (tmp_path / "shared").symlink_to(shared)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # no configs/ here: the package's own copies are read
+    for program, *argv in commands:
+        assert program == ".venv/bin/marinlm"
+        if argv[0] == "train":
+            argv += ["--train.steps=2", "--validation.max_rows=2"]
+        if argv[0] == "generate":
+            argv += ["--max-new-tokens", "4"]
+        assert main(argv) == 0, argv
+    out = capsys.readouterr().out
+    assert "KING HENRY:" in out and "| val | loss |" in out
+    manifest = json.loads(Path("runs/tokens/manifest.json").read_text())
+    assert manifest["tokenizer"]["vocab_size"] == 4096 and Path("runs/tiny/checkpoints/step-00000002").is_dir()

@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
     data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")
-    data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/default.yaml")
+    data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/shared-corpus.yaml")
     _add_print_config(data_run, "data")
     data_run.set_defaults(func=_data_run, takes_overrides=True)
 

@@ -58,7 +58,7 @@ CHAT_TEMPLATE = (
 class TokenizerTrainConfig:
     inputs: list[str] = field(default_factory=list)  # files, folders or globs: curated shards or text
     text_field: str = "text"
-    output_dir: str = "tokenizer"
+    output_dir: str = "runs/tokenizer"  # where configs/tokenize/default.yaml looks
     vocab_size: int = 32768  # the hero uses 128,256
     min_frequency: int = 2
     max_bytes: int = 0  # train on about this much text, a share of every input file (0 = all)
