@@ -289,3 +289,32 @@ def test_shipped_configs_load_from_any_folder_and_a_local_file_wins(tmp_path, mo
     assert mine.optim.lr == 0.125 and mine.model == shipped.model
     with pytest.raises(ConfigError, match=r"config file not found: train/tny \(shipped configs: .*train/tiny\.yaml"):
         load_config(TrainConfig, "train/tny")
+
+
+def test_sub_config_files_fall_back_to_the_shipped_copy_and_a_bare_name_says_how(tmp_path, monkeypatch):
+    """The README's `--model=configs/model/small.yaml` was 'config file not found' outside a
+    checkout, though `marinlm train configs/train/tiny.yaml` found the shipped copy; and `model:
+    model/tiny` in a YAML read 'expected a mapping for MarinConfig'."""
+    from marinlm.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    small = load_config(MarinConfig, CONFIGS / "model" / "small.yaml")
+    config = load_config(TrainConfig, "train/tiny", ["--model=configs/model/small.yaml", "--model.num_layers=3"])
+    assert config.model.d_model == small.d_model and config.model.num_layers == 3
+    # In a file: relative to the file first, then the shipped copy.
+    (tmp_path / "run.yaml").write_text("include: configs/train/tiny.yaml\nmodel: configs/model/small.yaml\n")
+    assert load_config(TrainConfig, "run.yaml").model == small
+    (tmp_path / "configs" / "model").mkdir(parents=True)
+    (tmp_path / "configs" / "model" / "small.yaml").write_text(
+        f"include: {CONFIGS / 'model' / 'small.yaml'}\nnum_layers: 2\n"
+    )
+    assert load_config(TrainConfig, "run.yaml").model.num_layers == 2  # the file beside it wins
+    with pytest.raises(ConfigError, match=r"^model: expected a mapping, or a YAML file's path ending in \.yaml"):
+        load_config(TrainConfig, "train/tiny", ["--model=model/tiny"])
+    # A nested sub-config's error names its whole key.
+    with pytest.raises(ConfigError, match=r"^model\.moe: expected a mapping, or a YAML file's path"):
+        load_config(TrainConfig, "train/tiny", ["--model.moe=small"])
+    with pytest.raises(ConfigError, match=r"^model\.moe: expected a mapping, or a YAML file's path"):
+        load_config(TrainConfig, "train/tiny", ["--model=configs/model/small.yaml", "--model.moe=small"])
+    with pytest.raises(ConfigError, match=r"^model\.moe: config file not found: .*nope\.yaml"):
+        load_config(TrainConfig, "train/tiny", ["--model.moe=nope.yaml"])

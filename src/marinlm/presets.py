@@ -25,14 +25,18 @@ def find_config(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file() or path.is_absolute():
         return path
+    return shipped_config(path) or path
+
+
+def shipped_config(path: str | Path) -> Path | None:
+    """The shipped config that a relative `path` names (`configs/train/tiny.yaml`, `train/tiny.yaml`
+    or `train/tiny`), or None."""
+    path = Path(path)
     parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
-    if not parts:
-        return path
+    if not parts or path.is_absolute():
+        return None
     shipped = CONFIG_DIR.joinpath(*parts)
-    for candidate in (shipped, shipped.with_name(shipped.name + ".yaml")):
-        if candidate.is_file():
-            return candidate
-    return path
+    return next((c for c in (shipped, shipped.with_name(shipped.name + ".yaml")) if c.is_file()), None)
 
 
 def shipped_configs() -> list[str]:

@@ -8,6 +8,7 @@ a file may `include:` others. Overrides edit any key, or one item of a list (`--
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar, get_args
@@ -154,7 +155,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     includes = [includes] if isinstance(includes, str) else includes
     merged: dict[str, Any] = {}
     for inc in includes:
-        included = path.parent / inc
+        included = _find_ref(inc, path.parent)
         merged = merge(merged, _rebase_file_refs(read_yaml(included), included.parent))
     return merge(merged, data)
 
@@ -190,17 +191,39 @@ def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[s
             out[key] = _read_sub_config(value, base_dir, sub, key)
         elif isinstance(value, dict) and _is_yaml_ref(value.get("include")):
             rest = {k: v for k, v in value.items() if k != "include"}
-            out[key] = merge(
-                _read_sub_config(value["include"], base_dir, sub, key), resolve_file_refs(rest, base_dir, sub)
-            )
+            try:
+                rest = resolve_file_refs(rest, base_dir, sub)
+            except ConfigError as e:
+                raise e.under(key) from None
+            out[key] = merge(_read_sub_config(value["include"], base_dir, sub, key), rest)
         elif isinstance(value, dict):
-            out[key] = resolve_file_refs(value, base_dir, sub)
+            try:
+                out[key] = resolve_file_refs(value, base_dir, sub)
+            except ConfigError as e:
+                raise e.under(key) from None
+        elif isinstance(value, str) and typing.get_origin(tp) in (None, typing.Union, types.UnionType):
+            # (not in a list or dict of sub-configs, whose own error says what was expected)
+            raise ConfigError(
+                key,
+                f"expected a mapping, or a YAML file's path ending in .yaml (e.g. ../model/tiny.yaml, or a shipped "
+                f"config as configs/model/tiny.yaml from any folder), got {value!r}",
+            )
     return out
 
 
-def _read_sub_config(name: str, base_dir: Path, cls: type, key: str) -> dict[str, Any]:
+def _find_ref(name: str, base_dir: Path) -> Path:
+    """The YAML file that `name` refers to: relative to `base_dir` (the naming file's folder, or the
+    working folder for an override); else, as for a top-level config, the shipped copy
+    (`configs/model/small.yaml` from any folder with a plain `pip install`)."""
+    from marinlm.presets import shipped_config
+
     ref = Path(name)
     ref = ref if ref.is_absolute() else base_dir / ref
+    return ref if ref.is_file() else shipped_config(name) or ref
+
+
+def _read_sub_config(name: str, base_dir: Path, cls: type, key: str) -> dict[str, Any]:
+    ref = _find_ref(name, base_dir)
     try:
         return resolve_file_refs(read_yaml(ref), ref.parent, cls)
     except ConfigError as e:
