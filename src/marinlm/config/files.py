@@ -187,28 +187,29 @@ def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[s
         sub = next((a for a in (get_args(tp) or (tp,)) if is_config_class(a)), None)
         if sub is None:
             continue
-        if _is_yaml_ref(value):
-            out[key] = _read_sub_config(value, base_dir, sub, key)
-        elif isinstance(value, dict) and _is_yaml_ref(value.get("include")):
-            rest = {k: v for k, v in value.items() if k != "include"}
-            try:
-                rest = resolve_file_refs(rest, base_dir, sub)
-            except ConfigError as e:
-                raise e.under(key) from None
-            out[key] = merge(_read_sub_config(value["include"], base_dir, sub, key), rest)
-        elif isinstance(value, dict):
-            try:
-                out[key] = resolve_file_refs(value, base_dir, sub)
-            except ConfigError as e:
-                raise e.under(key) from None
-        elif isinstance(value, str) and typing.get_origin(tp) in (None, typing.Union, types.UnionType):
-            # (not in a list or dict of sub-configs, whose own error says what was expected)
-            raise ConfigError(
-                key,
-                f"expected a mapping, or a YAML file's path ending in .yaml (e.g. ../model/tiny.yaml, or a shipped "
-                f"config as configs/model/tiny.yaml from any folder), got {value!r}",
-            )
+        try:
+            out[key] = _resolve_sub_config(value, base_dir, sub, tp)
+        except ConfigError as e:
+            raise e.under(key) from None
     return out
+
+
+def _resolve_sub_config(value: Any, base_dir: Path, cls: type, tp: Any) -> Any:
+    if _is_yaml_ref(value):
+        return _read_sub_config(value, base_dir, cls)
+    if isinstance(value, dict) and _is_yaml_ref(value.get("include")):
+        rest = {k: v for k, v in value.items() if k != "include"}
+        return merge(_read_sub_config(value["include"], base_dir, cls), resolve_file_refs(rest, base_dir, cls))
+    if isinstance(value, dict):
+        return resolve_file_refs(value, base_dir, cls)
+    if isinstance(value, str) and typing.get_origin(tp) in (None, typing.Union, types.UnionType):
+        # (not in a list or dict of sub-configs, whose own error says what was expected)
+        raise ConfigError(
+            "",
+            f"expected a mapping, or a YAML file's path ending in .yaml (e.g. ../model/tiny.yaml, or a shipped "
+            f"config as configs/model/tiny.yaml from any folder), got {value!r}",
+        )
+    return value
 
 
 def _find_ref(name: str, base_dir: Path) -> Path:
@@ -222,12 +223,9 @@ def _find_ref(name: str, base_dir: Path) -> Path:
     return ref if ref.is_file() else shipped_config(name) or ref
 
 
-def _read_sub_config(name: str, base_dir: Path, cls: type, key: str) -> dict[str, Any]:
+def _read_sub_config(name: str, base_dir: Path, cls: type) -> dict[str, Any]:
     ref = _find_ref(name, base_dir)
-    try:
-        return resolve_file_refs(read_yaml(ref), ref.parent, cls)
-    except ConfigError as e:
-        raise e.under(key) from None
+    return resolve_file_refs(read_yaml(ref), ref.parent, cls)
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
