@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -77,6 +78,13 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     assert again["inputs_tokenized"] == 1  # only the damaged one
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
     assert not list(out.rglob("*.tmp"))
+    # With nothing left to do, manifest.json stays byte for byte what it was (its time included):
+    # a training run records the data it used by the file's sha256.
+    written = (out / "manifest.json").read_bytes()
+    time.sleep(0.05)
+    third = tokenize(corpus_config(root, tok_dir, out, workers=1), progress=False)
+    assert third["inputs_tokenized"] == 0 and third["seconds"] == again["seconds"]
+    assert (out / "manifest.json").read_bytes() == written
 
 
 def test_tokenize_into_a_folder_made_with_another_tokenizer_is_refused(dataset, tok_dir, tmp_path):

@@ -181,6 +181,13 @@ def _marker_valid(marker: Path, stamp: dict, out: Path) -> bool:
     return same_input and files_there
 
 
+def _read_manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = False) -> dict:
     """Run the job; returns the manifest (also written to OUTPUT_DIR/manifest.json).
 
@@ -279,7 +286,12 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
         manifest[f"{s}_tokens"] = sum(e["num_tokens"] for e in manifest["splits"][s])
         manifest[f"{s}_docs"] = sum(e["num_docs"] for e in manifest["splits"][s])
     manifest["seconds"] = round(time.perf_counter() - start, 2)
-    write_json_atomic(out / "manifest.json", manifest)
+    if not tasks and (earlier := _read_manifest(out)) and {**earlier, "seconds": 0} == {**manifest, "seconds": 0}:
+        # A rerun with nothing left to do leaves the file as it was: its time, and the sha256 by which
+        # a training run records (and the quickstart recognises) the data it was trained on.
+        manifest = earlier
+    else:
+        write_json_atomic(out / "manifest.json", manifest)
     if manifest["train_docs"] + manifest["val_docs"] == 0:
         first = f" (first: {rejected[0]['location']}: {rejected[0]['reason']})" if rejected else ""
         raise ValueError(
