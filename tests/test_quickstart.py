@@ -1,19 +1,28 @@
 from __future__ import annotations
 
+import os
 import re
+import signal
 from types import SimpleNamespace
 
 import pytest
 
+from marinlm.config import load_config
 from marinlm.optim import ScheduleConfig
+from marinlm.presets import preset
 from marinlm.quickstart import (
     MARKER,
+    _interrupted_training,
     _median_step_seconds,
     _Replan,
     build_default_corpus,
     corpus_prompt,
     run_quickstart,
 )
+from marinlm.train.checkpoint import list_checkpoints, step_of
+from marinlm.train.config import TrainConfig
+from marinlm.train.metrics import read_metrics
+from marinlm.train.signals import StoppedBySignal
 
 from conftest import write_corpus
 
@@ -104,31 +113,79 @@ def test_the_run_is_replanned_from_its_step_time_and_shortened_when_the_host_slo
     trainer = _FakeTrainer(600)
     steps, seconds = _train_under(trainer, lambda step: 0.6 + blips(step), 10.0, monkeypatch)
     assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and 550 < seconds < 600
+    # A run resumed at step 400 of 600 keeps its plan: never lengthened (its learning rate is past
+    # its peak), but shortened, measured from the resumed steps, when the rest would not fit.
+    trainer = _FakeTrainer(600)
+    trainer.step = 400
+    steps, seconds = _train_under(trainer, lambda step: 0.5, 5.0, monkeypatch)
+    assert trainer.lengths == [] and steps == 600 and seconds == 100
+    trainer = _FakeTrainer(600)
+    trainer.step = 400
+    steps, seconds = _train_under(trainer, lambda step: 0.5, 1.5, monkeypatch)
+    assert trainer.lengths == [(430, 565)] and steps == 565 and seconds < 90  # 430 + 0.9 * (90 - 15 s) / 0.5 s
 
 
 @pytest.mark.slow
-def test_quickstart_smoke_run(tmp_path, capsys):
+def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch):
     write_corpus(tmp_path / "corpus", num_docs=300, num_files=2)
-    stale = tmp_path / "run" / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
+    root = tmp_path / "run"
+    stale = root / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
     stale.mkdir(parents=True)
-    (tmp_path / "run" / MARKER).touch()
-    report = run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+    (root / MARKER).touch()
+    replan = _Replan.__call__
+
+    def sigterm_at_step_40(hook, result):  # a scheduler's preemption, or Ctrl-C, in the middle of training
+        replan(hook, result)
+        if hook.trainer.step == 40:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(_Replan, "__call__", sigterm_at_step_40)
+    with pytest.raises(StoppedBySignal, match="at step 40; the same command resumes from it"):
+        run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+    monkeypatch.undo()
     # 1.5 min leaves under the 1 min training minimum, and the user is told the run will overrun it.
     out = capsys.readouterr().out
     assert "training for the minimum of 1 min, so the whole run takes longer" in out
+    assert not stale.exists()  # replaced, so evaluation and `generate` read this run's model
     # Re-planned once from the training's own step time, after 30 steps (5% of the plan is fewer).
     replans = re.findall(r"\[step 30\] [\d.]+ s/step over steps 2-30: re-planned from (\d+) to (\d+) steps", out)
-    assert len(replans) == 1 and int(replans[0][1]) > 30, out[-2000:]
+    assert len(replans) == 1 and int(replans[0][1]) > 40, out[-2000:]
+    planned = int(replans[0][1])
+
+    # The same command again keeps the finished stages and trains on from step 40, to the same plan.
+    report = run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+    out = capsys.readouterr().out
+    assert f"resuming the training that was stopped at step 40 of {planned}" in out, out[-2000:]
+    assert "replacing the earlier training run" not in out and "s/step measured" not in out
     text = report.read_text()
+    assert f"Training: {planned} steps, resumed at step 40, median " in text
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
     after = float(re.search(r"validation, after training \| ([\d.]+)", text).group(1))
+    first = next(r for r in read_metrics(root / "train") if "val/loss" in r)
+    assert first["step"] == 0 and before == round(first["val/loss"], 3)  # the first run's, before any step
     assert after < before - 1.0  # it learned something
     for stage in ("corpus", "curation", "tokenizer", "tokenize", "training", "evaluation", "sample"):
         assert f"| {stage} |" in text
     assert "Temperature 0.7, top-k 40, repetition penalty 1.2, seed 0" in text  # the sample's settings
-    assert (tmp_path / "run" / "loss.png").stat().st_size > 5000
-    assert list((tmp_path / "run" / "train" / "checkpoints").glob("step-*"))
-    assert not stale.exists()  # replaced, so evaluation and `generate` read this run's model
+    assert (root / "loss.png").stat().st_size > 5000
+    assert f"resumed from {root / 'train' / 'checkpoints' / 'step-00000040'} at step 40" in out
+    assert step_of(list_checkpoints(root / "train" / "checkpoints")[0]) == planned
+
+    # A finished quickstart (its report written after its newest checkpoint), another job, or other
+    # token shards start over; the same job whose quickstart never got to its report goes on.
+    fresh = load_config(TrainConfig, preset("train", "quickstart"), [f"--run_dir={root / 'train'}"])
+    fresh.data.sources[0].path = str(root / "tokens")
+    assert _interrupted_training(root / "train", fresh) is None
+    newest = list_checkpoints(root / "train" / "checkpoints")[0]
+    os.utime(newest, (report.stat().st_mtime + 1,) * 2)
+    config, step, before_training = _interrupted_training(root / "train", fresh)
+    assert step == planned and config.train.steps == planned and before_training == first
+    fresh.model.num_layers += 1
+    assert _interrupted_training(root / "train", fresh) is None
+    fresh.model.num_layers -= 1
+    manifest = root / "tokens" / "manifest.json"
+    manifest.write_text(manifest.read_text() + "\n")
+    assert _interrupted_training(root / "train", fresh) is None
 
 
 def test_too_little_text_stops_with_what_is_missing(tmp_path):

@@ -10,15 +10,18 @@
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import math
 import os
 import resource
 import shutil
+import statistics
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +30,9 @@ from tqdm import tqdm
 from marinlm.config import load_config, save_config
 from marinlm.presets import preset
 from marinlm.utils.io import write_text_atomic
+
+if TYPE_CHECKING:
+    from marinlm.train.config import TrainConfig
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
 
@@ -44,7 +50,7 @@ MARKER = ".marinlm-quickstart"
 def claim_run_dir(root: Path) -> None:
     """Make `root` the quickstart's own folder, whose stages it may start over.
 
-    The quickstart replaces its earlier training run and restarts stages whose inputs changed, so
+    The quickstart replaces a finished earlier training run and restarts stages whose inputs changed, so
     it must never do that in a folder someone else's runs live in (`--run-dir runs` holding a real
     `runs/train`). A new or empty folder, or one an earlier quickstart made, is claimed with a
     marker file; anything else is an error.
@@ -170,17 +176,20 @@ class _Replan:
 
     def __init__(self, trainer, train_minutes: float):
         self.trainer, self.train_minutes = trainer, train_minutes
-        planned = trainer.config.train.steps
+        planned, self.start = trainer.config.train.steps, trainer.step
         self.every = max(30, round(0.05 * planned), trainer.config.schedule.warmup(planned))
-        self.at = self.every if self.every <= planned // 2 else None  # later: the LR has decayed most of the way
+        self.at = self.start + self.every
+        if self.start == 0 and self.every > planned // 2:
+            self.at = None  # later: the LR has decayed most of the way
         self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too
         self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOWS)
-        self.replanned = False
+        # A resumed run keeps the plan it was stopped in: only shortened, if the time left is short.
+        self.replanned = self.start > 0
 
     def __call__(self, result) -> None:
         step, now = self.trainer.step, time.perf_counter()
-        if step == 1:  # the first step warms up caches and allocator: timed from its end
-            self.marks.append((1, now))
+        if step == self.start + 1:  # the first step warms up caches and allocator: timed from its end
+            self.marks.append((step, now))
         if self.at is None or not self.marks or step != self.at:
             return
         self.at = step + self.every
@@ -203,6 +212,45 @@ class _Replan:
             what = f"the host slowed to {step_seconds:.2f} s/step over steps {since + 1}-{step}: shortened"
         self.replanned = True
         tqdm.write(f"[step {step}] {what} from {planned} to {steps} steps, to end in the {left / 60:.1f} min left")
+
+
+def _interrupted_training(run: Path, fresh: TrainConfig) -> tuple[TrainConfig, int, dict] | None:
+    """(its config, its newest checkpoint's step, its validation before training) if `run` holds
+    a quickstart training whose quickstart did not finish (stopped by Ctrl-C, a SIGTERM or a crash,
+    in training or after it: no report.md was written after its newest checkpoint) and that is the
+    same job as `fresh` would be: same model, optimizer, data and token shards, only its plan
+    (length, schedule, checkpoint and validation cadence, time limit) set by the earlier run.
+    Otherwise None: a finished quickstart, or another job, starts over."""
+    from marinlm.config import ConfigError, to_dict
+    from marinlm.train.checkpoint import list_checkpoints, step_of
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.metrics import read_metrics
+    from marinlm.utils.io import sha256_file
+
+    checkpoints = list_checkpoints(run / "checkpoints")
+    report = run.parent / "report.md"
+    try:
+        if not checkpoints or (report.exists() and report.stat().st_mtime >= checkpoints[0].stat().st_mtime):
+            return None
+        saved = load_config(TrainConfig, run / "config.yaml")
+        record = json.loads((run / "run_info.json").read_text())
+        same_data = [d["manifest_sha256"] for d in record["data"]] == [
+            sha256_file(Path(source.path) / "manifest.json") for source in fresh.data.sources
+        ]
+        # The report's loss before training: logged at step 0, before the first step.
+        before = next((r for r in read_metrics(run) if r["step"] == 0 and "val/loss" in r), None)
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
+        return None
+    if not same_data or before is None:
+        return None
+    planned = copy.deepcopy(fresh)
+    planned.train.steps, planned.train.max_minutes = saved.train.steps, saved.train.max_minutes
+    planned.schedule.warmup_steps = saved.schedule.warmup_steps
+    planned.checkpoint.every_steps = saved.checkpoint.every_steps
+    planned.validation.every_steps = saved.validation.every_steps
+    if to_dict(planned) != to_dict(saved):
+        return None
+    return saved, step_of(checkpoints[0]), before
 
 
 DEFAULT_PROMPT = "def read_config(path):\n"
@@ -375,33 +423,43 @@ def run_quickstart(
             f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; training "
             "for the minimum of 1 min, so the whole run takes longer"
         )
-    step_seconds = _calibrate_step_seconds(train_config)
-    # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
-    # noisy, and a run that hits the time limit stops before its learning rate has decayed. `_Replan`
-    # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
-    train_config.train.steps = max(20, int(train_minutes * 60 * 0.8 / step_seconds))
-    train_config.train.max_minutes = train_minutes
-    train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
-    train_config.validation.every_steps = max(10, train_config.train.steps // 10)
-    print(
-        f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps, about "
-        f"{train_config.train.steps * step_seconds / 60:.1f} min of the {train_minutes:.1f} min training budget"
-    )
-    if (root / "train").exists():  # an earlier quickstart's run: this one starts over (its step count differs)
-        print(f"replacing the earlier training run in {root / 'train'}")
-        shutil.rmtree(root / "train")
-    trainer = Trainer(train_config, resume="none")
-    start_val = trainer.validate()
+    interrupted = _interrupted_training(root / "train", train_config)
+    if interrupted is not None:  # the same job, stopped before its end: carry on with its own plan
+        train_config, stopped_at, start_val = interrupted  # its own time limit too; _Replan shortens it to this budget
+        print(
+            f"resuming the training that was stopped at step {stopped_at} of {train_config.train.steps} "
+            f"in {root / 'train'} (delete that folder to train from scratch)"
+        )
+    else:
+        step_seconds = _calibrate_step_seconds(train_config)
+        # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
+        # noisy, and a run that hits the time limit stops before its learning rate has decayed. `_Replan`
+        # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
+        train_config.train.steps = max(20, int(train_minutes * 60 * 0.8 / step_seconds))
+        train_config.train.max_minutes = train_minutes
+        train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
+        train_config.validation.every_steps = max(10, train_config.train.steps // 10)
+        print(
+            f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps, about "
+            f"{train_config.train.steps * step_seconds / 60:.1f} min of the {train_minutes:.1f} min training budget"
+        )
+        if (root / "train").exists():  # a finished run, or another job's: this one starts over
+            print(f"replacing the earlier training run in {root / 'train'}")
+            shutil.rmtree(root / "train")
+    trainer = Trainer(train_config, resume="auto" if interrupted else "none")
+    if interrupted is None:
+        start_val = trainer.validate()  # at step 0: the loss before training
     trainer.add_hook(_Replan(trainer, train_minutes), every=1)
     summary = trainer.fit()
     if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
-        raise StoppedBySignal(summary["signal"], summary["steps"], "a rerun keeps the finished stages and trains over")
+        raise StoppedBySignal(summary["signal"], summary["steps"])
     stages.append(
         Stage(
             "training",
             time.perf_counter() - t,
             f"{summary['steps']} steps x {train_config.train.global_batch} x {train_config.data.seq_len} "
-            f"tokens in {summary['seconds'] / 60:.1f} min",
+            f"tokens in {summary['seconds'] / 60:.1f} min"
+            + (f" (resumed at step {summary['first_step']})" if summary["first_step"] else ""),
         )
     )
 
@@ -461,6 +519,12 @@ def _write_report(
     from marinlm.train.metrics import plot_loss
 
     plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
+    # Over the whole run's logged steps: a resumed run's summary times only the steps after the resume.
+    tokens_per_s, mfu = (
+        statistics.median([r[key] for r in metrics if key in r] or [math.nan])
+        for key in ("perf/tokens_per_s", "perf/mfu")
+    )
+    resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
     lines = [
         "# marinlm quickstart report",
         "",
@@ -484,8 +548,7 @@ def _write_report(
         f"{abs(unigram[0] - end_val['val/loss']):.3f} nats/token "
         f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline.",
         "",
-        f"Training: {summary['steps']} steps, median {summary['median_tokens_per_s']:,.0f} tokens/s, "
-        f"median MFU {summary['median_mfu']:.1%} "
+        f"Training: {summary['steps']} steps{resumed}, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
         f"against this machine's measured fp32 matmul peak ({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
         "",
         "![loss](loss.png)",
