@@ -314,7 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.set_defaults(func=_eval)
 
-    quick = commands.add_parser("quickstart", help="the whole recipe end to end on this machine (~10 min)")
+    quick = commands.add_parser(
+        "quickstart",
+        help="the whole recipe end to end on this machine (~10 min)",
+        description="Corpus, curation, tokenizer, token shards, training, evaluation, a sample and "
+        "RUN_DIR/report.md. Stopped part way (Ctrl-C, a kill), the same command carries on: finished "
+        "stages are kept and training resumes from its last checkpoint. After a finished run it trains again.",
+    )
     quick.add_argument(
         "--corpus",
         nargs="+",
@@ -328,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="total time budget; training gets what the data stages leave, but at least 1 min",
     )
-    quick.add_argument("--run-dir", default="runs/quickstart")
+    quick.add_argument("--run-dir", default="runs/quickstart", help="where every stage writes (default: %(default)s)")
     quick.add_argument("--seed", type=int, default=0)
     quick.add_argument(
         "--text-field",
