@@ -290,3 +290,30 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
     assert "KING HENRY:" in out and "| val | loss |" in out
     manifest = json.loads(Path("runs/tokens/manifest.json").read_text())
     assert manifest["tokenizer"]["vocab_size"] == 4096 and Path("runs/tiny/checkpoints/step-00000002").is_dir()
+
+
+@pytest.mark.parametrize(
+    "command, argv, says",
+    [
+        (
+            "_data_run",
+            ["data", "run", "x.yaml"],
+            "interrupted; the same command carries on from the last finished unit",
+        ),
+        ("_quickstart", ["quickstart"], "interrupted; the same command carries on from the last finished unit"),
+        ("_generate", ["generate", "run", "--prompt", "a"], "interrupted"),
+        ("_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
+    ],
+)
+def test_ctrl_c_outside_training_exits_130_and_says_whether_a_rerun_carries_on(
+    command, argv, says, monkeypatch, capsys
+):
+    """Ctrl-C in `generate` said the same command would carry on 'curation and tokenization'."""
+    import marinlm.cli as cli
+
+    def interrupted(args, overrides):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, command, interrupted)
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == says

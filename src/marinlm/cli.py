@@ -437,9 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e, file=sys.stderr)
         return 128 + signal.Signals[e.name].value  # what a shell reports for a job the signal ended
-    except KeyboardInterrupt:  # Ctrl-C outside training (curation, tokenization): no traceback
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops): no traceback
+        # Curation and tokenization resume input by input; the quickstart keeps finished stages and
+        # its training's checkpoints. The other commands have nothing to carry on.
+        resumable = args.func in (_data_run, _tokenize, _quickstart)
         print(
-            "interrupted; the same command carries on (curation and tokenization from the last finished unit)",
+            "interrupted" + ("; the same command carries on from the last finished unit" if resumable else ""),
             file=sys.stderr,
         )
         return 130
