@@ -301,6 +301,7 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
             "interrupted; the same command carries on from the last finished unit",
         ),
         ("_quickstart", ["quickstart"], "interrupted; the same command carries on from the last finished unit"),
+        ("_train", ["train", "x.yaml"], "interrupted; the same command carries on from the last finished unit"),
         ("_generate", ["generate", "run", "--prompt", "a"], "interrupted"),
         ("_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
     ],

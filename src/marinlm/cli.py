@@ -438,9 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             print(e, file=sys.stderr)
         return 128 + signal.Signals[e.name].value  # what a shell reports for a job the signal ended
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops): no traceback
-        # Curation and tokenization resume input by input; the quickstart keeps finished stages and
-        # its training's checkpoints. The other commands have nothing to carry on.
-        resumable = args.func in (_data_run, _tokenize, _quickstart)
+        # Curation and tokenization resume input by input, training (--resume auto) from its newest
+        # checkpoint; the quickstart keeps finished stages. The other commands have nothing to carry on.
+        resumable = args.func in (_data_run, _tokenize, _train, _quickstart)
         print(
             "interrupted" + ("; the same command carries on from the last finished unit" if resumable else ""),
             file=sys.stderr,
