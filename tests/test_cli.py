@@ -318,3 +318,21 @@ def test_ctrl_c_outside_training_exits_130_and_says_whether_a_rerun_carries_on(
     monkeypatch.setattr(cli, command, interrupted)
     assert main(argv) == 130
     assert capsys.readouterr().err.strip() == says
+
+
+def test_sigterm_outside_training_exits_143_and_puts_the_handler_back(monkeypatch, capsys):
+    """Raised as an exception (so workers and partial outputs are cleaned up: test_data_pipeline's
+    test_sigterm_stops_the_worker_processes_too), reported like Ctrl-C, with a shell's exit code."""
+    import signal
+
+    import marinlm.cli as cli
+
+    def terminated(args, overrides):
+        assert callable(signal.getsignal(signal.SIGTERM))  # else the signal would end pytest itself
+        signal.raise_signal(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "_tokenize", terminated)
+    assert main(["tokenize", "x.yaml"]) == 143
+    assert capsys.readouterr().err.strip() == "terminated; the same command carries on from the last finished unit"
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -322,7 +323,16 @@ def _run_cli(config_path: Path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group: the workers it spawns can be found (and killed)
     )
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.slow
@@ -380,6 +390,37 @@ def test_resume_after_kill_gives_identical_output(tmp_path):
     b = json.loads((tmp_path / "killed" / "manifest.json").read_text())
     assert a["shards"] == b["shards"]  # same files, same sha256
     assert not list((tmp_path / "killed").rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_worker_processes_too(tmp_path):
+    """A scheduler's SIGTERM ended `data run` on the spot and left its worker processes behind,
+    idle for good; now the workers are stopped, the command exits 143 and says a rerun carries on."""
+    for i in range(4):
+        write_jsonl(tmp_path / "in" / f"part{i}.jsonl", synthetic_docs(150, seed=20 + i, words=400), f"p{i}-")
+    save_config(
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], workers=2),
+        tmp_path / "c.yaml",
+    )
+    run = _run_cli(tmp_path / "c.yaml")
+    try:
+        marker_dir = tmp_path / "out" / ".work" / "stage1"
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(marker_dir.glob("*.done.json")) and run.poll() is None:
+            time.sleep(0.02)
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=60)[0]
+        assert run.returncode == 143, output
+        assert "terminated; the same command carries on from the last finished unit" in output
+        assert "Traceback" not in output
+        deadline = time.time() + 10
+        while time.time() < deadline and _group_alive(run.pid):
+            time.sleep(0.1)
+        assert not _group_alive(run.pid), "worker processes outlived the command"
+        assert 1 <= len(list(marker_dir.glob("*.done.json"))) < 4  # stopped part way
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
 
 
 def test_ray_executor_without_ray_is_a_config_error(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from marinlm.config import ConfigError
-from marinlm.train.signals import StoppedBySignal
+from marinlm.train.signals import StoppedBySignal, Terminated, raise_on_sigterm
 from marinlm.utils.pool import WorkerDied
 
 
@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest and not rest[0].startswith("--"):
         parser.error(f"unrecognized arguments: {' '.join(rest)} (config overrides look like --a.b=value)")
+    restore_sigterm = raise_on_sigterm()
     try:
         if kind := getattr(args, "print_config", None):
             from marinlm.config import dump_config
@@ -437,15 +438,16 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e, file=sys.stderr)
         return 128 + signal.Signals[e.name].value  # what a shell reports for a job the signal ended
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops): no traceback
+    except (KeyboardInterrupt, Terminated) as e:  # outside a training loop (which saves and stops): no traceback
         # Curation and tokenization resume input by input, training (--resume auto) from its newest
         # checkpoint; the quickstart keeps finished stages. The other commands have nothing to carry on.
         resumable = args.func in (_data_run, _tokenize, _train, _quickstart)
         print(
-            "interrupted" + ("; the same command carries on from the last finished unit" if resumable else ""),
+            ("terminated" if isinstance(e, Terminated) else "interrupted")
+            + ("; the same command carries on from the last finished unit" if resumable else ""),
             file=sys.stderr,
         )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     except BrokenPipeError:  # `marinlm generate ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 141  # 128 + SIGPIPE, as a shell tool reports it
@@ -459,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise
         return 1
+    finally:
+        restore_sigterm()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Stop signals: catching them for the training loop, and the one exception they leave behind
-(light to import: the CLI catches it)."""
+"""Stop signals: catching them for the training loop, turning SIGTERM into an exception elsewhere,
+and the exceptions they leave behind (light to import: the CLI catches them)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,27 @@ class StoppedBySignal(Exception):
     def __init__(self, name: str, step: int, then: str = "the same command resumes from it"):
         super().__init__(f"stopped by {name} with a checkpoint at step {step}; {then}")
         self.name, self.step = name, step
+
+
+class Terminated(BaseException):
+    """SIGTERM (a scheduler's preemption, `kill`) outside the training loop, raised in the main thread
+    as Ctrl-C raises KeyboardInterrupt: the command's worker processes are stopped and its partial
+    outputs cleaned up on the way out. Left to its default, SIGTERM ended the process on the spot
+    and its curation or tokenization workers stayed behind, idle, for good."""
+
+
+def raise_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise `Terminated` in the main thread (off it Python allows no handler: nothing
+    changes); returns the function that puts the previous handler back. The training loop's own
+    handler (`catch_stop_signals`) takes over while it runs."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_sigterm(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)  # None: one not set from Python, the default here
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def catch_stop_signals(on_stop: Callable[[str], None]) -> dict:
