@@ -393,30 +393,34 @@ def test_resume_after_kill_gives_identical_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_worker_processes_too(tmp_path):
-    """A scheduler's SIGTERM ended `data run` on the spot and left its worker processes behind,
-    idle for good; now the workers are stopped, the command exits 143 and says a rerun carries on."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_or_killed_command_leaves_no_worker_processes(tmp_path, signum):
+    """A scheduler's SIGTERM ended `data run` on the spot, and SIGKILL (the out-of-memory killer)
+    always does: both left the spawned workers behind, idle, for good. Now SIGTERM stops them on
+    the way out (exit 143, saying a rerun carries on) and the workers end when their parent is gone."""
     for i in range(4):
         write_jsonl(tmp_path / "in" / f"part{i}.jsonl", synthetic_docs(150, seed=20 + i, words=400), f"p{i}-")
-    save_config(
-        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], workers=2),
-        tmp_path / "c.yaml",
-    )
+    config = bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path / "in")]}], workers=2)
+    save_config(config, tmp_path / "c.yaml")
     run = _run_cli(tmp_path / "c.yaml")
     try:
         marker_dir = tmp_path / "out" / ".work" / "stage1"
         deadline = time.time() + 120
         while time.time() < deadline and not list(marker_dir.glob("*.done.json")) and run.poll() is None:
             time.sleep(0.02)
-        run.send_signal(signal.SIGTERM)
-        output = run.communicate(timeout=60)[0]
-        assert run.returncode == 143, output
-        assert "terminated; the same command carries on from the last finished unit" in output
-        assert "Traceback" not in output
+        run.send_signal(signum)
+        run.wait(timeout=60)
         deadline = time.time() + 10
         while time.time() < deadline and _group_alive(run.pid):
             time.sleep(0.1)
         assert not _group_alive(run.pid), "worker processes outlived the command"
+        output = run.stdout.read()
+        if signum == signal.SIGTERM:
+            assert run.returncode == 143, output
+            assert "terminated; the same command carries on from the last finished unit" in output
+            assert "Traceback" not in output
+        else:
+            assert run.returncode == -signal.SIGKILL
         assert 1 <= len(list(marker_dir.glob("*.done.json"))) < 4  # stopped part way
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -49,7 +52,10 @@ def process_map(
         yield from map(fn, tasks)
         return
     executor = ProcessPoolExecutor(
-        max(workers, 1), mp_context=mp.get_context("spawn"), initializer=initializer, initargs=initargs
+        max(workers, 1),
+        mp_context=mp.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(os.getpid(), initializer, initargs),
     )
     try:
         futures = [executor.submit(fn, task) for task in tasks]
@@ -67,6 +73,20 @@ def process_map(
         _stop(executor)
         raise
     executor.shutdown(wait=True)
+
+
+def _start_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="marinlm-parent-watch").start()
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _exit_with_parent(parent: int, every: float = 0.5) -> None:
+    """End this worker once its parent is gone. A parent killed outright (SIGKILL, the out-of-memory
+    killer) runs no clean-up, and its spawned workers waited for tasks that never came, for good."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(1)
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:
