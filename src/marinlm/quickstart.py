@@ -214,6 +214,17 @@ class _Replan:
         tqdm.write(f"[step {step}] {what} from {planned} to {steps} steps, to end in the {left / 60:.1f} min left")
 
 
+# What each quickstart plans for its own training (below in run_quickstart, then _Replan through
+# Trainer.set_total_steps, which also fixes the warmup): everything else must match for a resume.
+PLAN_FIELDS = (
+    ("train", "steps"),
+    ("train", "max_minutes"),
+    ("schedule", "warmup_steps"),
+    ("checkpoint", "every_steps"),
+    ("validation", "every_steps"),
+)
+
+
 def _interrupted_training(run: Path, fresh: TrainConfig) -> tuple[TrainConfig, int, dict] | None:
     """(its config, its newest checkpoint's step, its validation before training) if `run` holds
     a quickstart training whose quickstart did not finish (stopped by Ctrl-C, a SIGTERM or a crash,
@@ -244,10 +255,8 @@ def _interrupted_training(run: Path, fresh: TrainConfig) -> tuple[TrainConfig, i
     if not same_data or before is None:
         return None
     planned = copy.deepcopy(fresh)
-    planned.train.steps, planned.train.max_minutes = saved.train.steps, saved.train.max_minutes
-    planned.schedule.warmup_steps = saved.schedule.warmup_steps
-    planned.checkpoint.every_steps = saved.checkpoint.every_steps
-    planned.validation.every_steps = saved.validation.every_steps
+    for section, key in PLAN_FIELDS:
+        setattr(getattr(planned, section), key, getattr(getattr(saved, section), key))
     if to_dict(planned) != to_dict(saved):
         return None
     return saved, step_of(checkpoints[0]), before
