@@ -14,7 +14,7 @@ from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, 
 from marinlm.dataset.loader import MixturePhaseConfig, TokenLoader, open_sources
 from marinlm.dataset.packing import PackedSource
 from marinlm.dataset.permutation import Permutation
-from marinlm.dataset.tokenize import TokenizeConfig, is_validation, tokenize
+from marinlm.dataset.tokenize import TokenizeConfig, fraction_holding_out_one, is_validation, split_key, tokenize
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.utils.io import OutputInUseError
 
@@ -63,6 +63,20 @@ def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
     val = TokenDataset(root / "tokens", "val")
     assert 10 <= val.num_docs <= 50
     assert sum(is_validation(f"d{i}", 3, 0.1) for i in range(300)) == val.num_docs - is_validation("ok1", 3, 0.1)
+
+
+def test_a_fraction_that_holds_out_no_document_is_raised_to_hold_out_one():
+    """A few dozen documents at 2% often held out none, and the quickstart stopped for want of a
+    validation document; the raised fraction holds out exactly the one with the lowest key."""
+    ids = [f"doc-{i}" for i in range(5)]
+    assert not any(is_validation(i, 0, 0.02) for i in ids)  # the case: 2% of 5 holds out none
+    raised = fraction_holding_out_one(ids, 0, 0.02)
+    held = [i for i in ids if is_validation(i, 0, raised)]
+    assert held == [min(ids, key=lambda i: split_key(i, 0))] and 0.02 < raised < 1
+    # Where the fraction holds out one already, or there is no document to spare, it is kept.
+    many = [f"doc-{i}" for i in range(500)]
+    assert fraction_holding_out_one(many, 0, 0.02) == 0.02
+    assert fraction_holding_out_one(ids[:1], 0, 0.02) == 0.02 and fraction_holding_out_one([], 0, 0.02) == 0.02
 
 
 def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir):

@@ -192,9 +192,34 @@ def test_too_little_text_stops_with_what_is_missing(tmp_path):
     (tmp_path / "one.txt").write_text("hello world. this is text\n")
     with pytest.raises(ValueError, match=r"curation kept none of the 1 documents .* needs more \(or longer\) text"):
         run_quickstart(str(tmp_path / "a"), corpus=[str(tmp_path / "one.txt")], minutes=1)
-    write_corpus(tmp_path / "few", num_docs=1, num_files=1)  # curated, but one document cannot be split in two
+    write_corpus(tmp_path / "one", num_docs=1, num_files=1)  # curated, but one document cannot be split in two
     with pytest.raises(ValueError, match=r"validation documents; the quickstart needs at least one of each"):
-        run_quickstart(str(tmp_path / "b"), corpus=[str(tmp_path / "few")], minutes=1)
+        run_quickstart(str(tmp_path / "b"), corpus=[str(tmp_path / "one")], minutes=1)
+
+
+def test_a_small_corpus_still_holds_out_a_validation_document(tmp_path, monkeypatch, capsys):
+    """4 documents (60 kB of tinyshakespeare.txt) at 2% held out none, and the quickstart stopped
+    with "give it more documents"; now it holds out one and goes on to train."""
+    import json
+
+    import marinlm.quickstart as quickstart
+    from marinlm.dataset.shards import TokenDataset
+
+    texts = write_corpus(tmp_path / "src", num_docs=7, num_files=1)
+    (tmp_path / "few").mkdir()
+    with open(tmp_path / "few" / "docs.jsonl", "w") as f:  # not d0: 2% holds out d0, and none of the others
+        f.writelines(json.dumps({"id": f"d{i}", "text": texts[i]}) + "\n" for i in range(1, 7))
+
+    def stop(*args):
+        raise KeyboardInterrupt("reached training")
+
+    monkeypatch.setattr(quickstart, "_calibrate_step_seconds", stop)
+    with pytest.raises(KeyboardInterrupt, match="reached training"):
+        run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "few")], minutes=1)
+    out = capsys.readouterr().out
+    kept = int(re.search(r"2% of the (\d+) curated documents holds out none", out).group(1))
+    tokens = tmp_path / "run" / "tokens"
+    assert TokenDataset(tokens, "val").num_docs == 1 and TokenDataset(tokens, "train").num_docs == kept - 1
 
 
 def test_a_corpus_nothing_of_which_is_kept_names_the_reason_and_the_flag(tmp_path):

@@ -269,6 +269,19 @@ DEFAULT_PROMPT = "def read_config(path):\n"
 USER_CHUNK_CHARS = 16_000
 
 
+def _val_fraction(shards: Path, kept: int, seed: int) -> float:
+    """VAL_FRACTION, or for a corpus so small that it might hold out no document at all, the
+    fraction that holds out one (`fraction_holding_out_one`). Only small corpora are read for it:
+    at 1,000 documents the chance that 2% holds out none is 0.98^1000 < 1e-8."""
+    from marinlm.data.readers import Document, expand_inputs, read_documents
+    from marinlm.dataset.tokenize import fraction_holding_out_one
+
+    if kept * VAL_FRACTION >= 20:
+        return VAL_FRACTION
+    ids = (doc.id for path in expand_inputs([str(shards)]) for doc in read_documents(path) if isinstance(doc, Document))
+    return fraction_holding_out_one(ids, seed, VAL_FRACTION)
+
+
 def corpus_prompt(tokens_dir: Path, tokenizer, max_chars: int = 60) -> str:
     """A prompt in the corpus's own language and style: the first line of the first validation
     document, at most `max_chars` characters (cut at a space where there is one)."""
@@ -393,12 +406,19 @@ def run_quickstart(
     )
 
     t = stage("4/8 token shards")
+    kept = sum(a["kept"] for a in acc.values())
+    val_fraction = _val_fraction(root / "curated" / "shards", kept, seed)
+    if val_fraction != VAL_FRACTION:
+        print(
+            f"note: {VAL_FRACTION:.0%} of the {kept} curated documents holds out none for validation; holding out "
+            f"one instead (val_fraction {val_fraction:.4f})"
+        )
     manifest = tokenize(
         TokenizeConfig(
             inputs=[str(root / "curated" / "shards")],
             tokenizer=str(root / "tokenizer"),
             output_dir=str(root / "tokens"),
-            val_fraction=VAL_FRACTION,
+            val_fraction=val_fraction,
             seed=seed,
         ),
         restart=True,  # a retrained tokenizer or another seed: tokenize again
@@ -406,8 +426,8 @@ def run_quickstart(
     if manifest["train_docs"] == 0 or manifest["val_docs"] == 0:
         raise ValueError(
             f"{root / 'tokens'}: {manifest['train_docs']} training and {manifest['val_docs']} validation documents; "
-            f"the quickstart needs at least one of each (it holds out {VAL_FRACTION:.0%} of the documents), "
-            "so give it more documents."
+            "the quickstart needs at least one of each, so give it more documents (a .txt file is cut into "
+            f"documents of at most {USER_CHUNK_CHARS:,} characters)."
         )
     bytes_per_token = sum(e["num_bytes"] for e in manifest["splits"]["train"]) / max(1, manifest["train_tokens"])
     stages.append(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +52,26 @@ class TokenizeConfig:
         check_executor(self.executor)
 
 
-def is_validation(doc_id: str, seed: int, fraction: float) -> bool:
-    """Deterministic per-document split: hash(seed, id) as a uniform number in [0, 1)."""
-    if fraction <= 0:
-        return False
+def split_key(doc_id: str, seed: int) -> float:
+    """hash(seed, id) as a uniform number in [0, 1): a document is held out when it is below the fraction."""
     digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def is_validation(doc_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic per-document split."""
+    return fraction > 0 and split_key(doc_id, seed) < fraction
+
+
+def fraction_holding_out_one(doc_ids: Iterable[str], seed: int, fraction: float) -> float:
+    """`fraction`, or, where it holds out none of `doc_ids`, the smallest fraction that holds out
+    one: the document with the lowest key, and no other. A small corpus (a few dozen documents at
+    2%) then still has a validation document, chosen by the same hash, so the split stays
+    deterministic. With fewer than two documents there is nothing to spare for it: `fraction`."""
+    keys = sorted(split_key(doc_id, seed) for doc_id in doc_ids)
+    if len(keys) < 2 or keys[0] < fraction:
+        return fraction
+    return math.nextafter(keys[0], 1.0)
 
 
 def _input_stamp(path: Path) -> dict:
