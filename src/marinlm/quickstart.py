@@ -542,6 +542,29 @@ def run_quickstart(
     return report
 
 
+def _passes(epochs: float) -> str:
+    return f"{epochs:.2g}" if epochs < 10 else f"{epochs:,.0f}"
+
+
+def above_baseline_verdict(val_loss: float, unigram_loss: float, epochs: float, train_loss: float) -> str:
+    """What a run that ends above the unigram baseline means ("" for one that ends below it): with
+    its training tokens read many times over, a model learns them and not the language (a 60 kB
+    corpus: 14 passes, training loss far under the validation loss); read at most once, it has not
+    over-fitted, so it trained too few steps or something is wrong."""
+    if val_loss < unigram_loss:
+        return ""
+    if epochs > 1:
+        return (
+            f"The run read its training tokens {_passes(epochs)} times over and its last training loss is "
+            f"{train_loss:.3f}: it learned those documents, not the language. There is too little text for "
+            "this model; give it more."
+        )
+    return (
+        f"The run read each training token at most once ({_passes(epochs)} passes), so it has not over-fitted: it "
+        "trained too few steps to pass the baseline, or training is broken (the loss curve is loss.png)."
+    )
+
+
 def _write_report(
     root, stages, metrics, start_val, end_val, unigram, prompt, sample, sampling, summary, peak_gb, total_s, trainer
 ) -> Path:
@@ -554,6 +577,13 @@ def _write_report(
         for key in ("perf/tokens_per_s", "perf/mfu")
     )
     resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
+    loader, batch = trainer.loader, trainer.config.train.global_batch
+    epochs = float(loader.planned_rows(summary["steps"] * batch)[0] / loader.sources[0].rows_per_epoch)
+    train_tokens = loader.sources[0].rows_per_epoch * loader.sources[0].seq_len
+    last_train = next((r["train/loss"] for r in reversed(metrics) if "train/loss" in r), math.nan)
+    verdict = above_baseline_verdict(end_val["val/loss"], unigram[0], epochs, last_train)
+    if verdict:
+        print(f"warning: the validation loss ends above the unigram baseline. {verdict}")
     lines = [
         "# marinlm quickstart report",
         "",
@@ -575,9 +605,11 @@ def _write_report(
         "",
         f"The validation loss fell by {start_val['val/loss'] - end_val['val/loss']:.3f} nats/token and ends "
         f"{abs(unigram[0] - end_val['val/loss']):.3f} nats/token "
-        f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline.",
+        f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline."
+        + (f" {verdict}" if verdict else ""),
         "",
-        f"Training: {summary['steps']} steps{resumed}, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
+        f"Training: {summary['steps']} steps{resumed}, {_passes(epochs)} passes over the {train_tokens:,} training "
+        f"tokens, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
         f"against this machine's measured fp32 matmul peak ({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
         "",
         "![loss](loss.png)",
