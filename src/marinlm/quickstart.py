@@ -577,9 +577,9 @@ def _write_report(
         for key in ("perf/tokens_per_s", "perf/mfu")
     )
     resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
-    loader, batch = trainer.loader, trainer.config.train.global_batch
-    epochs = float(loader.planned_rows(summary["steps"] * batch)[0] / loader.sources[0].rows_per_epoch)
-    train_tokens = loader.sources[0].rows_per_epoch * loader.sources[0].seq_len
+    source = trainer.loader.sources[0]
+    epochs = trainer.loader.planned_epochs(summary["steps"] * trainer.config.train.global_batch)[0]
+    train_tokens = source.rows_per_epoch * source.seq_len
     last_train = next((r["train/loss"] for r in reversed(metrics) if "train/loss" in r), math.nan)
     verdict = above_baseline_verdict(end_val["val/loss"], unigram[0], epochs, last_train)
     if verdict:

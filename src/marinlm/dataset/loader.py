@@ -161,6 +161,10 @@ class TokenLoader:
             rows += weights / weights.sum() * max(0, min(end, total_rows) - start)
         return rows
 
+    def planned_epochs(self, total_rows: int) -> list[float]:
+        """Passes over each source that the first `total_rows` global rows make."""
+        return [float(n / s.rows_per_epoch) for n, s in zip(self.planned_rows(total_rows), self.sources, strict=True)]
+
     def _phase(self, rows_done: int) -> int:
         return max(i for i, (row, _) in enumerate(self.phases) if row <= rows_done)
 

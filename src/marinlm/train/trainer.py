@@ -187,8 +187,7 @@ class Trainer(ResumeMixin):
     def _epochs_planned(self) -> list[float]:
         """Passes over each source that `train.steps` reads; more than one is said once at start."""
         c, loader = self.config, self.loader
-        rows = loader.planned_rows(c.train.steps * c.train.global_batch)
-        epochs = [float(n / src.rows_per_epoch) for n, src in zip(rows, loader.sources, strict=True)]
+        epochs = loader.planned_epochs(c.train.steps * c.train.global_batch)
         for spec, src, e in zip(c.data.sources, loader.sources, epochs, strict=True):
             if e > 1 and self.info.is_main:
                 print(
