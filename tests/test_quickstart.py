@@ -10,16 +10,9 @@ import pytest
 from marinlm.config import load_config
 from marinlm.optim import ScheduleConfig
 from marinlm.presets import preset
-from marinlm.quickstart import (
-    MARKER,
-    _interrupted_training,
-    _median_step_seconds,
-    _Replan,
-    above_baseline_verdict,
-    build_default_corpus,
-    corpus_prompt,
-    run_quickstart,
-)
+from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
+from marinlm.quickstart.plan import Replan, interrupted_training, median_step_seconds
+from marinlm.quickstart.report import above_baseline_verdict
 from marinlm.train.checkpoint import list_checkpoints, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
@@ -49,18 +42,18 @@ def test_step_time_is_measured_over_a_window_not_a_few_slow_steps():
         calls.append(None)
         time.sleep(0.15 if len(calls) <= 3 else 0.01)
 
-    seconds = _median_step_seconds(step, min_seconds=0.5)
+    seconds = median_step_seconds(step, min_seconds=0.5)
     assert seconds < 0.05 and len(calls) > 10
     calls.clear()
     # With no window, 4 steps of which 2 are slow: the median is dragged up (as the old 4-step calibration was).
-    assert _median_step_seconds(step, min_seconds=0.0) > 0.05
+    assert median_step_seconds(step, min_seconds=0.0) > 0.05
     calls.clear()
-    _median_step_seconds(step, min_seconds=100.0, max_steps=12)
+    median_step_seconds(step, min_seconds=100.0, max_steps=12)
     assert len(calls) == 13  # the warm-up and at most max_steps
 
 
 class _FakeTrainer:
-    """What `_Replan` reads of a Trainer: the step, the planned length, the schedule."""
+    """What `Replan` reads of a Trainer: the step, the planned length, the schedule."""
 
     def __init__(self, steps: int):
         self.step = 0
@@ -74,14 +67,14 @@ class _FakeTrainer:
 
 
 def _train_under(replan_trainer, step_seconds, minutes, monkeypatch):
-    """Run a fake training of `step_seconds(step)` per step under `_Replan` and a time budget, as
+    """Run a fake training of `step_seconds(step)` per step under `Replan` and a time budget, as
     Trainer.fit does; returns (steps done, seconds used)."""
     import marinlm.quickstart as quickstart
 
     clock = [0.0]
     monkeypatch.setattr(quickstart.time, "perf_counter", lambda: clock[0])
     trainer = replan_trainer
-    hook = _Replan(trainer, minutes)
+    hook = Replan(trainer, minutes)
     while trainer.step < trainer.config.train.steps and clock[0] < minutes * 60:
         clock[0] += step_seconds(trainer.step + 1)
         trainer.step += 1
@@ -133,14 +126,14 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     stale = root / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
     stale.mkdir(parents=True)
     (root / MARKER).touch()
-    replan = _Replan.__call__
+    replan = Replan.__call__
 
     def sigterm_at_step_40(hook, result):  # a scheduler's preemption, or Ctrl-C, in the middle of training
         replan(hook, result)
         if hook.trainer.step == 40:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(_Replan, "__call__", sigterm_at_step_40)
+    monkeypatch.setattr(Replan, "__call__", sigterm_at_step_40)
     with pytest.raises(StoppedBySignal, match="at step 40; the same command resumes from it"):
         run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], minutes=1.5)
     monkeypatch.undo()
@@ -180,17 +173,17 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     # token shards start over; the same job whose quickstart never got to its report goes on.
     fresh = load_config(TrainConfig, preset("train", "quickstart"), [f"--run_dir={root / 'train'}"])
     fresh.data.sources[0].path = str(root / "tokens")
-    assert _interrupted_training(root / "train", fresh) is None
+    assert interrupted_training(root / "train", fresh) is None
     newest = list_checkpoints(root / "train" / "checkpoints")[0]
     os.utime(newest, (report.stat().st_mtime + 1,) * 2)
-    config, step, before_training = _interrupted_training(root / "train", fresh)
+    config, step, before_training = interrupted_training(root / "train", fresh)
     assert step == planned and config.train.steps == planned and before_training == first
     fresh.model.num_layers += 1
-    assert _interrupted_training(root / "train", fresh) is None
+    assert interrupted_training(root / "train", fresh) is None
     fresh.model.num_layers -= 1
     manifest = root / "tokens" / "manifest.json"
     manifest.write_text(manifest.read_text() + "\n")
-    assert _interrupted_training(root / "train", fresh) is None
+    assert interrupted_training(root / "train", fresh) is None
 
 
 def test_too_little_text_stops_with_what_is_missing(tmp_path):
@@ -218,7 +211,7 @@ def test_a_small_corpus_still_holds_out_a_validation_document(tmp_path, monkeypa
     def stop(*args):
         raise KeyboardInterrupt("reached training")
 
-    monkeypatch.setattr(quickstart, "_calibrate_step_seconds", stop)
+    monkeypatch.setattr(quickstart, "calibrate_step_seconds", stop)
     with pytest.raises(KeyboardInterrupt, match="reached training"):
         run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "few")], minutes=1)
     out = capsys.readouterr().out

@@ -10,38 +10,23 @@
 from __future__ import annotations
 
 import collections
-import copy
 import json
-import math
 import os
 import resource
 import shutil
-import statistics
 import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from tqdm import tqdm
 
 from marinlm.config import load_config, save_config
 from marinlm.presets import preset
+from marinlm.quickstart.plan import Replan, calibrate_step_seconds, interrupted_training
+from marinlm.quickstart.report import Stage, unigram_baseline, write_report
 from marinlm.utils.io import write_text_atomic
 
-if TYPE_CHECKING:
-    from marinlm.train.config import TrainConfig
-
 VAL_FRACTION = 0.02  # of the documents, held out for validation
-
-
-@dataclass
-class Stage:
-    name: str
-    seconds: float
-    detail: str
 
 
 MARKER = ".marinlm-quickstart"
@@ -91,175 +76,6 @@ def build_default_corpus(folder: Path) -> dict[str, int]:
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             write_text_atomic(path, text)
     return {"python_code": len(files), "python_docs": len(topics)}
-
-
-def unigram_baseline(train_dir: Path, vocab_size: int) -> tuple[float, float]:
-    """Cross-entropy (nats/token) and bits/byte on the validation split of an add-one unigram model
-    fitted on the training split: what a model that ignores context would score."""
-    from marinlm.dataset.shards import TokenDataset
-
-    counts = np.ones(vocab_size, dtype=np.float64)
-    train = TokenDataset(train_dir, "train")
-    for shard in train.shards:
-        counts += np.bincount(np.asarray(shard.tokens), minlength=vocab_size)[:vocab_size]
-    counts[train.eos_id] += train.num_docs  # the loader appends EOS to every document
-    logp = np.log(counts / counts.sum())
-    val = TokenDataset(train_dir, "val")
-    nats, tokens = 0.0, 0
-    for shard in val.shards:
-        ids = np.asarray(shard.tokens)
-        nats -= logp[ids].sum()
-        tokens += len(ids)
-    nats -= logp[val.eos_id] * val.num_docs
-    tokens += val.num_docs
-    return nats / tokens, nats / (math.log(2) * val.num_bytes)
-
-
-def _median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_steps: int = 40) -> float:
-    """Median seconds of `step()` after one warm-up call, over at least `min_steps` calls and at
-    least `min_seconds` (at most `max_steps` calls).
-
-    A window of seconds, not a fixed few steps: on a shared host a few slow seconds at calibration
-    time planned 764 quickstart steps (0.55 s/step measured) on a machine that then trained at
-    0.39 s/step, where other runs planned 1,100-1,500.
-    """
-    step()
-    times: list[float] = []
-    began = time.perf_counter()
-    while len(times) < max_steps and (len(times) < min_steps or time.perf_counter() - began < min_seconds):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def _calibrate_step_seconds(train_config) -> float:
-    """Seconds per optimizer step of this config on this machine (`_median_step_seconds`)."""
-    from marinlm.model import MarinForCausalLM
-    from marinlm.optim import build_optimizer
-
-    model = MarinForCausalLM(train_config.model)
-    model.init_weights(seed=0)
-    optimizer = build_optimizer(model, train_config.optim)
-    ids = torch.randint(0, train_config.model.vocab_size, (train_config.train.global_batch, train_config.data.seq_len))
-
-    def step():
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return _median_step_seconds(step)
-
-
-class _Replan:
-    """A hook that plans the run's length again from the training's own step time: once after 5%
-    of the planned steps (at least 30, and at least the warmup), longer or shorter; then, every as
-    many steps, shorter again wherever the host has slowed so much that the rest of the run would
-    no longer fit in the time left. Never longer after the first plan: the learning rate, past its
-    peak, would rise again.
-
-    The calibration measures a few seconds; on a shared host those can be slow: a clean-clone run
-    measured 0.65 s/step, planned 625 steps, then trained at 0.43 s/step and ended after 4.9 of its
-    8.5 min, 0.8 nats/token above the runs that planned 1,100-1,500 steps. The host can also slow
-    down later: another clean-clone run re-planned 947 steps at 0.44 s/step, slowed to ~0.6 s/step,
-    and was stopped by its time budget at step 848, with the learning rate still at 15% of its peak
-    instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range. With only
-    one re-plan, 20% of the time was kept back for such slowdowns, and on a steady host it went
-    unused (a run trained 6.4 of its 8.5 min).
-    """
-
-    # Of the time left, planned for steps: logging, validation and checkpoints took 3% (a clean-clone
-    # run: 675 steps in 383 s, median step 0.552 s), and the later checks absorb a host's slowdowns.
-    SLACK = 0.9
-    OVERRUN = 0.98  # a later check shortens the run when the steps left would take more of the time left
-    WINDOWS = 3  # a later check measures over its last 3 windows: a validation or checkpoint is a blip
-
-    def __init__(self, trainer, train_minutes: float):
-        self.trainer, self.train_minutes = trainer, train_minutes
-        planned, self.start = trainer.config.train.steps, trainer.step
-        self.every = max(30, round(0.05 * planned), trainer.config.schedule.warmup(planned))
-        self.at = self.start + self.every
-        if self.start == 0 and self.every > planned // 2:
-            self.at = None  # later: the LR has decayed most of the way
-        self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too
-        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOWS)
-        # A resumed run keeps the plan it was stopped in: only shortened, if the time left is short.
-        self.replanned = self.start > 0
-
-    def __call__(self, result) -> None:
-        step, now = self.trainer.step, time.perf_counter()
-        if step == self.start + 1:  # the first step warms up caches and allocator: timed from its end
-            self.marks.append((step, now))
-        if self.at is None or not self.marks or step != self.at:
-            return
-        self.at = step + self.every
-        since, then = self.marks[0]  # step 1, the last re-plan, or WINDOWS checks back
-        step_seconds = (now - then) / (step - since)
-        self.marks.append((step, now))
-        left = self.train_minutes * 60 - (now - self.began)
-        planned = self.trainer.config.train.steps
-        if self.replanned and (planned - step) * step_seconds <= self.OVERRUN * left:
-            return  # on course
-        steps = step + int(left * self.SLACK / step_seconds)  # after the first plan, fewer than planned
-        if steps <= step:
-            return
-        self.trainer.set_total_steps(steps)
-        self.marks.clear()
-        self.marks.append((step, now))
-        if not self.replanned:
-            what = f"{step_seconds:.2f} s/step over steps {since + 1}-{step}: re-planned"
-        else:
-            what = f"the host slowed to {step_seconds:.2f} s/step over steps {since + 1}-{step}: shortened"
-        self.replanned = True
-        tqdm.write(f"[step {step}] {what} from {planned} to {steps} steps, to end in the {left / 60:.1f} min left")
-
-
-# What each quickstart plans for its own training (below in run_quickstart, then _Replan through
-# Trainer.set_total_steps, which also fixes the warmup): everything else must match for a resume.
-PLAN_FIELDS = (
-    ("train", "steps"),
-    ("train", "max_minutes"),
-    ("schedule", "warmup_steps"),
-    ("checkpoint", "every_steps"),
-    ("validation", "every_steps"),
-)
-
-
-def _interrupted_training(run: Path, fresh: TrainConfig) -> tuple[TrainConfig, int, dict] | None:
-    """(its config, its newest checkpoint's step, its validation before training) if `run` holds
-    a quickstart training whose quickstart did not finish (stopped by Ctrl-C, a SIGTERM or a crash,
-    in training or after it: no report.md was written after its newest checkpoint) and that is the
-    same job as `fresh` would be: same model, optimizer, data and token shards, only its plan
-    (length, schedule, checkpoint and validation cadence, time limit) set by the earlier run.
-    Otherwise None: a finished quickstart, or another job, starts over."""
-    from marinlm.config import ConfigError, to_dict
-    from marinlm.train.checkpoint import list_checkpoints, step_of
-    from marinlm.train.config import TrainConfig
-    from marinlm.train.metrics import read_metrics
-    from marinlm.utils.io import sha256_file
-
-    checkpoints = list_checkpoints(run / "checkpoints")
-    report = run.parent / "report.md"
-    try:
-        if not checkpoints or (report.exists() and report.stat().st_mtime >= checkpoints[0].stat().st_mtime):
-            return None
-        saved = load_config(TrainConfig, run / "config.yaml")
-        record = json.loads((run / "run_info.json").read_text())
-        same_data = [d["manifest_sha256"] for d in record["data"]] == [
-            sha256_file(Path(source.path) / "manifest.json") for source in fresh.data.sources
-        ]
-        # The report's loss before training: logged at step 0, before the first step.
-        before = next((r for r in read_metrics(run) if r["step"] == 0 and "val/loss" in r), None)
-    except (ConfigError, OSError, ValueError, KeyError, TypeError):
-        return None
-    if not same_data or before is None:
-        return None
-    planned = copy.deepcopy(fresh)
-    for section, key in PLAN_FIELDS:
-        setattr(getattr(planned, section), key, getattr(getattr(saved, section), key))
-    if to_dict(planned) != to_dict(saved):
-        return None
-    return saved, step_of(checkpoints[0]), before
 
 
 DEFAULT_PROMPT = "def read_config(path):\n"
@@ -452,17 +268,17 @@ def run_quickstart(
             f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; training "
             "for the minimum of 1 min, so the whole run takes longer"
         )
-    interrupted = _interrupted_training(root / "train", train_config)
+    interrupted = interrupted_training(root / "train", train_config)
     if interrupted is not None:  # the same job, stopped before its end: carry on with its own plan
-        train_config, stopped_at, start_val = interrupted  # its own time limit too; _Replan shortens it to this budget
+        train_config, stopped_at, start_val = interrupted  # its own time limit too; Replan shortens it to this budget
         print(
             f"resuming the training that was stopped at step {stopped_at} of {train_config.train.steps} "
             f"in {root / 'train'} (delete that folder to train from scratch)"
         )
     else:
-        step_seconds = _calibrate_step_seconds(train_config)
+        step_seconds = calibrate_step_seconds(train_config)
         # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
-        # noisy, and a run that hits the time limit stops before its learning rate has decayed. `_Replan`
+        # noisy, and a run that hits the time limit stops before its learning rate has decayed. `Replan`
         # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
         train_config.train.steps = max(20, int(train_minutes * 60 * 0.8 / step_seconds))
         train_config.train.max_minutes = train_minutes
@@ -478,7 +294,7 @@ def run_quickstart(
     trainer = Trainer(train_config, resume="auto" if interrupted else "none")
     if interrupted is None:
         start_val = trainer.validate()  # at step 0: the loss before training
-    trainer.add_hook(_Replan(trainer, train_minutes), every=1)
+    trainer.add_hook(Replan(trainer, train_minutes), every=1)
     summary = trainer.fit()
     if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
         raise StoppedBySignal(summary["signal"], summary["steps"])
@@ -523,7 +339,7 @@ def run_quickstart(
     peak = max(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     )
-    report = _write_report(
+    report = write_report(
         root,
         stages,
         metrics,
@@ -532,6 +348,7 @@ def run_quickstart(
         (uni_loss, uni_bpb),
         prompt,
         sample,
+        "python" if prompt == DEFAULT_PROMPT else "",
         sampling,
         summary,
         peak / 1024 / 1024,
@@ -540,93 +357,3 @@ def run_quickstart(
     )
     print(f"\nreport: {report}")
     return report
-
-
-def _passes(epochs: float) -> str:
-    return f"{epochs:.2g}" if epochs < 10 else f"{epochs:,.0f}"
-
-
-def above_baseline_verdict(val_loss: float, unigram_loss: float, epochs: float, train_loss: float) -> str:
-    """What a run that ends above the unigram baseline means ("" for one that ends below it): with
-    its training tokens read many times over, a model learns them and not the language (a 60 kB
-    corpus: 14 passes, training loss far under the validation loss); read at most once, it has not
-    over-fitted, so it trained too few steps or something is wrong."""
-    if val_loss < unigram_loss:
-        return ""
-    if epochs > 1:
-        return (
-            f"The run read its training tokens {_passes(epochs)} times over and its last training loss is "
-            f"{train_loss:.3f}: it learned those documents, not the language. There is too little text for "
-            "this model; give it more."
-        )
-    return (
-        f"The run read each training token at most once ({_passes(epochs)} passes), so it has not over-fitted: it "
-        "trained too few steps to pass the baseline, or training is broken (the loss curve is loss.png)."
-    )
-
-
-def _write_report(
-    root, stages, metrics, start_val, end_val, unigram, prompt, sample, sampling, summary, peak_gb, total_s, trainer
-) -> Path:
-    from marinlm.train.metrics import plot_loss
-
-    plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
-    # Over the whole run's logged steps: a resumed run's summary times only the steps after the resume.
-    tokens_per_s, mfu = (
-        statistics.median([r[key] for r in metrics if key in r] or [math.nan])
-        for key in ("perf/tokens_per_s", "perf/mfu")
-    )
-    resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
-    source = trainer.loader.sources[0]
-    epochs = trainer.loader.planned_epochs(summary["steps"] * trainer.config.train.global_batch)[0]
-    train_tokens = source.rows_per_epoch * source.seq_len
-    last_train = next((r["train/loss"] for r in reversed(metrics) if "train/loss" in r), math.nan)
-    verdict = above_baseline_verdict(end_val["val/loss"], unigram[0], epochs, last_train)
-    if verdict:
-        print(f"warning: the validation loss ends above the unigram baseline. {verdict}")
-    lines = [
-        "# marinlm quickstart report",
-        "",
-        f"Total wall time {total_s / 60:.1f} min; peak memory (largest process) {peak_gb:.2f} GB.",
-        "",
-        "## Stages",
-        "",
-        "| stage | seconds | what |",
-        "| --- | ---: | --- |",
-        *[f"| {s.name} | {s.seconds:.1f} | {s.detail} |" for s in stages],
-        "",
-        "## Result",
-        "",
-        "| | loss (nats/token) | bits per byte |",
-        "| --- | ---: | ---: |",
-        f"| validation, before training | {start_val['val/loss']:.3f} | {start_val['val/bpb']:.3f} |",
-        f"| validation, after training | {end_val['val/loss']:.3f} | {end_val['val/bpb']:.3f} |",
-        f"| unigram baseline | {unigram[0]:.3f} | {unigram[1]:.3f} |",
-        "",
-        f"The validation loss fell by {start_val['val/loss'] - end_val['val/loss']:.3f} nats/token and ends "
-        f"{abs(unigram[0] - end_val['val/loss']):.3f} nats/token "
-        f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline."
-        + (f" {verdict}" if verdict else ""),
-        "",
-        f"Training: {summary['steps']} steps{resumed}, {_passes(epochs)} passes over the {train_tokens:,} training "
-        f"tokens, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
-        f"against this machine's measured fp32 matmul peak ({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
-        "",
-        "![loss](loss.png)",
-        "",
-        "## Sample",
-        "",
-        f"Temperature {sampling.temperature}, top-k {sampling.top_k}, repetition penalty "
-        f"{sampling.repetition_penalty}, seed {sampling.seed}; `marinlm generate {root / 'train'} --prompt ...` "
-        "samples more (`--help` lists the settings).",
-        "",
-        "```python" if prompt == DEFAULT_PROMPT else "```",
-        prompt + sample,
-        "```",
-        "",
-        "Curation details: curated/report.md. Training run (checkpoints, metrics, TensorBoard): train/.",
-        "",
-    ]
-    path = root / "report.md"
-    path.write_text("\n".join(lines))
-    return path

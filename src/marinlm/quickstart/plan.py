@@ -1,0 +1,168 @@
+"""How long the quickstart trains: a step time measured before training, a plan made again from the
+training's own steps (`Replan`), and whether a stopped quickstart's training may be resumed
+(`interrupted_training`)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from marinlm.config import load_config
+
+if TYPE_CHECKING:
+    from marinlm.train.config import TrainConfig
+
+
+def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_steps: int = 40) -> float:
+    """Median seconds of `step()` after one warm-up call, over at least `min_steps` calls and at
+    least `min_seconds` (at most `max_steps` calls).
+
+    A window of seconds, not a fixed few steps: on a shared host a few slow seconds at calibration
+    time planned 764 quickstart steps (0.55 s/step measured) on a machine that then trained at
+    0.39 s/step, where other runs planned 1,100-1,500.
+    """
+    step()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < max_steps and (len(times) < min_steps or time.perf_counter() - began < min_seconds):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def calibrate_step_seconds(train_config) -> float:
+    """Seconds per optimizer step of this config on this machine (`median_step_seconds`)."""
+    from marinlm.model import MarinForCausalLM
+    from marinlm.optim import build_optimizer
+
+    model = MarinForCausalLM(train_config.model)
+    model.init_weights(seed=0)
+    optimizer = build_optimizer(model, train_config.optim)
+    ids = torch.randint(0, train_config.model.vocab_size, (train_config.train.global_batch, train_config.data.seq_len))
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return median_step_seconds(step)
+
+
+class Replan:
+    """A hook that plans the run's length again from the training's own step time: once after 5%
+    of the planned steps (at least 30, and at least the warmup), longer or shorter; then, every as
+    many steps, shorter again wherever the host has slowed so much that the rest of the run would
+    no longer fit in the time left. Never longer after the first plan: the learning rate, past its
+    peak, would rise again.
+
+    The calibration measures a few seconds; on a shared host those can be slow: a clean-clone run
+    measured 0.65 s/step, planned 625 steps, then trained at 0.43 s/step and ended after 4.9 of its
+    8.5 min, 0.8 nats/token above the runs that planned 1,100-1,500 steps. The host can also slow
+    down later: another clean-clone run re-planned 947 steps at 0.44 s/step, slowed to ~0.6 s/step,
+    and was stopped by its time budget at step 848, with the learning rate still at 15% of its peak
+    instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range. With only
+    one re-plan, 20% of the time was kept back for such slowdowns, and on a steady host it went
+    unused (a run trained 6.4 of its 8.5 min).
+    """
+
+    # Of the time left, planned for steps: logging, validation and checkpoints took 3% (a clean-clone
+    # run: 675 steps in 383 s, median step 0.552 s), and the later checks absorb a host's slowdowns.
+    SLACK = 0.9
+    OVERRUN = 0.98  # a later check shortens the run when the steps left would take more of the time left
+    WINDOWS = 3  # a later check measures over its last 3 windows: a validation or checkpoint is a blip
+
+    def __init__(self, trainer, train_minutes: float):
+        self.trainer, self.train_minutes = trainer, train_minutes
+        planned, self.start = trainer.config.train.steps, trainer.step
+        self.every = max(30, round(0.05 * planned), trainer.config.schedule.warmup(planned))
+        self.at = self.start + self.every
+        if self.start == 0 and self.every > planned // 2:
+            self.at = None  # later: the LR has decayed most of the way
+        self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too
+        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOWS)
+        # A resumed run keeps the plan it was stopped in: only shortened, if the time left is short.
+        self.replanned = self.start > 0
+
+    def __call__(self, result) -> None:
+        step, now = self.trainer.step, time.perf_counter()
+        if step == self.start + 1:  # the first step warms up caches and allocator: timed from its end
+            self.marks.append((step, now))
+        if self.at is None or not self.marks or step != self.at:
+            return
+        self.at = step + self.every
+        since, then = self.marks[0]  # step 1, the last re-plan, or WINDOWS checks back
+        step_seconds = (now - then) / (step - since)
+        self.marks.append((step, now))
+        left = self.train_minutes * 60 - (now - self.began)
+        planned = self.trainer.config.train.steps
+        if self.replanned and (planned - step) * step_seconds <= self.OVERRUN * left:
+            return  # on course
+        steps = step + int(left * self.SLACK / step_seconds)  # after the first plan, fewer than planned
+        if steps <= step:
+            return
+        self.trainer.set_total_steps(steps)
+        self.marks.clear()
+        self.marks.append((step, now))
+        if not self.replanned:
+            what = f"{step_seconds:.2f} s/step over steps {since + 1}-{step}: re-planned"
+        else:
+            what = f"the host slowed to {step_seconds:.2f} s/step over steps {since + 1}-{step}: shortened"
+        self.replanned = True
+        tqdm.write(f"[step {step}] {what} from {planned} to {steps} steps, to end in the {left / 60:.1f} min left")
+
+
+# What each quickstart plans for its own training (in run_quickstart, then Replan through
+# Trainer.set_total_steps, which also fixes the warmup): everything else must match for a resume.
+PLAN_FIELDS = (
+    ("train", "steps"),
+    ("train", "max_minutes"),
+    ("schedule", "warmup_steps"),
+    ("checkpoint", "every_steps"),
+    ("validation", "every_steps"),
+)
+
+
+def interrupted_training(run: Path, fresh: TrainConfig) -> tuple[TrainConfig, int, dict] | None:
+    """(its config, its newest checkpoint's step, its validation before training) if `run` holds
+    a quickstart training whose quickstart did not finish (stopped by Ctrl-C, a SIGTERM or a crash,
+    in training or after it: no report.md was written after its newest checkpoint) and that is the
+    same job as `fresh` would be: same model, optimizer, data and token shards, only its plan
+    (length, schedule, checkpoint and validation cadence, time limit) set by the earlier run.
+    Otherwise None: a finished quickstart, or another job, starts over."""
+    from marinlm.config import ConfigError, to_dict
+    from marinlm.train.checkpoint import list_checkpoints, step_of
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.metrics import read_metrics
+    from marinlm.utils.io import sha256_file
+
+    checkpoints = list_checkpoints(run / "checkpoints")
+    report = run.parent / "report.md"
+    try:
+        if not checkpoints or (report.exists() and report.stat().st_mtime >= checkpoints[0].stat().st_mtime):
+            return None
+        saved = load_config(TrainConfig, run / "config.yaml")
+        record = json.loads((run / "run_info.json").read_text())
+        same_data = [d["manifest_sha256"] for d in record["data"]] == [
+            sha256_file(Path(source.path) / "manifest.json") for source in fresh.data.sources
+        ]
+        # The report's loss before training: logged at step 0, before the first step.
+        before = next((r for r in read_metrics(run) if r["step"] == 0 and "val/loss" in r), None)
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
+        return None
+    if not same_data or before is None:
+        return None
+    planned = copy.deepcopy(fresh)
+    for section, key in PLAN_FIELDS:
+        setattr(getattr(planned, section), key, getattr(getattr(saved, section), key))
+    if to_dict(planned) != to_dict(saved):
+        return None
+    return saved, step_of(checkpoints[0]), before

@@ -1,0 +1,146 @@
+"""The quickstart's report.md: each stage's time and outcome, validation loss and bits per byte
+before and after training against a unigram baseline, the loss curve and a sample."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from marinlm.utils.io import write_text_atomic
+
+
+@dataclass
+class Stage:
+    name: str
+    seconds: float
+    detail: str
+
+
+def unigram_baseline(train_dir: Path, vocab_size: int) -> tuple[float, float]:
+    """Cross-entropy (nats/token) and bits/byte on the validation split of an add-one unigram model
+    fitted on the training split: what a model that ignores context would score."""
+    from marinlm.dataset.shards import TokenDataset
+
+    counts = np.ones(vocab_size, dtype=np.float64)
+    train = TokenDataset(train_dir, "train")
+    for shard in train.shards:
+        counts += np.bincount(np.asarray(shard.tokens), minlength=vocab_size)[:vocab_size]
+    counts[train.eos_id] += train.num_docs  # the loader appends EOS to every document
+    logp = np.log(counts / counts.sum())
+    val = TokenDataset(train_dir, "val")
+    nats, tokens = 0.0, 0
+    for shard in val.shards:
+        ids = np.asarray(shard.tokens)
+        nats -= logp[ids].sum()
+        tokens += len(ids)
+    nats -= logp[val.eos_id] * val.num_docs
+    tokens += val.num_docs
+    return nats / tokens, nats / (math.log(2) * val.num_bytes)
+
+
+def _passes(epochs: float) -> str:
+    return f"{epochs:.2g}" if epochs < 10 else f"{epochs:,.0f}"
+
+
+def above_baseline_verdict(val_loss: float, unigram_loss: float, epochs: float, train_loss: float) -> str:
+    """What a run that ends above the unigram baseline means ("" for one that ends below it): with
+    its training tokens read many times over, a model learns them and not the language (a 60 kB
+    corpus: 14 passes, training loss far under the validation loss); read at most once, it has not
+    over-fitted, so it trained too few steps or something is wrong."""
+    if val_loss < unigram_loss:
+        return ""
+    if epochs > 1:
+        return (
+            f"The run read its training tokens {_passes(epochs)} times over and its last training loss is "
+            f"{train_loss:.3f}: it learned those documents, not the language. There is too little text for "
+            "this model; give it more."
+        )
+    return (
+        f"The run read each training token at most once ({_passes(epochs)} passes), so it has not over-fitted: it "
+        "trained too few steps to pass the baseline, or training is broken (the loss curve is loss.png)."
+    )
+
+
+def write_report(
+    root,
+    stages,
+    metrics,
+    start_val,
+    end_val,
+    unigram,
+    prompt,
+    sample,
+    language,
+    sampling,
+    summary,
+    peak_gb,
+    total_s,
+    trainer,
+) -> Path:
+    """Write ROOT/report.md (`language` tags the sample's code block) and loss.png; returns its path."""
+    from marinlm.train.metrics import plot_loss
+
+    plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
+    # Over the whole run's logged steps: a resumed run's summary times only the steps after the resume.
+    tokens_per_s, mfu = (
+        statistics.median([r[key] for r in metrics if key in r] or [math.nan])
+        for key in ("perf/tokens_per_s", "perf/mfu")
+    )
+    resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
+    source = trainer.loader.sources[0]
+    epochs = trainer.loader.planned_epochs(summary["steps"] * trainer.config.train.global_batch)[0]
+    train_tokens = source.rows_per_epoch * source.seq_len
+    last_train = next((r["train/loss"] for r in reversed(metrics) if "train/loss" in r), math.nan)
+    verdict = above_baseline_verdict(end_val["val/loss"], unigram[0], epochs, last_train)
+    if verdict:
+        print(f"warning: the validation loss ends above the unigram baseline. {verdict}")
+    lines = [
+        "# marinlm quickstart report",
+        "",
+        f"Total wall time {total_s / 60:.1f} min; peak memory (largest process) {peak_gb:.2f} GB.",
+        "",
+        "## Stages",
+        "",
+        "| stage | seconds | what |",
+        "| --- | ---: | --- |",
+        *[f"| {s.name} | {s.seconds:.1f} | {s.detail} |" for s in stages],
+        "",
+        "## Result",
+        "",
+        "| | loss (nats/token) | bits per byte |",
+        "| --- | ---: | ---: |",
+        f"| validation, before training | {start_val['val/loss']:.3f} | {start_val['val/bpb']:.3f} |",
+        f"| validation, after training | {end_val['val/loss']:.3f} | {end_val['val/bpb']:.3f} |",
+        f"| unigram baseline | {unigram[0]:.3f} | {unigram[1]:.3f} |",
+        "",
+        f"The validation loss fell by {start_val['val/loss'] - end_val['val/loss']:.3f} nats/token and ends "
+        f"{abs(unigram[0] - end_val['val/loss']):.3f} nats/token "
+        f"{'below' if end_val['val/loss'] < unigram[0] else 'above'} the unigram baseline."
+        + (f" {verdict}" if verdict else ""),
+        "",
+        f"Training: {summary['steps']} steps{resumed}, {_passes(epochs)} passes over the {train_tokens:,} training "
+        f"tokens, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
+        f"against this machine's measured fp32 matmul peak ({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
+        "",
+        "![loss](loss.png)",
+        "",
+        "## Sample",
+        "",
+        f"Temperature {sampling.temperature}, top-k {sampling.top_k}, repetition penalty "
+        f"{sampling.repetition_penalty}, seed {sampling.seed}; `marinlm generate {root / 'train'} --prompt ...` "
+        "samples more (`--help` lists the settings).",
+        "",
+        f"```{language}",
+        prompt + sample,
+        "```",
+        "",
+        "Curation details: curated/report.md. Training run (checkpoints, metrics, TensorBoard): train/.",
+        "",
+    ]
+    path = root / "report.md"
+    write_text_atomic(path, "\n".join(lines))
+    return path
