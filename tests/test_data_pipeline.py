@@ -111,6 +111,60 @@ def test_fuzzy_dedup_over_merging_is_reported(tmp_path):
     assert "Warning" in (tmp_path / "out" / "report.md").read_text()
 
 
+REPETITIVE = [f"Doc {i}. " + "The quick brown fox jumps over the lazy dog by the river. " * 20 for i in range(6)]
+
+
+def test_documents_without_a_language_are_not_judged_silently(tmp_path):
+    """With langid off, the English filters judge only records that carry a `language` field."""
+    write_jsonl(tmp_path / "plain" / "p.jsonl", REPETITIVE, "p")
+    (tmp_path / "tagged").mkdir()
+    lines = [json.dumps({"id": f"t{i}", "text": t, "language": "en"}) for i, t in enumerate(REPETITIVE)]
+    (tmp_path / "tagged" / "t.jsonl").write_text("\n".join(lines) + "\n")
+    sources = [{"name": "plain", "inputs": [str(tmp_path / "plain")]}]
+    sources.append({"name": "tagged", "inputs": [str(tmp_path / "tagged")]})
+    quality = {"gopher_repetition": {"enabled": True}}
+    report = run_pipeline(bare_config(tmp_path / "out", sources, quality=quality, dedup={"fuzzy": False}))
+    assert report["accounting"]["tagged"]["output_documents"] == 0  # judged: all repetitive
+    assert report["accounting"]["plain"]["output_documents"] == 6  # passed over
+    unjudged = [w for w in report["warnings"] if "unjudged" in w]
+    assert len(unjudged) == 1 and unjudged[0].startswith("gopher_repetition passed over 6 documents unjudged")
+    assert "quality.languages: []" in unjudged[0]
+
+    quality["languages"] = []
+    report = run_pipeline(bare_config(tmp_path / "out2", sources, quality=quality, dedup={"fuzzy": False}))
+    assert report["accounting"]["plain"]["output_documents"] == 0
+    assert not [w for w in report["warnings"] if "unjudged" in w]
+
+
+def test_a_source_that_keeps_nothing_is_told_which_step_dropped_it(tmp_path):
+    write_jsonl(tmp_path / "rep" / "r.jsonl", REPETITIVE, "r")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.jsonl").write_text('{"text": "cut off\n{also bad\n')
+    write_jsonl(tmp_path / "prose" / "p.jsonl", synthetic_docs(6, seed=5), "p")
+    repetition = {"enabled": True}
+    report = run_pipeline(
+        bare_config(
+            tmp_path / "out",
+            [
+                {"name": "repeats", "inputs": [str(tmp_path / "rep")]},
+                {"name": "broken", "inputs": [str(tmp_path / "bad")]},
+                {"name": "prose", "inputs": [str(tmp_path / "prose")]},
+            ],
+            quality={"languages": [], "gopher_repetition": repetition},
+            dedup={"fuzzy": False},
+        )
+    )
+    assert report["accounting"]["prose"]["output_documents"] == 6
+    assert len(report["warnings"]) == 2, report["warnings"]
+    repeats, broken = report["warnings"]
+    assert "'repeats' kept none of its 6 documents: gopher_repetition dropped 6" in repeats
+    assert str(tmp_path / "out" / "dropped" / "gopher_repetition") in repeats
+    assert "`quality.gopher_repetition`" in repeats
+    assert "'broken' kept none of its 2 documents: read rejected 2 (malformed JSON: 2)" in broken
+    assert str(tmp_path / "out" / "rejected") in broken
+    assert repeats in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_paragraph_dedup_removes_repeated_boilerplate(tmp_path):
     boiler = "Subscribe to our newsletter for weekly updates about gardening and home repair."
     docs = [f"{t}\n\n{boiler}" for t in synthetic_docs(5, seed=3)]

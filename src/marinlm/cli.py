@@ -127,7 +127,8 @@ def _generate(args, overrides) -> int:
 def _data_run(args, overrides) -> int:
     from marinlm.data.pipeline import PipelineConfig, run_pipeline
 
-    report = run_pipeline(_load(PipelineConfig, args.config, overrides))
+    config = _load(PipelineConfig, args.config, overrides)
+    report = run_pipeline(config)
     for source, a in report["accounting"].items():
         print(
             f"{source}: {a['in']} in, {a['kept']} kept, {a['dropped']} dropped, {a['rejected']} rejected "
@@ -135,6 +136,7 @@ def _data_run(args, overrides) -> int:
         )
     for warning in report["warnings"]:
         print(f"warning: {warning}")
+    print(f"report: {Path(config.output_dir) / 'report.md'}")
     return 0
 
 

@@ -31,6 +31,9 @@ def words_of(text: str) -> list[str]:
     return _WORDS.findall(text)
 
 
+NO_LANGUAGE = "passed_over_without_language"
+
+
 class _LanguageScoped:
     """A step with its config `c` that applies only to documents in `languages` (all if empty)."""
 
@@ -39,6 +42,10 @@ class _LanguageScoped:
 
     def applies_to(self, doc) -> bool:
         return not self.languages or language_of(doc) in self.languages
+
+    def passed_over(self, doc, ctx) -> None:
+        if language_of(doc) == "unknown":  # langid off and no `language` field: the report warns
+            ctx.stats[self.name].counters[NO_LANGUAGE] += 1
 
 
 @dataclass(kw_only=True)

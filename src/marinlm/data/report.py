@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from marinlm.data.filters import NO_LANGUAGE
 from marinlm.utils.io import write_json_atomic, write_text_atomic
 
 
@@ -124,6 +125,8 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
                 f"{loss['documents']} documents): templated text may be over-merged; check "
                 f"dropped/dedup/ before trusting it"
             )
+    warnings += _unjudged_warnings(config, steps)
+    warnings += _empty_source_warnings(out, steps, accounting)
     report = {
         "seconds": round(seconds, 2),
         "sources": sources,
@@ -139,6 +142,64 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
     if problems:
         raise AccountingError("document accounting does not add up: " + "; ".join(problems))
     return report
+
+
+# The config section that sets each step, for the warning about a source that kept nothing.
+_STEP_SETTINGS = {
+    "normalize": "min_doc_chars",
+    "langid": "langid",
+    "gopher_quality": "quality.gopher_quality",
+    "gopher_repetition": "quality.gopher_repetition",
+    "c4_lines": "quality.c4",
+    "c4_document": "quality.c4",
+    "fineweb_quality": "quality.fineweb",
+    "decontaminate": "decontam",
+    "dedup": "dedup",
+}
+
+
+def _unjudged_warnings(config, steps: list[dict]) -> list[str]:
+    """The quality filters judge only `quality.languages`; with langid off, documents may have no language."""
+    unjudged = {st["step"]: st["counters"].get(NO_LANGUAGE, 0) for st in steps}
+    unjudged = {name: n for name, n in unjudged.items() if n}
+    if not unjudged:
+        return []
+    return [
+        f"{', '.join(unjudged)} passed over {max(unjudged.values())} documents unjudged: they have no language "
+        f"(langid is disabled and their records have no `language` field) and these filters judge only "
+        f"quality.languages={config.quality.languages}; set quality.languages: [] to judge every document, or "
+        f"enable langid"
+    ]
+
+
+def _empty_source_warnings(out: Path, steps: list[dict], accounting: dict) -> list[str]:
+    """One warning per source that read documents and wrote none, naming the step that dropped the most."""
+    warnings = []
+    for s, a in accounting.items():
+        if a["in"] == 0 or a["output_documents"] > 0:
+            continue
+        if a["kept"] > 0:
+            warnings.append(
+                f"source '{s}' kept {a['kept']} documents but the mixture wrote none of them: check its "
+                f"weight and tokens in the config"
+            )
+            continue
+        dropped = {st["step"]: st["by_source"][s]["dropped"] for st in steps}
+        step = max(dropped, key=lambda name: sum(dropped[name].values()))
+        reasons = ", ".join(
+            f"{r.removeprefix('rejected: ')}: {v}" for r, v in sorted(dropped[step].items(), key=lambda kv: -kv[1])
+        )
+        where = (
+            f"{out / 'rejected'} names each record's file and line"
+            if step == "read"
+            else f"they are in {out / 'dropped' / step} with their reasons; relax or disable "
+            f"`{_STEP_SETTINGS.get(step, step)}` in the config if you want them"
+        )
+        warnings.append(
+            f"source '{s}' kept none of its {a['in']} documents: {step} {'rejected' if step == 'read' else 'dropped'} "
+            f"{sum(dropped[step].values())} ({reasons}); {where}"
+        )
+    return warnings
 
 
 def _markdown(report: dict) -> str:

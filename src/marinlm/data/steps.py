@@ -90,6 +90,9 @@ class Step(ABC):
     def applies_to(self, doc: Document) -> bool:
         return True
 
+    def passed_over(self, doc: Document, ctx: ShardContext) -> None:  # noqa: B027 - optional hook
+        """Called for each document that `applies_to` excludes, which passes through unjudged."""
+
     @abstractmethod
     def run(self, docs: Iterator[Document], ctx: ShardContext) -> Iterator[Document]: ...
 
@@ -105,7 +108,10 @@ class Filter(Step):
 
     def run(self, docs, ctx):
         for doc in docs:
-            reason = self.decide(doc) if self.applies_to(doc) else None
+            applies = self.applies_to(doc)
+            if not applies:
+                self.passed_over(doc, ctx)
+            reason = self.decide(doc) if applies else None
             if reason is None:
                 yield doc
             else:
@@ -121,6 +127,7 @@ class Transform(Step):
     def run(self, docs, ctx):
         for doc in docs:
             if not self.applies_to(doc):
+                self.passed_over(doc, ctx)
                 yield doc
                 continue
             text = self.apply(doc, ctx)
