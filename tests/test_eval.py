@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -480,6 +481,34 @@ def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token
     assert load_model(saved).tokenizer_hash == in_run.tokenizer_hash
     with pytest.raises(FileNotFoundError, match=re.escape(f"no tokenizer (looked in {tmp_path / 'elsewhere'}/")):
         load_model(tmp_path / "elsewhere")
+
+
+def test_val_of_a_run_trained_with_relative_paths_scores_from_another_folder(token_data, tmp_path, monkeypatch):
+    """`marinlm eval /a/runs/tiny --tasks val` from another folder was "runs/tokens/manifest.json: no
+    manifest": the run's data path is relative to the folder training ran from, /a."""
+    import shutil
+
+    from marinlm.train.inference import load_model
+    from marinlm.train.trainer import run_training
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(token_data, project / "runs" / "tokens")
+    elsewhere.mkdir()
+    monkeypatch.chdir(project)
+    config = train_config(Path("runs/tokens"), Path("runs/tiny"), train={"steps": 2}, checkpoint={"every_steps": 2})
+    run_training(replace(config, validation=replace(config.validation, every_steps=0)))
+    options = EvalOptions(tasks=["val"], limit=4)
+    here = run_eval(load_model("runs/tiny"), options)["results"]["val"]
+
+    monkeypatch.chdir(elsewhere)
+    there = run_eval(load_model(project / "runs" / "tiny"), options)["results"]["val"]
+    assert there == here and math.isfinite(there["loss"])
+    shutil.move(project / "runs" / "tokens", tmp_path / "moved")
+    with pytest.raises(
+        TaskDataError,
+        match=re.escape(f"current folder, {elsewhere}, else from the folder training ran from, {project})"),
+    ):
+        run_eval(load_model(project / "runs" / "tiny"), options)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marinlm.config import check
@@ -192,15 +192,36 @@ def run_eval(
     return report
 
 
+def launch_dir(loaded) -> Path | None:
+    """The folder training ran from, where the config gave the run folder relative to it and the run
+    has not moved since: `/a/runs/tiny` trained as `run_dir: runs/tiny` ran from `/a`."""
+    run_dir = Path(loaded.config.run_dir)
+    run = loaded.checkpoint.resolve().parent.parent  # RUN/checkpoints/step-N
+    n = len(run_dir.parts)
+    if run_dir.is_absolute() or ".." in run_dir.parts or run.parts[-n:] != run_dir.parts:
+        return None
+    return Path(*run.parts[:-n])
+
+
 def _open_val(loaded):
-    """The validation split of the run's training data (a TaskDataError naming it if unreadable)."""
+    """The validation split of the run's training data (a TaskDataError naming it if unreadable).
+    Relative data paths are read from the current folder, else from the folder training ran from."""
     from marinlm.dataset import ShardError
     from marinlm.dataset.loader import open_sources
 
+    data, launch = loaded.config.data, launch_dir(loaded)
+    missing = [s for s in data.sources if not Path(s.path).is_absolute() and not Path(s.path).exists()]
+    if launch is not None and missing and all((launch / s.path).exists() for s in missing):
+        sources = [replace(s, path=str(launch / s.path)) if s in missing else s for s in data.sources]
+        data = replace(data, sources=sources)
     try:
-        return open_sources(loaded.config.data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
+        return open_sources(data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
     except ShardError as e:
-        raise TaskDataError(f"task 'val' scores the validation split of the run's training data: {e}") from None
+        where = ""
+        if missing:
+            where = f" (a relative path is read from the current folder, {Path.cwd()}"
+            where += f", else from the folder training ran from, {launch})" if launch is not None else ")"
+        raise TaskDataError(f"task 'val' scores the validation split of the run's training data: {e}{where}") from None
 
 
 def _val_metrics(loaded, val_source, batch_size: int, limit: int | None = None) -> dict:
