@@ -584,7 +584,9 @@ def test_activation_checkpointing_gives_the_same_losses(token_data, tmp_path, mo
     assert a == pytest.approx(b, rel=1e-5) and base["steps"] == ac["steps"]
 
 
-def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypatch):
+def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypatch, capsys):
+    from marinlm.model.cpu_bf16 import emulated_bf16
+
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = train_config(
@@ -599,6 +601,8 @@ def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypat
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002", "step-00000001"]
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert summary["steps"] == 2
+    # Where bf16 matmuls are emulated, the run says that fp32 is the faster choice.
+    assert ("no bf16 matrix unit" in capsys.readouterr().out) == emulated_bf16("cpu")
 
 
 def test_a_run_lengthened_mid_run_keeps_its_warmup_and_follows_the_new_schedule(token_data, tmp_path):

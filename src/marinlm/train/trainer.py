@@ -29,7 +29,7 @@ from tqdm import tqdm
 from marinlm.config import dump_config, to_dict
 from marinlm.dataset.loader import build_loader, open_dataset, open_sources, validation_batches
 from marinlm.dataset.shards import EmptySplitError
-from marinlm.model.cpu_bf16 import gemm_dtype
+from marinlm.model.cpu_bf16 import emulated_bf16, gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
@@ -64,6 +64,13 @@ class Trainer(ResumeMixin):
         self.precision = c.train.precision
         if self.precision == "auto":
             self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        if self.precision == "bf16" and emulated_bf16(self.device) and self.info.is_main:
+            print(
+                "note: this CPU has no bf16 matrix unit (AVX512-BF16 or AMX), so bf16 autocast runs its products "
+                "as fp32 GEMMs with bf16 rounding (model/cpu_bf16.py): no faster than fp32, usually slower. "
+                "train.precision auto (fp32 on a CPU) is the faster choice here",
+                flush=True,
+            )
         torch.manual_seed(c.train.seed + self.info.rank)
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
