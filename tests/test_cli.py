@@ -243,7 +243,11 @@ def test_a_mistyped_run_folder_is_named_as_missing(tmp_path, capsys):
         ["eval", str(tmp_path / "typo"), "--tasks", "val"],
     ):
         assert main(command) == 2
-        assert f"error: {tmp_path / 'typo'}: no such run or checkpoint folder" in capsys.readouterr().err
+        assert f"error: {tmp_path / 'typo'}: no such run or checkpoint folder\n" in capsys.readouterr().err
+    # A mistyped step is told the steps there are.
+    (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    assert main(["generate", str(tmp_path / "run" / "checkpoints" / "step-4"), "--prompt", "x"]) == 2
+    assert "checkpoints holds step-00000004\n" in capsys.readouterr().err
 
 
 def test_a_folder_of_runs_names_the_runs_inside(tmp_path, capsys):

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -138,6 +139,12 @@ def test_corrupt_checkpoint_falls_back_to_previous(token_data, tmp_path, capsys)
         CheckpointManager(tmp_path / "run" / "checkpoints").load(moved, {})
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume=str(tmp_path / "typo"))
+    # A mistyped step is told the steps there are (not the half-written step 12).
+    typo = tmp_path / "run" / "checkpoints" / "step-00000009"
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{typo}: no such checkpoint folder; {typo.parent} holds step-00000004")
+    ):
+        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 10}), resume=str(typo))
     # Every checkpoint broken: an error, not a silent start from step 0 in the same folder.
     (tmp_path / "copy" / "checkpoints" / ckpts[1].name / "trainer_state.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"none of its 2 checkpoint\(s\) is usable"):

@@ -130,6 +130,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
+def checkpoints_beside(missing: Path) -> str:
+    """For the error about a checkpoint folder that is not there: the ones its parent holds, if any."""
+    there = [p.name for p in reversed(list_checkpoints(missing.parent))]
+    return f"; {missing.parent} holds {', '.join(there)}" if there else ""
+
+
 def validate(folder: Path, rank: int = 0, world_size: int = 1) -> None:
     """Raise CheckpointError unless COMPLETE.json exists and every listed file has its size and hash.
 
@@ -152,7 +158,7 @@ def validate(folder: Path, rank: int = 0, world_size: int = 1) -> None:
 
 def _validate_share(folder: Path, rank: int, world_size: int) -> None:
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
+        raise CheckpointError(f"{folder}: no such checkpoint folder{checkpoints_beside(folder)}")
     marker = folder / "COMPLETE.json"
     if not marker.is_file():
         raise CheckpointError(f"{folder}: no COMPLETE.json, the save did not finish")

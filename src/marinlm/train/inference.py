@@ -15,7 +15,14 @@ from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import CheckpointError, is_checkpoint_folder, list_checkpoints, load_tensors, validate
+from marinlm.train.checkpoint import (
+    CheckpointError,
+    checkpoints_beside,
+    is_checkpoint_folder,
+    list_checkpoints,
+    load_tensors,
+    validate,
+)
 from marinlm.train.config import TrainConfig
 
 
@@ -34,7 +41,7 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
     the ranks share the hashing and agree on the folder."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such run or checkpoint folder")
+        raise FileNotFoundError(f"{path}: no such run or checkpoint folder{checkpoints_beside(path)}")
     if is_checkpoint_folder(path):
         validate(path, rank, world_size)
         return path
