@@ -287,10 +287,11 @@ def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_
     [txt] = read_documents(tmp_path / "c.txt")
     assert txt.location == str(tmp_path / "c.txt") and txt.reason == "invalid UTF-8 at byte 10"
 
-    (tmp_path / "d.json").write_text(json.dumps([{"text": ["line one", "line two"]}, "not an object"]))
-    doc, odd = read_documents(tmp_path / "d.json")
+    (tmp_path / "d.json").write_text(json.dumps([{"text": ["line one", "line two"]}, "a bare text", 42]))
+    doc, bare, odd = read_documents(tmp_path / "d.json")
     assert doc.text == "line one\nline two"
-    assert odd.location == f"{tmp_path / 'd.json'}:1" and "expected a JSON object, got str" in odd.reason
+    assert (bare.text, bare.id) == ("a bare text", f"{tmp_path / 'd.json'}:1")  # a list of texts is documents
+    assert odd.location == f"{tmp_path / 'd.json'}:2" and "expected a JSON object, got int" in odd.reason
     (tmp_path / "e.json").write_text(json.dumps({"text": "an object, not a list"}))
     [whole] = read_documents(tmp_path / "e.json")
     assert "must hold a list" in whole.reason
@@ -307,6 +308,22 @@ def test_a_byte_order_mark_is_not_taken_for_text(tmp_path):
         for name in ("a.jsonl", "b.json", "c.txt", "d.txt")
     }
     assert texts == {"a.jsonl": ["first", "second"], "b.json": ["listed"], "c.txt": ["plain"], "d.txt": ["one", "two"]}
+
+
+def test_a_text_file_with_windows_line_ends_is_cut_at_its_paragraphs(tmp_path):
+    """A CRLF file was one document under split_pattern "\\n\\n", and chunk_chars found no paragraph break."""
+    (tmp_path / "win.txt").write_bytes(b"first line\r\nstill first\r\n\r\nsecond\r\n\r\nthird")
+    assert [d.text for d in read_documents(tmp_path / "win.txt", split_pattern="\n\n")] == [
+        "first line\nstill first",
+        "second",
+        "third",
+    ]
+    pieces = [d.text for d in read_documents(tmp_path / "win.txt", chunk_chars=30)]
+    assert pieces == ["first line\nstill first\n\n", "second\n\nthird"]
+    # A whole file's bad byte is counted as on disk, CRs included.
+    (tmp_path / "bad.txt").write_bytes(b"a\r\nb\r\n\xff")
+    [bad] = read_documents(tmp_path / "bad.txt")
+    assert bad.reason == "invalid UTF-8 at byte 6"
 
 
 def test_invalid_utf8_in_a_cut_text_file_rejects_only_its_document(tmp_path):

@@ -172,8 +172,9 @@ def read_documents(
 
     A .txt file is one document (its path is the id), or several when `split_pattern` (a regex) is
     given; with `chunk_chars`, a longer one is cut into pieces of at most that many characters at
-    paragraph breaks (`chunk_text`). JSON records need `text_field` to be a string or a list of
-    strings (joined by newlines); `id_field` falls back to "path:line" when absent.
+    paragraph breaks (`chunk_text`); Windows line ends read as "\n". JSON records need `text_field` to
+    be a string or a list of strings (joined by newlines), or are themselves a string (a .json list of
+    texts); `id_field` falls back to "path:line" when absent.
     """
     path = Path(path)
     source = source or path.stem.split(".")[0]
@@ -184,15 +185,19 @@ def read_documents(
     if name.endswith(TEXT_SUFFIXES):
         # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
         # only the documents that hold them.
-        text = strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
+        raw = strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
+        # Windows line ends read as "\n", as Python's text mode reads them: `split_pattern` and the
+        # paragraph breaks that `chunk_chars` cuts at see the same text whatever wrote the file.
+        text = raw.replace("\r\n", "\n")
         parts = re.split(split_pattern, text) if split_pattern else [text]
         if chunk_chars:
             parts = [chunk for part in parts for chunk in chunk_text(part, chunk_chars)]
         whole = len(parts) == 1
         for i, part in enumerate(parts):
             where = str(path) if whole else f"{path}#{i}"
-            if bad := _UNDECODABLE.search(part):
-                at = len(part[: bad.start()].encode("utf-8", errors="surrogateescape"))
+            if _UNDECODABLE.search(part):
+                within = raw if whole else part  # a whole file: the offset on disk
+                at = len(within[: _UNDECODABLE.search(within).start()].encode("utf-8", errors="surrogateescape"))
                 of = "" if whole else " of this document"
                 yield Rejected(
                     source, where, f"invalid UTF-8 at byte {at}{of}", _clip(part.encode(errors="surrogateescape"))
@@ -246,6 +251,8 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
 
 
 def _from_record(record, where, text_field, id_field, source, provenance) -> Document | Rejected:
+    if isinstance(record, str):  # a list of texts (or a JSON string per line): each one a document
+        return Document(id=where, text=record, source=source, metadata=dict(provenance))
     if not isinstance(record, dict):
         return Rejected(source, where, f"expected a JSON object, got {type(record).__name__}", _clip(str(record)))
     text = record.get(text_field)
