@@ -73,10 +73,37 @@ def test_a_fraction_that_holds_out_no_document_is_raised_to_hold_out_one():
     raised = fraction_holding_out_one(ids, 0, 0.02)
     held = [i for i in ids if is_validation(i, 0, raised)]
     assert held == [min(ids, key=lambda i: split_key(i, 0))] and 0.02 < raised < 1
+    assert float(f"{raised:.2g}") == raised  # a short decimal: the value a note prints is the value used
     # Where the fraction holds out one already, or there is no document to spare, it is kept.
     many = [f"doc-{i}" for i in range(500)]
     assert fraction_holding_out_one(many, 0, 0.02) == 0.02
     assert fraction_holding_out_one(ids[:1], 0, 0.02) == 0.02 and fraction_holding_out_one([], 0, 0.02) == 0.02
+
+
+def test_the_fraction_that_holds_out_one_is_short_but_never_holds_out_two(monkeypatch):
+    import marinlm.dataset.tokenize as tokenize_module
+
+    keys = {"a": 0.4123456781, "b": 0.4123456789, "c": 0.9}  # the two lowest agree to 9 digits
+    monkeypatch.setattr(tokenize_module, "split_key", lambda doc_id, seed: keys[doc_id])
+    raised = fraction_holding_out_one(keys, 0, 0.02)
+    assert keys["a"] < raised <= keys["b"] and raised == 0.4123456782
+    keys["b"] = keys["a"]  # a tie: no fraction holds out one alone; the next float above holds out both
+    assert keys["a"] < fraction_holding_out_one(keys, 0, 0.02) <= keys["a"] + 1e-15
+
+
+def test_tokenize_says_when_no_document_is_held_out_and_which_fraction_holds_out_one(tmp_path, tok_dir, capsys):
+    from marinlm.cli import main
+
+    write_corpus(tmp_path / "corpus", num_docs=3, num_files=1)
+    config = tmp_path / "tok.yaml"
+    config.write_text(f"inputs: [{tmp_path / 'corpus'}]\ntokenizer: {tok_dir}\nval_fraction: 0.01\nworkers: 1\n")
+    assert main(["tokenize", str(config), f"--output_dir={tmp_path / 'a'}"]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith("note: val_fraction 0.01 holds out none of the 3 documents")
+    fraction = note.split("--val_fraction=")[1].split()[0]
+    assert main(["tokenize", str(config), f"--output_dir={tmp_path / 'b'}", f"--val_fraction={fraction}"]) == 0
+    assert "val 0" not in capsys.readouterr().out
+    assert TokenDataset(tmp_path / "b", "val").num_docs == 1 and TokenDataset(tmp_path / "b", "train").num_docs == 2
 
 
 def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir):

@@ -66,14 +66,23 @@ def _tokenizer_train(args, overrides) -> int:
 
 
 def _tokenize(args, overrides) -> int:
-    from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.dataset.tokenize import TokenizeConfig, document_ids, fraction_holding_out_one, tokenize
 
-    manifest = tokenize(_load(TokenizeConfig, args.config, overrides))
+    config = _load(TokenizeConfig, args.config, overrides)
+    manifest = tokenize(config)
     print(
         f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
         f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
         f"{manifest['rejected_count']:,} rejected input records; {manifest['seconds']} s"
     )
+    if manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] >= 2:
+        ids = document_ids(config.inputs, config.text_field, config.id_field)
+        one = fraction_holding_out_one(ids, config.seed, config.val_fraction)
+        print(
+            f"note: val_fraction {config.val_fraction:g} holds out none of the {manifest['train_docs']} documents, "
+            f"so training on these tokens runs without validation; --val_fraction={one!r} holds out one "
+            f"(into another output_dir)"
+        )
     return 0
 
 

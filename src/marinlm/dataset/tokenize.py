@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +71,22 @@ def fraction_holding_out_one(doc_ids: Iterable[str], seed: int, fraction: float)
     keys = sorted(split_key(doc_id, seed) for doc_id in doc_ids)
     if len(keys) < 2 or keys[0] < fraction:
         return fraction
-    return math.nextafter(keys[0], 1.0)
+    # A short decimal above the lowest key and not above the next (a document is held out when
+    # its key is below the fraction), so that the value printed is the value used.
+    low, high = keys[0], keys[1]
+    for digits in range(2, 18):
+        rounded = (math.floor(low * 10**digits) + 1) / 10**digits
+        if low < rounded <= high:
+            return rounded
+    return math.nextafter(low, 1.0)
+
+
+def document_ids(inputs: list[str], text_field: str = "text", id_field: str = "id") -> Iterator[str]:
+    """The ids of the documents that `tokenize` reads from `inputs`, in order: the split hashes them."""
+    from marinlm.data.readers import Document, expand_inputs, read_documents
+
+    for path in expand_inputs(inputs):
+        yield from (doc.id for doc in read_documents(path, text_field, id_field) if isinstance(doc, Document))
 
 
 def _input_stamp(path: Path) -> dict:

@@ -89,13 +89,11 @@ def _val_fraction(shards: Path, kept: int, seed: int) -> float:
     """VAL_FRACTION, or for a corpus so small that it might hold out no document at all, the
     fraction that holds out one (`fraction_holding_out_one`). Only small corpora are read for it:
     at 1,000 documents the chance that 2% holds out none is 0.98^1000 < 1e-8."""
-    from marinlm.data.readers import Document, expand_inputs, read_documents
-    from marinlm.dataset.tokenize import fraction_holding_out_one
+    from marinlm.dataset.tokenize import document_ids, fraction_holding_out_one
 
     if kept * VAL_FRACTION >= 20:
         return VAL_FRACTION
-    ids = (doc.id for path in expand_inputs([str(shards)]) for doc in read_documents(path) if isinstance(doc, Document))
-    return fraction_holding_out_one(ids, seed, VAL_FRACTION)
+    return fraction_holding_out_one(document_ids([str(shards)]), seed, VAL_FRACTION)
 
 
 def corpus_prompt(tokens_dir: Path, tokenizer, max_chars: int = 60) -> str:
