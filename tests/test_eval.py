@@ -483,6 +483,40 @@ def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token
         load_model(tmp_path / "elsewhere")
 
 
+def test_each_sources_validation_loss_is_logged_in_training_and_scored_by_eval(token_data, tmp_path):
+    """With a mixture, validation covered the first source only; now each source and all of them."""
+    import shutil
+
+    from marinlm.train.inference import load_model
+    from marinlm.train.metrics import read_metrics
+    from marinlm.train.trainer import run_training
+
+    shutil.copytree(token_data, tmp_path / "other")  # a second source: the same documents, other rows drawn
+    sources = [{"path": str(token_data)}, {"path": str(tmp_path / "other"), "weight": 0.5}]
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        data={"sources": sources},
+        train={"steps": 2},
+        checkpoint={"every_steps": 2},
+        validation={"every_steps": 2, "max_rows": 3},
+    )
+    run_training(config)
+    [logged] = [m for m in read_metrics(tmp_path / "run") if "val/loss" in m and m["step"] == 2]
+    names = [token_data.name, "other"]
+    per = [(logged[f"val/{n}/loss"], logged[f"val/{n}/tokens"]) for n in names]
+    assert logged["val/tokens"] == sum(t for _, t in per) and all(t > 0 for _, t in per)
+    assert logged["val/loss"] == pytest.approx(sum(loss * t for loss, t in per) / logged["val/tokens"])
+    assert per[0][0] != per[1][0]  # 3 rows of each, drawn with each source's seed
+
+    results = run_eval(load_model(tmp_path / "run"), EvalOptions(tasks=["val"], limit=3))["results"]
+    assert list(results) == ["val", *(f"val:{n}" for n in names)]
+    assert results["val"]["loss"] == pytest.approx(logged["val/loss"], rel=1e-5)
+    for n in names:
+        assert results[f"val:{n}"]["loss"] == pytest.approx(logged[f"val/{n}/loss"], rel=1e-5)
+        assert results[f"val:{n}"]["bits_per_byte"] == pytest.approx(logged[f"val/{n}/bpb"], rel=1e-5)
+
+
 def test_val_of_a_run_trained_with_relative_paths_scores_from_another_folder(token_data, tmp_path, monkeypatch):
     """`marinlm eval /a/runs/tiny --tasks val` from another folder was "runs/tokens/manifest.json: no
     manifest": the run's data path is relative to the folder training ran from, /a."""

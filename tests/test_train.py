@@ -279,8 +279,15 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
         progress=False,
     )
     trainer = Trainer(train_config(no_val, tmp_path / "run2"), resume="none")
-    assert trainer.val_source is None
+    assert trainer.val_sources == {} and trainer.validate() is None
     assert "split 'val' has no documents; validation is off" in capsys.readouterr().out
+    trainer.close()
+    # In a mixture, a source without one is left out of validation, and the others validate.
+    mixture = {"sources": [{"path": str(no_val)}, {"path": str(token_data)}]}
+    trainer = Trainer(train_config(no_val, tmp_path / "run3", data=mixture), resume="none")
+    assert list(trainer.val_sources) == [token_data.name] and trainer.validate()["val/tokens"] > 0
+    assert f"has no documents; validating on the others ({token_data.name})" in capsys.readouterr().out
+    trainer.close()
 
 
 def test_a_killed_jobs_half_written_save_is_cleaned_up(token_data, tmp_path):

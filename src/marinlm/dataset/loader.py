@@ -26,7 +26,7 @@ import torch
 
 from marinlm.config import check
 from marinlm.dataset.packing import IGNORE_INDEX, PackedSource, build_batch
-from marinlm.dataset.shards import ShardError, TokenDataset
+from marinlm.dataset.shards import EmptySplitError, ShardError, TokenDataset
 
 
 @dataclass(kw_only=True)
@@ -290,23 +290,44 @@ def open_sources(
     """The packed sources of a split; `index_dir` stores the shuffled epochs (see PackedSource)."""
     if not config.sources:
         raise ValueError("data.sources: give at least one tokenized dataset")
-    sources = []
-    for i in range(len(config.sources)):
-        data = open_dataset(config, i, split, tokenizer_hash, model_vocab_size)
-        sources.append(
-            PackedSource(
-                data,
-                config.seq_len,
-                config.seed + 1000 * i,
-                config.add_bos,
-                config.add_eos,
-                shuffle=split == "train",
-                keep_partial=split != "train",
-                index_dir=index_dir if split == "train" else None,
-                shuffle_rows=config.shuffle_rows,
-            )
-        )
-    return sources
+    return [_packed(config, i, split, tokenizer_hash, model_vocab_size, index_dir) for i in range(len(config.sources))]
+
+
+def _packed(config: DataConfig, i: int, split: str, tokenizer_hash, model_vocab_size, index_dir=None) -> PackedSource:
+    return PackedSource(
+        open_dataset(config, i, split, tokenizer_hash, model_vocab_size),
+        config.seq_len,
+        config.seed + 1000 * i,
+        config.add_bos,
+        config.add_eos,
+        shuffle=split == "train",
+        keep_partial=split != "train",
+        index_dir=index_dir if split == "train" else None,
+        shuffle_rows=config.shuffle_rows,
+    )
+
+
+def source_names(config: DataConfig) -> list[str]:
+    """A short name per source for metrics (`val/NAME/loss`): its folder's name, with its index where
+    two sources share one."""
+    names = [Path(s.path).name or f"source{i}" for i, s in enumerate(config.sources)]
+    return [f"{n}.{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def validation_sources(
+    config: DataConfig, tokenizer_hash: str | None = None, model_vocab_size: int | None = None
+) -> tuple[dict[str, PackedSource], list[str]]:
+    """Every source's validation split by `source_names`, and the errors of the sources that have none
+    (an empty split, e.g. tokenized with val_fraction 0). Any other problem with a split raises."""
+    if not config.sources:
+        raise ValueError("data.sources: give at least one tokenized dataset")
+    found, empty = {}, []
+    for i, name in enumerate(source_names(config)):
+        try:
+            found[name] = _packed(config, i, "val", tokenizer_hash, model_vocab_size)
+        except EmptySplitError as e:
+            empty.append(str(e))
+    return found, empty
 
 
 def build_loader(

@@ -33,7 +33,7 @@ def make_eval_hook(trainer, config):
 
     def hook(result=None):
         was_training = trainer.model.training
-        report = run_eval(_Live(trainer), options, val_source=trainer.val_source, prepared=prepared)
+        report = run_eval(_Live(trainer), options, val_sources=trainer.val_sources, prepared=prepared)
         trainer.model.train(was_training)
         if trainer.sinks is not None:
             scalars = {

@@ -114,15 +114,15 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
 
 
 def run_eval(
-    loaded, options: EvalOptions, output: str | Path | None = None, val_source=None, prepared: list | None = None
+    loaded, options: EvalOptions, output: str | Path | None = None, val_sources=None, prepared: list | None = None
 ) -> dict:
     """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given.
 
     `prepared` is `prepare(options)` done ahead (the training hook loads its tasks once, at start).
     """
     prepared = prepare(options) if prepared is None else prepared
-    if val_source is None and any(spec == "val" for spec, _, _ in prepared):
-        val_source = _open_val(loaded)  # before any scoring: a missing split must not cost the other tasks
+    if not val_sources and any(spec == "val" for spec, _, _ in prepared):
+        val_sources = _open_val(loaded)  # before any scoring: a missing split must not cost the other tasks
     scorer = Scorer(
         loaded.model,
         loaded.tokenizer,
@@ -135,7 +135,7 @@ def run_eval(
     for spec, task, items in prepared:
         t0 = time.perf_counter()
         if spec == "val":
-            results[spec] = _val_metrics(loaded, val_source, options.batch_size, options.limit)
+            results.update(_val_metrics(loaded, val_sources, options.batch_size, options.limit))
         elif spec.startswith("bpb:"):
             ll = scorer.loglikelihood_rolling(items, desc=spec)
             total = sum(x for x, _ in ll)
@@ -203,11 +203,12 @@ def launch_dir(loaded) -> Path | None:
     return Path(*run.parts[:-n])
 
 
-def _open_val(loaded):
-    """The validation split of the run's training data (a TaskDataError naming it if unreadable).
-    Relative data paths are read from the current folder, else from the folder training ran from."""
+def _open_val(loaded) -> dict:
+    """The validation split of each of the run's training sources, by name (a TaskDataError naming
+    the split if one is unreadable, or if none has one). Relative data paths are read from the
+    current folder, else from the folder training ran from."""
     from marinlm.dataset import ShardError
-    from marinlm.dataset.loader import open_sources
+    from marinlm.dataset.loader import validation_sources
 
     data, launch = loaded.config.data, launch_dir(loaded)
     missing = [s for s in data.sources if not Path(s.path).is_absolute() and not Path(s.path).exists()]
@@ -215,7 +216,10 @@ def _open_val(loaded):
         sources = [replace(s, path=str(launch / s.path)) if s in missing else s for s in data.sources]
         data = replace(data, sources=sources)
     try:
-        return open_sources(data, "val", loaded.tokenizer_hash, loaded.config.model.vocab_size)[0]
+        found, empty = validation_sources(data, loaded.tokenizer_hash, loaded.config.model.vocab_size)
+        if not found:
+            raise ShardError(empty[0])
+        return found
     except ShardError as e:
         where = ""
         if missing:
@@ -224,22 +228,28 @@ def _open_val(loaded):
         raise TaskDataError(f"task 'val' scores the validation split of the run's training data: {e}{where}") from None
 
 
-def _val_metrics(loaded, val_source, batch_size: int, limit: int | None = None) -> dict:
-    """Loss and bits per byte over the split's rows, or its first `limit` rows in the loader's draw
-    order (spread over the split), as training's validation takes `validation.max_rows`."""
-    from marinlm.dataset.loader import validation_batches
-    from marinlm.train.step import validate
+def _val_metrics(loaded, val_sources: dict, batch_size: int, limit: int | None = None) -> dict[str, dict]:
+    """Loss and bits per byte over each source's split, or its first `limit` rows in the loader's
+    draw order (spread over the split), as training's validation takes `validation.max_rows`:
+    `val` over all the sources, and with several, `val:NAME` for each."""
+    from marinlm.train.step import validate_sources
 
     device = next(loaded.model.parameters()).device
-    rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate() sums them
-    metrics = validate(
-        loaded.model,
-        validation_batches(val_source, batch_size, max_rows=limit, rank=rank, world_size=world),
-        device=device,
-        precision="fp32" if device.type == "cpu" else "bf16",
+    rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate_sources() sums them
+    precision = "fp32" if device.type == "cpu" else "bf16"
+    metrics = validate_sources(
+        loaded.model, val_sources, batch_size, limit, rank, world, device=device, precision=precision
     )
-    # A count, like bpb's: an int in the JSON, and not a row of the markdown table ("260782.0000").
-    return {"loss": metrics["val/loss"], "bits_per_byte": metrics["val/bpb"], "tokens": int(metrics["val/tokens"])}
+    results = {}
+    for name in ["", *val_sources] if len(val_sources) > 1 else [""]:
+        key = f"val/{name}/" if name else "val/"
+        # A count, like bpb's: an int in the JSON, and not a row of the markdown table ("260782.0000").
+        results[f"val:{name}" if name else "val"] = {
+            "loss": metrics[key + "loss"],
+            "bits_per_byte": metrics[key + "bpb"],
+            "tokens": int(metrics[key + "tokens"]),
+        }
+    return results
 
 
 def markdown_table(report: dict) -> str:

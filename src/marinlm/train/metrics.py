@@ -95,7 +95,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple[str, float] | None = None) -> Path:
-    """Train and validation loss against step, as a PNG (with an optional labelled horizontal line)."""
+    """Train and validation loss (and each source's, where several) against step, as a PNG (with an
+    optional labelled horizontal line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,6 +109,11 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
         ax.plot(*zip(*train), label="train loss", alpha=0.7)
     if val:
         ax.plot(*zip(*val), marker="o", label="validation loss")
+    # With several sources, each one's validation loss too (`val/NAME/loss`).
+    names = dict.fromkeys(k.split("/")[1] for m in metrics for k in m if k.startswith("val/") and k.count("/") == 2)
+    for name in names:
+        points = [(m["step"], m[f"val/{name}/loss"]) for m in metrics if f"val/{name}/loss" in m]
+        ax.plot(*zip(*points), marker=".", linestyle=":", label=f"validation loss: {name}")
     if baseline is not None:
         ax.axhline(baseline[1], color="grey", linestyle="--", label=f"{baseline[0]} ({baseline[1]:.2f})")
     ax.set_xlabel("step")

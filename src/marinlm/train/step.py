@@ -121,9 +121,47 @@ def param_norm(model) -> float:
     return _full_norm(torch.nn.utils.get_total_norm(list(model.parameters()))).item()
 
 
-@torch.no_grad()
 def validate(model, batches, *, device, precision: str) -> dict[str, float]:
-    """Mean loss per token and bits per byte over the given held-out batches (all ranks summed).
+    """Mean loss per token and bits per byte over the given held-out batches (all ranks summed)."""
+    return _val_metrics(_val_totals(model, batches, device=device, precision=precision))
+
+
+def validate_sources(
+    model, sources: dict, batch_size: int, max_rows: int | None, rank: int, world_size: int, *, device, precision: str
+) -> dict[str, float]:
+    """Validation over each source's held-out rows (`dataset.validation_sources`, `max_rows` of each):
+    `val/loss`, `val/bpb` and `val/tokens` over all of them together, and with several sources
+    `val/NAME/...` for each, so that a mixture shows which of its data the model learns."""
+    from marinlm.dataset.loader import validation_batches
+
+    totals = {
+        name: _val_totals(
+            model,
+            validation_batches(source, batch_size, max_rows, rank, world_size),
+            device=device,
+            precision=precision,
+        )
+        for name, source in sources.items()
+    }
+    metrics = _val_metrics(sum(totals.values()))
+    if len(totals) > 1:
+        for name, t in totals.items():
+            metrics.update(_val_metrics(t, f"val/{name}"))
+    return metrics
+
+
+def _val_metrics(totals: torch.Tensor, prefix: str = "val") -> dict[str, float]:
+    nats, tokens, num_bytes = totals.tolist()
+    return {
+        f"{prefix}/loss": nats / max(tokens, 1),
+        f"{prefix}/bpb": nats / (math.log(2) * max(num_bytes, 1)),
+        f"{prefix}/tokens": tokens,
+    }
+
+
+@torch.no_grad()
+def _val_totals(model, batches, *, device, precision: str) -> torch.Tensor:
+    """Summed nats, tokens and bytes over the batches (all ranks).
 
     The loss goes through the model's fused, chunked LM head as in training (model/loss.py): the
     [B, T, V] logits are never held. For the hero shape, 8 rows of 4,096 tokens and a 128k
@@ -147,9 +185,4 @@ def validate(model, batches, *, device, precision: str) -> dict[str, float]:
         )
     all_reduce_(totals)
     model.train(was_training)
-    nats, tokens, num_bytes = totals.tolist()
-    return {
-        "val/loss": nats / max(tokens, 1),
-        "val/bpb": nats / (math.log(2) * max(num_bytes, 1)),
-        "val/tokens": tokens,
-    }
+    return totals

@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 from marinlm.config import dump_config, to_dict
-from marinlm.dataset.loader import build_loader, open_dataset, open_sources, validation_batches
-from marinlm.dataset.shards import EmptySplitError
+from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
 from marinlm.model.cpu_bf16 import emulated_bf16, gemm_dtype
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
@@ -44,7 +43,7 @@ from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_m
 from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import catch_stop_signals
-from marinlm.train.step import StepResult, param_norm, train_step, validate
+from marinlm.train.step import StepResult, param_norm, train_step, validate_sources
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
@@ -112,7 +111,7 @@ class Trainer(ResumeMixin):
             index_dir=self.run_dir / "data-index",
             rows_per_step=c.train.global_batch,
         )
-        self.val_source = self._val_source()
+        self.val_sources = self._val_sources()
         self.epochs_planned = self._epochs_planned()
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
@@ -182,14 +181,15 @@ class Trainer(ResumeMixin):
             model.init_weights(seed=c.train.seed)
         return model
 
-    def _val_source(self):
-        """The validation split; None when the data has none (a corrupt one is an error, not None)."""
-        try:
-            return open_sources(self.config.data, "val", self.tokenizer_hash, self.config.model.vocab_size)[0]
-        except EmptySplitError as e:
-            if self.info.is_main and self.config.validation.every_steps:
-                print(f"warning: {e}; validation is off (tokenize with val_fraction > 0 to have it)", flush=True)
-            return None
+    def _val_sources(self) -> dict:
+        """Each source's validation split by name; empty when the data has none (a corrupt one is an
+        error). A source without one is left out, with a warning."""
+        found, empty = validation_sources(self.config.data, self.tokenizer_hash, self.config.model.vocab_size)
+        if self.info.is_main and self.config.validation.every_steps:
+            for e in empty:
+                off = "validation is off" if not found else f"validating on the others ({', '.join(found)})"
+                print(f"warning: {e}; {off} (tokenize with a larger val_fraction to have one)", flush=True)
+        return found
 
     def _epochs_planned(self) -> list[float]:
         """Passes over each source that `train.steps` reads; more than one is said once at start."""
@@ -307,11 +307,19 @@ class Trainer(ResumeMixin):
 
     def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
         """Loss and bits per byte on the held-out split (also a hook); logged at the current step."""
-        if self.val_source is None:
+        if not self.val_sources:
             return None
         v = self.config.validation
-        batches = validation_batches(self.val_source, v.batch_size, v.max_rows, self.info.rank, self.world)
-        metrics = validate(self.model, batches, device=self.device, precision=self.precision)
+        metrics = validate_sources(
+            self.model,
+            self.val_sources,
+            v.batch_size,
+            v.max_rows,
+            self.info.rank,
+            self.world,
+            device=self.device,
+            precision=self.precision,
+        )
         self._last_validation_step, self.last_validation = self.step, metrics
         if self.sinks is not None:
             self.sinks.log(self.step, metrics)
