@@ -101,7 +101,7 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class ValidationConfig:
     every_steps: int = 0  # 0 = only at the end
-    max_rows: int = 64  # sequences of the held-out split per evaluation
+    max_rows: int = 64  # sequences of each source's held-out split per evaluation
     batch_size: int = 8
 
     def __post_init__(self):
