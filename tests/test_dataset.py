@@ -48,6 +48,7 @@ def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
     root, texts, manifest = dataset
     tok = MarinTokenizer.load(tok_dir)
     assert manifest["tokenizer"]["hash"] == tok.hash
+    assert MarinTokenizer.load(root / "tokens" / "tokenizer").hash == tok.hash  # the tokens carry their tokenizer
     assert manifest["train_docs"] + manifest["val_docs"] == 301  # 300 + the one good line of the bad file
     assert len(manifest["rejected"]) == 2
     assert {r["reason"].split(":")[0] for r in manifest["rejected"]} == {"malformed JSON", "missing field 'text'"}
@@ -96,7 +97,8 @@ def test_tokenize_says_when_no_document_is_held_out_and_which_fraction_holds_out
 
     write_corpus(tmp_path / "corpus", num_docs=3, num_files=1)
     config = tmp_path / "tok.yaml"
-    config.write_text(f"inputs: [{tmp_path / 'corpus'}]\ntokenizer: {tok_dir}\nval_fraction: 0.01\nworkers: 1\n")
+    tokenizer_file = tok_dir / "tokenizer.json"  # a file, not a folder: the tokens carry a saved copy
+    config.write_text(f"inputs: [{tmp_path / 'corpus'}]\ntokenizer: {tokenizer_file}\nval_fraction: 0.01\nworkers: 1\n")
     assert main(["tokenize", str(config), f"--output_dir={tmp_path / 'a'}"]) == 0
     note = capsys.readouterr().out.splitlines()[-1]
     assert note.startswith("note: val_fraction 0.01 holds out none of the 3 documents")
@@ -104,6 +106,7 @@ def test_tokenize_says_when_no_document_is_held_out_and_which_fraction_holds_out
     assert main(["tokenize", str(config), f"--output_dir={tmp_path / 'b'}", f"--val_fraction={fraction}"]) == 0
     assert "val 0" not in capsys.readouterr().out
     assert TokenDataset(tmp_path / "b", "val").num_docs == 1 and TokenDataset(tmp_path / "b", "train").num_docs == 2
+    assert MarinTokenizer.load(tmp_path / "b" / "tokenizer").hash == MarinTokenizer.load(tokenizer_file).hash
 
 
 def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir):

@@ -1018,11 +1018,20 @@ def test_a_dataset_whose_manifest_names_no_tokenizer_folder_trains_with_a_warnin
     ended the start-up in a KeyError traceback; the tokenizer copy is a convenience for generate."""
     import shutil
 
+    from marinlm.tokenizer import MarinTokenizer
+
     shutil.copytree(token_data, tmp_path / "tokens")
     manifest = tmp_path / "tokens" / "manifest.json"
     data = json.loads(manifest.read_text())
     del data["tokenizer"]["path"]
     manifest.write_text(json.dumps(data))
+    # Token folders carry a copy of their tokenizer (tokenize writes it): the run takes that one.
+    trainer = Trainer(train_config(tmp_path / "tokens", tmp_path / "run0", train={"steps": 1}), resume="none")
+    trainer.close()
+    assert MarinTokenizer.load(tmp_path / "run0" / "tokenizer").hash == data["tokenizer"]["hash"]
+    assert "names no tokenizer folder" not in capsys.readouterr().err
+    # One written before they did: a warning, and the run has no tokenizer copy.
+    shutil.rmtree(tmp_path / "tokens" / "tokenizer")
     trainer = Trainer(train_config(tmp_path / "tokens", tmp_path / "run", train={"steps": 1}), resume="none")
     trainer.close()
     assert "names no tokenizer folder that exists (tokenizer.path: None)" in capsys.readouterr().err

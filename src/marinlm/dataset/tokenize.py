@@ -21,7 +21,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.dataset.shards import SPLITS, token_dtype
-from marinlm.utils.io import atomic_path, job_output, named, sha256_file, write_json_atomic
+from marinlm.utils.io import atomic_path, copy_folder_atomic, job_output, named, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
 from marinlm.utils.progress import progress_bar
 
@@ -292,6 +292,12 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     finally:
         bar.close()
     rejected = [r for k in sorted(records) for r in records[k]["rejected"]]
+    if not (out / "tokenizer").is_dir():  # the tokens carry their tokenizer wherever they are moved or read from
+        if Path(config.tokenizer).is_dir():
+            copy_folder_atomic(config.tokenizer, out / "tokenizer")
+        else:  # a tokenizer.json given as a file
+            tok.save(out / ".tokenizer.tmp")
+            os.replace(out / ".tokenizer.tmp", out / "tokenizer")
     with atomic_path(out / "rejected.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected)
     manifest = {

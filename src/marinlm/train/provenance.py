@@ -4,9 +4,7 @@ check that it can run there at all."""
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
-import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -16,7 +14,7 @@ import torch
 
 from marinlm.config import ConfigError
 from marinlm.utils.device import available_memory
-from marinlm.utils.io import sha256_file
+from marinlm.utils.io import copy_folder_atomic, sha256_file
 
 # Bytes a parameter holds in training: fp32 weights and gradients, plus the optimizer's fp32 state
 # (AdamW: two moments; Marin: MuonH keeps one momentum for the matrices, which are nearly all).
@@ -84,13 +82,11 @@ def copy_tokenizer(source: str | None, run_dir: Path, manifest: Path) -> None:
     if target.exists():
         return
     if source and Path(source).is_dir():
-        partial = target.with_name(".tokenizer.tmp")  # the run folder is locked: one writer
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(source, partial)
-        os.replace(partial, target)
+        copy_folder_atomic(source, target)  # the run folder is locked: one writer
     else:
         print(
-            f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {source!r}); "
+            f"warning: {manifest} names no tokenizer folder that exists (tokenizer.path: {source!r}), and there "
+            f"is no {manifest.parent / 'tokenizer'} (older token folders carry none); "
             f"copy the tokenizer to {target} for `marinlm generate` and `eval`",
             file=sys.stderr,
         )

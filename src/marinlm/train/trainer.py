@@ -92,7 +92,10 @@ class Trainer(ResumeMixin):
         if first is None:
             raise ValueError("data.sources: give at least one tokenized dataset")
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
-        self._tokenizer_source = first.manifest["tokenizer"].get("path")  # copied into the run
+        # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
+        # path may be relative to another folder, or gone).
+        recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
+        self._tokenizer_source = next((p for p in (recorded, str(carried)) if p and Path(p).is_dir()), recorded)
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
             where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host

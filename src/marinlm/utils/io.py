@@ -83,6 +83,16 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def copy_folder_atomic(source: str | Path, target: str | Path) -> None:
+    """Copy a folder under a temporary name beside `target`, then rename it: a killed copy is never
+    taken for the folder. The caller holds the parent folder (one writer)."""
+    target = Path(target)
+    partial = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial)
+    os.replace(partial, target)
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
