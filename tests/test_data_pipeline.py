@@ -628,6 +628,53 @@ def test_a_big_text_file_is_cut_into_documents_at_paragraph_breaks(tmp_path):
     assert docs[3].id == f"{tmp_path / 'book.txt'}#3" and docs[3].metadata["part"] == 3
 
 
+def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path):
+    """One big .jsonl or .parquet file was one task: one worker busy, the bar still until the end
+    (a 40 MB file: 2 min 44 s at 0%), no resume within it. Now it is read in parts that start at a
+    line (or a row group) and number lines and rows as the whole file does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from marinlm.data.readers import input_parts
+
+    texts = synthetic_docs(40, seed=31, words=60)
+    lines = [json.dumps({"text": t}) for t in texts]  # no id field: ids are "path:line"
+    lines[7] = '{"text": "unterminated'
+    lines[12] = json.dumps({"text": texts[3]})  # an exact duplicate of an earlier line
+    lines[20] = json.dumps({"text": " ".join(texts[20:28])})  # one line longer than a part
+    lines[30] = ""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "big.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    pq.write_table(pa.table({"text": synthetic_docs(30, seed=32, words=60)}), raw / "big.parquet", row_group_size=4)
+
+    data = (raw / "big.jsonl").read_bytes()
+    parts = input_parts(raw / "big.jsonl", 2_000)
+    assert len(parts) > 5 and parts[0]["start"] == 0 and parts[-1]["end"] == len(data)
+    for before, after in zip(parts, parts[1:]):
+        assert before["end"] == after["start"] and data[after["start"] - 1 : after["start"]] == b"\n"
+        assert after["line"] == data[: after["start"]].count(b"\n") + 1
+    row_parts = input_parts(raw / "big.parquet", (raw / "big.parquet").stat().st_size // 3)
+    assert [p["groups"] for p in row_parts] == [[0, 3], [3, 6], [6, 8]] and [p["row"] for p in row_parts] == [0, 12, 24]
+    assert input_parts(raw / "big.parquet", 0) == [None]
+
+    def curate(name, split_bytes):
+        report = run_pipeline(
+            bare_config(tmp_path / name, [{"name": "web", "inputs": [str(raw)]}], split_bytes=split_bytes)
+        )
+        docs = [(r["id"], r["text"]) for p in sorted((tmp_path / name / "shards").glob("*")) for r in read_records(p)]
+        rejected = [json.loads(x) for p in sorted((tmp_path / name / "rejected").glob("*")) for x in p.open()]
+        return report, docs, [(r["location"], r["reason"]) for r in rejected]
+
+    whole, parted = curate("whole", 0), curate("parted", 2_000)
+    assert whole[0]["shards"] == 2 and parted[0]["shards"] > 6
+    assert parted[1] == whole[1] and len(whole[1]) == 40 - 3 + 30  # less the bad, duplicate and blank lines
+    assert parted[1][0][0] == f"{raw / 'big.jsonl'}:1" and parted[1][-1][0] == f"{raw / 'big.parquet'}:30"
+    assert (
+        parted[2] == whole[2] == [(f"{raw / 'big.jsonl'}:8", "malformed JSON: Invalid control character at column 23")]
+    )
+
+
 def test_rerun_resumes_only_the_same_curation(tmp_path):
     """Other settings or changed inputs in the same output folder are refused (resuming used to
     return the old curation as if it were the new one); how the work runs may change."""

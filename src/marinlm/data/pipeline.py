@@ -3,12 +3,13 @@
 Three stages, each resumable through per-shard completion markers (outputs are written under a
 temporary name and renamed, markers last):
 
-1. **map** (one task per input file, in worker processes or on Ray): read, reject bad input,
+1. **map** (one task per input file, or per part of a big .jsonl or .parquet file: `split_bytes`;
+   in worker processes or on Ray): read, reject bad input,
    normalise, identify language, quality filters, PII masking, decontamination; keep the surviving
    documents plus their hashes (document, paragraphs, MinHash bands) and token counts.
 2. **reduce** (one process, hashes only): exact document dedup, fuzzy dedup (connected components
    of LSH collisions), paragraph dedup, then the mixture plan (repeats per document).
-3. **write** (one task per input file): apply the plan and write the output shard.
+3. **write** (one task per map task): apply the plan and write the output shard.
 
 Everything dropped or rejected is written to a side output with its reason, and the report checks
 `documents read = kept + dropped (by reason) + rejected`.
@@ -34,7 +35,7 @@ from marinlm.data.filters import QualityConfig, quality_steps
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
 from marinlm.data.pii import MaskPII, PIIConfig
-from marinlm.data.readers import Document, expand_inputs, read_documents
+from marinlm.data.readers import Document, expand_inputs, input_parts, read_documents
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -85,6 +86,10 @@ class PipelineConfig:
     ray_address: str = ""  # "" = start Ray on this machine; "auto" or host:port to join a cluster
     min_doc_chars: int = 1
     max_doc_bytes: int = 2_000_000  # bigger documents are rejected (and counted), not processed
+    # An uncompressed .jsonl or a .parquet input bigger than this is read in parts of about this
+    # size, each a task: one big file then keeps every worker busy, moves the progress bar and
+    # resumes part by part. 0 = a task per file. (Compressed .jsonl is read whole.)
+    split_bytes: int = 8_000_000
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     langid: LangIdConfig = field(default_factory=LangIdConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -99,6 +104,7 @@ class PipelineConfig:
         check_executor(self.executor)
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
+        check(self.split_bytes >= 0, "split_bytes", f"must be >= 0 (0 = a task per file), got {self.split_bytes}")
         names = [s.name for s in self.sources]
         check(len(set(names)) == len(names), "sources", f"source names must be unique, got {names}")
 
@@ -166,7 +172,13 @@ def _read(task: dict, config: PipelineConfig, ctx: ShardContext, rejected_file):
     stats = ctx.stats["read"]
     source = task["source"]
     documents = read_documents(
-        Path(task["path"]), task["text_field"], task["id_field"], source, task["split"], task.get("chunk_chars", 0)
+        Path(task["path"]),
+        task["text_field"],
+        task["id_field"],
+        source,
+        task["split"],
+        task.get("chunk_chars", 0),
+        task.get("part"),
     )
     for item in documents:
         stats.docs_in[source] += 1
@@ -203,7 +215,7 @@ def _token_counter(config: PipelineConfig):
 
 
 def run_map(task: dict) -> dict:
-    """Stage 1 on one input file. Returns the shard's stats (also written next to its outputs)."""
+    """Stage 1 on one input file or part. Returns the shard's stats (also written next to its outputs)."""
     from marinlm.config import from_dict
 
     config = from_dict(PipelineConfig, task["config"])
@@ -333,19 +345,22 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
                     "a rerun would read its own outputs; put the output elsewhere"
                 )
         for path in expand_inputs(spec.inputs, f"sources[{i}].inputs"):  # a miss fails here, before any work
-            tasks.append(
-                {
-                    "shard": f"{len(tasks):05d}",
-                    "source": spec.name,
-                    "path": str(path),
-                    "text_field": spec.text_field,
-                    "id_field": spec.id_field,
-                    "split": spec.split_pattern,
-                    "chunk_chars": spec.chunk_chars,
-                    "config": to_dict(config),
-                    "work": str(work),
-                }
-            )
+            for part in input_parts(path, config.split_bytes):
+                tasks.append(
+                    {
+                        "shard": f"{len(tasks):05d}",
+                        "source": spec.name,
+                        "path": str(path),
+                        "part": part,
+                        "bytes": part["bytes"] if part else path.stat().st_size,
+                        "text_field": spec.text_field,
+                        "id_field": spec.id_field,
+                        "split": spec.split_pattern,
+                        "chunk_chars": spec.chunk_chars,
+                        "config": to_dict(config),
+                        "work": str(work),
+                    }
+                )
     return tasks
 
 
@@ -404,9 +419,9 @@ def job_settings(config: PipelineConfig, tasks: list[dict]) -> dict:
     for how in ("output_dir", "workers", "executor", "ray_address", "progress"):
         settings.pop(how)
     inputs = []
-    for task in tasks:
-        stat = Path(task["path"]).stat()
-        inputs.append({"path": str(Path(task["path"]).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    for path in dict.fromkeys(task["path"] for task in tasks):  # a file read in parts is listed once
+        stat = Path(path).stat()
+        inputs.append({"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return {"job": "curate", "config": settings, "inputs": inputs}
 
 
@@ -439,7 +454,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
 
     todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
     units_run = len(todo)
-    _run_tasks(run_map, todo, config, "curate: filter", lambda t: Path(t["path"]).stat().st_size)
+    _run_tasks(run_map, todo, config, "curate: filter", lambda t: t["bytes"])
     stage1 = [_done(work / "stage1" / f"{t['shard']}.done.json") for t in tasks]
 
     summary_path = work / "stage2.done.json"

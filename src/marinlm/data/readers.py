@@ -5,6 +5,10 @@ non-string text field, or a truncated compressed stream becomes a `Rejected` rec
 file and line, and reading goes on (or stops cleanly at a truncation); in a .txt file cut into
 documents, only the documents holding bad bytes are rejected. A leading UTF-8 byte-order mark is
 skipped. A missing input path is different: `expand_inputs` fails fast on it.
+
+A big uncompressed .jsonl or .parquet file can be read in parts (`input_parts`): byte ranges that
+start at a line, or runs of row groups. Each part names its lines and rows as the whole file does,
+so ids and error locations do not depend on how a file was cut.
 """
 
 from __future__ import annotations
@@ -114,6 +118,78 @@ class TruncatedStream(OSError):
     """A compressed input ended in the middle of a frame."""
 
 
+def input_parts(path: Path, split_bytes: int) -> list[dict | None]:
+    """The parts to read `path` in, about `split_bytes` each: `[None]` (the whole file) unless it is
+    an uncompressed .jsonl or a .parquet file bigger than that. A .jsonl part is `{"start", "end",
+    "line"}`: a byte range starting at a line, and that line's number; a .parquet part is
+    `{"groups": [first, end], "row"}`: row groups, and the rows before them. Each has its `bytes`."""
+    size = path.stat().st_size
+    if split_bytes <= 0 or size <= split_bytes:
+        return [None]
+    count = -(-size // split_bytes)
+    if path.name.endswith(".jsonl"):
+        return _jsonl_parts(path, size, count)
+    if path.name.endswith(".parquet"):
+        return _parquet_parts(path, size, count)
+    return [None]
+
+
+def _jsonl_parts(path: Path, size: int, count: int) -> list[dict]:
+    starts = [0]
+    with open(path, "rb") as f:
+        for k in range(1, count):
+            f.seek(size * k // count - 1)
+            f.readline()  # to the end of the line that holds the byte before the cut
+            if f.tell() > starts[-1] and f.tell() < size:
+                starts.append(f.tell())
+        # One pass counts the lines before each start (a line too long for one part spans several cuts).
+        lines, newlines, pos = [], 0, 0
+        f.seek(0)
+        for start in starts:
+            while pos < start:
+                chunk = f.read(min(1 << 24, start - pos))
+                newlines += chunk.count(b"\n")
+                pos += len(chunk)
+            lines.append(newlines + 1)
+    ends = [*starts[1:], size]
+    return [{"start": s, "end": e, "line": n, "bytes": e - s} for s, e, n in zip(starts, ends, lines, strict=True)]
+
+
+def _parquet_parts(path: Path, size: int, count: int) -> list[dict] | list[None]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception:
+        return [None]  # unreadable: the reader rejects it, whole
+    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    if len(groups) < 2:
+        return [None]
+    total = sum(g.total_byte_size for g in groups) or 1
+    parts, row, before = [], 0, 0
+    for g, group in enumerate(groups):
+        if not parts or before * count // total >= len(parts):  # this group begins the next part
+            parts.append({"groups": [g, g + 1], "row": row, "bytes": 0})
+        parts[-1]["groups"][1] = g + 1
+        parts[-1]["bytes"] += group.total_byte_size
+        row += group.num_rows
+        before += group.total_byte_size
+    for part in parts:  # progress counts the file's bytes on disk
+        part["bytes"] = size * part["bytes"] // total
+    return parts
+
+
+def _jsonl_range_lines(path: Path, start: int, end: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < end:
+            line = f.readline()
+            if not line:
+                return
+            start += len(line)
+            yield line
+
+
 def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
     """Lines of a (multi-frame) .zst file. Raises TruncatedStream when the file ends inside a frame,
     which zstandard's stream reader would pass over in silence."""
@@ -167,6 +243,7 @@ def read_documents(
     source: str | None = None,
     split_pattern: str = "",
     chunk_chars: int = 0,
+    part: dict | None = None,
 ) -> Iterator[Document | Rejected]:
     """Yield the documents of one file in order; problems come out as `Rejected` records.
 
@@ -174,13 +251,14 @@ def read_documents(
     given; with `chunk_chars`, a longer one is cut into pieces of at most that many characters at
     paragraph breaks (`chunk_text`); Windows line ends read as "\n". JSON records need `text_field` to
     be a string or a list of strings (joined by newlines), or are themselves a string (a .json list of
-    texts); `id_field` falls back to "path:line" when absent.
+    texts); `id_field` falls back to "path:line" when absent. `part` (from `input_parts`) reads one
+    part of a big .jsonl or .parquet file.
     """
     path = Path(path)
     source = source or path.stem.split(".")[0]
     name = path.name
     if name.endswith(".parquet"):
-        yield from _read_parquet(path, text_field, id_field, source)
+        yield from _read_parquet(path, text_field, id_field, source, part)
         return
     if name.endswith(TEXT_SUFFIXES):
         # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
@@ -209,9 +287,11 @@ def read_documents(
     if name.endswith(".json"):
         yield from _read_json_array(path, text_field, id_field, source)
         return
-    line_no = 0
+    first = part["line"] if part else 1
+    lines = _jsonl_range_lines(path, part["start"], part["end"]) if part else _open_lines(path)
+    line_no = first - 1
     try:
-        for line_no, line in enumerate(_open_lines(path), start=1):
+        for line_no, line in enumerate(lines, start=first):
             if line_no == 1:
                 line = strip_bom(line)
             if line.strip():
@@ -246,7 +326,9 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
     try:
         record = json.loads(text_line)
     except json.JSONDecodeError as e:
-        return Rejected(source, where, f"malformed JSON: {e.msg} at column {e.colno}", _clip(text_line))
+        # json's messages may end in "at" ("Invalid control character at"): the column completes them
+        message = e.msg.removesuffix(" at")
+        return Rejected(source, where, f"malformed JSON: {message} at column {e.colno}", _clip(text_line))
     return _from_record(record, where, text_field, id_field, source, {"file": str(path), "line": line_no})
 
 
@@ -282,7 +364,7 @@ def _read_json_array(path: Path, text_field, id_field, source):
         yield _from_record(record, f"{path}:{i}", text_field, id_field, source, {"file": str(path), "index": i})
 
 
-def _read_parquet(path: Path, text_field, id_field, source):
+def _read_parquet(path: Path, text_field, id_field, source, part: dict | None = None):
     import pyarrow.parquet as pq
 
     try:
@@ -294,8 +376,8 @@ def _read_parquet(path: Path, text_field, id_field, source):
         yield Rejected(source, str(path), f"missing column {text_field!r}; columns: {table.schema_arrow.names}")
         return
     # A row group at a time: a corrupt one costs its own rows, not the rest of the file.
-    row = 0
-    for group in range(table.num_row_groups):
+    row = part["row"] if part else 0
+    for group in range(*(part["groups"] if part else [0, table.num_row_groups])):
         end = row + table.metadata.row_group(group).num_rows
         try:
             for batch in table.iter_batches(row_groups=[group]):
