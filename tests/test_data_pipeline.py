@@ -628,13 +628,15 @@ def test_a_big_text_file_is_cut_into_documents_at_paragraph_breaks(tmp_path):
     assert docs[3].id == f"{tmp_path / 'book.txt'}#3" and docs[3].metadata["part"] == 3
 
 
-def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path):
+def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path, capsys):
     """One big .jsonl or .parquet file was one task: one worker busy, the bar still until the end
     (a 40 MB file: 2 min 44 s at 0%), no resume within it. Now it is read in parts that start at a
     line (or a row group) and number lines and rows as the whole file does."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from tqdm import tqdm
 
+    from marinlm.data.pipeline import _tasks
     from marinlm.data.readers import input_parts
 
     texts = synthetic_docs(40, seed=31, words=60)
@@ -657,6 +659,19 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
     row_parts = input_parts(raw / "big.parquet", (raw / "big.parquet").stat().st_size // 3)
     assert [p["groups"] for p in row_parts] == [[0, 3], [3, 6], [6, 8]] and [p["row"] for p in row_parts] == [0, 12, 24]
     assert input_parts(raw / "big.parquet", 0) == [None]
+    # A compressed file cannot be cut: a big one is read whole, and a note says how to have it cut.
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "big.jsonl.gz").write_bytes(gzip.compress(data, compresslevel=0))
+    for folder in ("gz", "raw"):
+        _tasks(
+            bare_config(tmp_path / "x", [{"name": "a", "inputs": [str(tmp_path / folder)]}], split_bytes=2000), tmp_path
+        )
+    note = capsys.readouterr().err
+    size = tqdm.format_sizeof((tmp_path / "gz" / "big.jsonl.gz").stat().st_size, "B")
+    assert note.startswith(
+        f"note: {tmp_path / 'gz' / 'big.jsonl.gz'} ({size}) is read whole, by one worker: a compressed"
+    )
+    assert note.count("note:") == 1  # not for the files that are cut
 
     def curate(name, split_bytes):
         report = run_pipeline(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from marinlm.config import ConfigError, check
 from marinlm.data.decontam import DecontamConfig, Decontaminate, NgramIndex
@@ -35,7 +36,7 @@ from marinlm.data.filters import QualityConfig, quality_steps
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
 from marinlm.data.pii import MaskPII, PIIConfig
-from marinlm.data.readers import Document, expand_inputs, input_parts, read_documents
+from marinlm.data.readers import Document, expand_inputs, input_parts, read_documents, whole_file_reason
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -345,14 +346,24 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
                     "a rerun would read its own outputs; put the output elsewhere"
                 )
         for path in expand_inputs(spec.inputs, f"sources[{i}].inputs"):  # a miss fails here, before any work
-            for part in input_parts(path, config.split_bytes):
+            parts = input_parts(path, config.split_bytes)
+            size = path.stat().st_size
+            if parts == [None] and 0 < 4 * config.split_bytes < size:
+                print(
+                    f"note: {path} ({tqdm.format_sizeof(size, 'B')}) is read whole, by one worker: "
+                    f"{whole_file_reason(path)} to have it read in parts of split_bytes={config.split_bytes:,} "
+                    "on every worker",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            for part in parts:
                 tasks.append(
                     {
                         "shard": f"{len(tasks):05d}",
                         "source": spec.name,
                         "path": str(path),
                         "part": part,
-                        "bytes": part["bytes"] if part else path.stat().st_size,
+                        "bytes": part["bytes"] if part else size,
                         "text_field": spec.text_field,
                         "id_field": spec.id_field,
                         "split": spec.split_pattern,

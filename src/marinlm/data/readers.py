@@ -134,6 +134,15 @@ def input_parts(path: Path, split_bytes: int) -> list[dict | None]:
     return [None]
 
 
+def whole_file_reason(path: Path) -> str:
+    """Why `input_parts` reads `path` whole however big it is, and what would let it be cut."""
+    if path.name.endswith((".gz", ".zst")):
+        return "a compressed stream cannot be cut; decompress it, or split it into several files"
+    if path.name.endswith(".parquet"):
+        return "it has a single row group; write it with smaller row groups (pyarrow's row_group_size)"
+    return "only .jsonl and .parquet files are cut; split it into several files, or convert it to .jsonl"
+
+
 def _jsonl_parts(path: Path, size: int, count: int) -> list[dict]:
     starts = [0]
     with open(path, "rb") as f:
