@@ -734,6 +734,29 @@ def test_generating_past_max_seq_len_warns(loaded, capsys):
     assert f"plus {limit} new ones pass the model's max_seq_len {limit}" in capsys.readouterr().err
 
 
+def test_generation_in_generate_and_eval_keeps_to_the_tokenizers_ids(loaded, monkeypatch):
+    """The model's 4,096 rows pass the tokenizer's few hundred ids: both generators limit sampling to
+    the ids the tokenizer can decode."""
+    import marinlm.eval.lm as lm
+    import marinlm.train.inference as inference
+    from marinlm.model import SamplingConfig
+
+    assert loaded.model.config.vocab_size > loaded.tokenizer.vocab_size
+    produced = []
+    for module in (inference, lm):
+        real = module.stream_generate
+
+        def spy(*args, real=real, **kwargs):
+            for token in real(*args, **kwargs):
+                produced.append(int(token[0]))
+                yield token
+
+        monkeypatch.setattr(module, "stream_generate", spy)
+    inference.generate_text(loaded, "a b", SamplingConfig(max_new_tokens=60, temperature=1.0, seed=0))
+    Scorer(loaded.model, loaded.tokenizer, max_length=64, batch_size=1).generate_until("a b", ["zzz"], max_tokens=60)
+    assert len(produced) > 60 and max(produced) < loaded.tokenizer.vocab_size
+
+
 def test_without_data_dir_tasks_come_from_the_env_or_an_error_says_how(tmp_path, monkeypatch):
     """An installed package has no ../shared/data/eval: the error named a path inside site-packages."""
     import marinlm.eval.runner as runner

@@ -89,6 +89,21 @@ def test_sampling_with_seed_is_reproducible():
     assert torch.equal(generate(model, prompt, sampling), generate(model, prompt, sampling))
 
 
+def test_generation_produces_only_ids_below_the_vocab_size_it_is_given():
+    """A model's vocabulary padded past its tokenizer's (qwen3-moe-style's 16,384 rows over a
+    4,096-token tokenizer) sampled 152 of 200 ids the tokenizer cannot decode."""
+    config = tiny_config()
+    model = build(config)
+    randomize_identity_inits(model)
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    for sampling in (
+        SamplingConfig(max_new_tokens=40, temperature=1.0, seed=0),
+        SamplingConfig(max_new_tokens=40, temperature=0.9, top_k=100, top_p=0.95, repetition_penalty=1.3, seed=0),
+    ):
+        assert (generate(model, prompt, sampling)[:, 5:] >= 40).any()
+        assert generate(model, prompt, sampling, vocab_size=40)[:, 5:].max() < 40
+
+
 def test_filter_logits_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, 1.0, 2, 1.0))

@@ -216,7 +216,11 @@ class Scorer:
         ids = torch.tensor([[self.start_id, *self.tok.encode(context)][-self.max_length :]], device=self.device)
         generated: list[int] = []
         for token in stream_generate(
-            self.model, ids, SamplingConfig(max_new_tokens=max_tokens, temperature=0), eos_token_id=self.tok.eos_id
+            self.model,
+            ids,
+            SamplingConfig(max_new_tokens=max_tokens, temperature=0),
+            eos_token_id=self.tok.eos_id,
+            vocab_size=self.tok.vocab_size,
         ):
             if int(token[0]) == self.tok.eos_id:
                 break

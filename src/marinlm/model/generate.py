@@ -72,6 +72,7 @@ def stream_generate(
     sampling: SamplingConfig,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield one [B] tensor of new token ids per step.
 
@@ -79,6 +80,8 @@ def stream_generate(
         input_ids: [B, T] prompts, left-padded when their lengths differ.
         attention_mask: [B, T] 1 for real tokens, 0 for left padding; None = no padding.
         eos_token_id: rows that emit it keep emitting it; generation stops when all rows have.
+        vocab_size: only ids below it are produced: the tokenizer's size, where the model's
+            vocabulary is padded past it (ids the tokenizer cannot decode would vanish from the text).
     """
     was_training = model.training
     model.eval()
@@ -94,7 +97,7 @@ def stream_generate(
     pos_BT = torch.where(attention_mask.bool(), attention_mask.long().cumsum(1) - 1, torch.arange(T, device=device))
     caches = model.empty_caches(B)
     out = model(input_ids, caches=caches, doc_ids=doc_BT, positions=pos_BT, logits_to_keep=1)
-    logits_BV = out.logits[:, -1]
+    logits_BV = out.logits[:, -1, :vocab_size]
     next_pos_B1 = attention_mask.long().sum(1, keepdim=True)
     finished_B = torch.zeros(B, dtype=torch.bool, device=device)
     seen_BV = None
@@ -124,7 +127,7 @@ def stream_generate(
             out = model(
                 token_B.unsqueeze(1), caches=caches, doc_ids=torch.ones_like(next_pos_B1), positions=next_pos_B1
             )
-            logits_BV = out.logits[:, -1]
+            logits_BV = out.logits[:, -1, :vocab_size]
             next_pos_B1 = next_pos_B1 + 1
     finally:
         model.train(was_training)
@@ -136,9 +139,10 @@ def generate(
     sampling: SamplingConfig,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Return [B, T + new] ids: the prompts followed by the generated tokens."""
-    steps = list(stream_generate(model, input_ids, sampling, attention_mask, eos_token_id))
+    steps = list(stream_generate(model, input_ids, sampling, attention_mask, eos_token_id, vocab_size))
     if not steps:
         return input_ids
     return torch.cat([input_ids, torch.stack(steps, dim=1)], dim=1)

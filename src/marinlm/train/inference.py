@@ -132,7 +132,7 @@ def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, st
         )
     generated: list[int] = []
     shown = ""
-    for token in stream_generate(loaded.model, ids, sampling, eos_token_id=tok.eos_id):
+    for token in stream_generate(loaded.model, ids, sampling, eos_token_id=tok.eos_id, vocab_size=tok.vocab_size):
         if int(token[0]) == tok.eos_id:
             break
         generated.append(int(token[0]))
