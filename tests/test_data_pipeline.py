@@ -683,6 +683,7 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
 
     whole, parted = curate("whole", 0), curate("parted", 2_000)
     assert whole[0]["shards"] == 2 and parted[0]["shards"] > 6
+    assert f"2 input file(s), read in {parted[0]['shards']} parts" in (tmp_path / "parted" / "report.md").read_text()
     assert parted[1] == whole[1] and len(whole[1]) == 40 - 3 + 30  # less the bad, duplicate and blank lines
     assert parted[1][0][0] == f"{raw / 'big.jsonl'}:1" and parted[1][-1][0] == f"{raw / 'big.parquet'}:30"
     assert (

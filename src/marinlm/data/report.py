@@ -135,6 +135,7 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
         "dedup": summary,
         "warnings": warnings,
         "shards": len(tasks),
+        "input_files": len({task["path"] for task in tasks}),
     }
     write_json_atomic(out / "report.json", report)
     write_text_atomic(out / "report.md", _markdown(report))
@@ -203,7 +204,9 @@ def _empty_source_warnings(out: Path, steps: list[dict], accounting: dict) -> li
 
 
 def _markdown(report: dict) -> str:
-    lines = ["# Curation report", "", f"{report['shards']} input shards in {report['seconds']} s.", ""]
+    files, shards = report["input_files"], report["shards"]
+    read_as = "" if shards == files else f", read in {shards} parts (`split_bytes`)"
+    lines = ["# Curation report", "", f"{files} input file(s){read_as}, in {report['seconds']} s.", ""]
     for w in report["warnings"]:
         lines.append(f"> **Warning:** {w}")
     lines += [
