@@ -719,7 +719,11 @@ def test_rerun_resumes_only_the_same_curation(tmp_path):
 @pytest.mark.parametrize(
     "name, content, message",
     [
-        ("a.jsonl", b'{"q": "fine"}\n{"q": \n', r"a.jsonl:2: malformed JSON in a decontamination eval file"),
+        (
+            "a.jsonl",
+            b'{"q": "fine"}\n{"q": "open\n',
+            r"a.jsonl:2: malformed JSON in a decontamination eval file: Unterminated string starting at column 7$",
+        ),
         ("b.json", b'[{"q": "x"},\n oops]', r"b.json:2: malformed JSON in a decontamination eval file"),
         ("c.csv", b"q,a\n\xff,b\n", r"c.csv:2: decontamination eval file is not UTF-8"),
     ],

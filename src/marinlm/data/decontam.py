@@ -21,7 +21,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.data.steps import Step
-from marinlm.utils.io import read_utf8
+from marinlm.utils.io import json_error, read_utf8
 
 _WORD = re.compile(r"\w+")
 _BASE = np.uint64(1_000_003)
@@ -83,13 +83,17 @@ def _item_texts(path: Path) -> list[str]:
                 try:
                     texts.extend(strings(json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: malformed JSON in a decontamination eval file: {e.msg}") from None
+                    raise ValueError(
+                        f"{path}:{n}: malformed JSON in a decontamination eval file: {json_error(e)}"
+                    ) from None
         return texts
     if path.suffix == ".json":
         try:
             records = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: malformed JSON in a decontamination eval file: {e.msg}") from None
+            raise ValueError(
+                f"{path}:{e.lineno}: malformed JSON in a decontamination eval file: {json_error(e)}"
+            ) from None
         return [t for item in (records if isinstance(records, list) else [records]) for t in strings(item)]
     if path.suffix == ".csv":
         return [cell for row in csv.reader(io.StringIO(text, newline="")) for cell in row]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marinlm.utils.io import strip_bom
+from marinlm.utils.io import json_error, strip_bom
 
 # Plain-text files are one document each (prose, markup, source code).
 TEXT_SUFFIXES = (
@@ -335,9 +335,7 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
     try:
         record = json.loads(text_line)
     except json.JSONDecodeError as e:
-        # json's messages may end in "at" ("Invalid control character at"): the column completes them
-        message = e.msg.removesuffix(" at")
-        return Rejected(source, where, f"malformed JSON: {message} at column {e.colno}", _clip(text_line))
+        return Rejected(source, where, f"malformed JSON: {json_error(e)}", _clip(text_line))
     return _from_record(record, where, text_field, id_field, source, {"file": str(path), "line": line_no})
 
 

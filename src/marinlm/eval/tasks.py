@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from marinlm.eval.lm import Request
-from marinlm.utils.io import read_utf8
+from marinlm.utils.io import json_error, read_utf8
 
 SEED = 1234  # deterministic --limit subsets
 
@@ -111,7 +111,7 @@ def _jsonl(path: Path, required: dict[str, type]) -> list[dict]:
             try:
                 raw.append((f"{path}:{n}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise TaskDataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
+                raise TaskDataError(f"{path}:{n}: malformed JSON: {json_error(e)}") from None
     rows = []
     for where, row in raw:
         if not isinstance(row, dict):

@@ -123,6 +123,12 @@ def read_utf8(path: str | Path, what: str = "invalid UTF-8", error: type[Excepti
         raise error(f"{path}:{line}: {what} (byte {start} of the file)") from None
 
 
+def json_error(error: json.JSONDecodeError) -> str:
+    """What is wrong with a line of JSON and where in it: json's own messages may end in "at"
+    ("Unterminated string starting at"), which the column completes."""
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
