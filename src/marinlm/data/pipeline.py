@@ -351,7 +351,7 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
             if parts == [None] and 0 < 4 * config.split_bytes < size:
                 print(
                     f"note: {path} ({tqdm.format_sizeof(size, 'B')}) is read whole, by one worker: "
-                    f"{whole_file_reason(path)} to have it read in parts of split_bytes={config.split_bytes:,} "
+                    f"{whole_file_reason(path)}, to have it read in parts of split_bytes={config.split_bytes:,} "
                     "on every worker",
                     file=sys.stderr,
                     flush=True,

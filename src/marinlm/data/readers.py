@@ -140,7 +140,7 @@ def whole_file_reason(path: Path) -> str:
         return "a compressed stream cannot be cut; decompress it, or split it into several files"
     if path.name.endswith(".parquet"):
         return "it has a single row group; write it with smaller row groups (pyarrow's row_group_size)"
-    return "only .jsonl and .parquet files are cut; split it into several files, or convert it to .jsonl"
+    return "only .jsonl and .parquet files are read in parts; split it into several files, or convert it to .jsonl"
 
 
 def _jsonl_parts(path: Path, size: int, count: int) -> list[dict]:
