@@ -659,19 +659,40 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
     row_parts = input_parts(raw / "big.parquet", (raw / "big.parquet").stat().st_size // 3)
     assert [p["groups"] for p in row_parts] == [[0, 3], [3, 6], [6, 8]] and [p["row"] for p in row_parts] == [0, 12, 24]
     assert input_parts(raw / "big.parquet", 0) == [None]
-    # A compressed file cannot be cut: a big one is read whole, and a note says how to have it cut.
-    (tmp_path / "gz").mkdir()
-    (tmp_path / "gz" / "big.jsonl.gz").write_bytes(gzip.compress(data, compresslevel=0))
-    for folder in ("gz", "raw"):
-        _tasks(
-            bare_config(tmp_path / "x", [{"name": "a", "inputs": [str(tmp_path / folder)]}], split_bytes=2000), tmp_path
-        )
-    note = capsys.readouterr().err
-    size = tqdm.format_sizeof((tmp_path / "gz" / "big.jsonl.gz").stat().st_size, "B")
-    assert note.startswith(
-        f"note: {tmp_path / 'gz' / 'big.jsonl.gz'} ({size}) is read whole, by one worker: a compressed"
-    )
-    assert note.count("note:") == 1  # not for the files that are cut
+    # A compressed stream is cut into runs of lines, counted in one pass.
+    import zstandard
+
+    def jsonl(seed, bad=None):
+        rows = [json.dumps({"text": t}) for t in synthetic_docs(20, seed=seed, words=60)]
+        if bad is not None:
+            rows[bad] = "{not json"
+        return ("\n".join(rows) + "\n").encode()
+
+    (raw / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(33)))
+    (raw / "more.jsonl.gz").write_bytes(gzip.compress(jsonl(34, bad=4)))
+    line_parts = input_parts(raw / "more.jsonl.gz", 2_000)
+    assert 3 <= len(line_parts) <= 16 and line_parts[0]["lines"][0] == 1 and line_parts[-1]["lines"][1] == 21
+    assert all(a["lines"][1] == b["lines"][0] for a, b in zip(line_parts, line_parts[1:]))
+
+    # What cannot be cut is read whole, and a note says what would let it be.
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "whole" / "texts.json").write_text(json.dumps(texts))
+    (tmp_path / "whole" / "cut.jsonl.gz").write_bytes(gzip.compress(jsonl(35), compresslevel=0)[:-30])
+    for folder in ("whole", "raw"):
+        inputs = [{"name": "a", "inputs": [str(tmp_path / folder)]}]
+        _tasks(bare_config(tmp_path / "x", inputs, split_bytes=2000), tmp_path)
+    notes = capsys.readouterr().err.splitlines()
+    sizes = {
+        n: tqdm.format_sizeof((tmp_path / "whole" / n).stat().st_size, "B") for n in ("texts.json", "cut.jsonl.gz")
+    }
+    assert notes == [
+        f"note: {tmp_path / 'whole' / 'cut.jsonl.gz'} ({sizes['cut.jsonl.gz']}) is read whole, by one worker: its "
+        "compressed stream could not be read to the end (`rejected/` says where it breaks); repair it, to have it "
+        "read in parts of split_bytes=2,000 on every worker",
+        f"note: {tmp_path / 'whole' / 'texts.json'} ({sizes['texts.json']}) is read whole, by one worker: only .jsonl "
+        "and .parquet files are read in parts; split it into several files, or convert it to .jsonl, to have it "
+        "read in parts of split_bytes=2,000 on every worker",
+    ]  # and none for the files that are cut
 
     def curate(name, split_bytes):
         report = run_pipeline(
@@ -681,13 +702,24 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
         rejected = [json.loads(x) for p in sorted((tmp_path / name / "rejected").glob("*")) for x in p.open()]
         return report, docs, [(r["location"], r["reason"]) for r in rejected]
 
-    whole, parted = curate("whole", 0), curate("parted", 2_000)
-    assert whole[0]["shards"] == 2 and parted[0]["shards"] > 6
-    assert f"2 input file(s), read in {parted[0]['shards']} parts" in (tmp_path / "parted" / "report.md").read_text()
-    assert parted[1] == whole[1] and len(whole[1]) == 40 - 3 + 30  # less the bad, duplicate and blank lines
-    assert parted[1][0][0] == f"{raw / 'big.jsonl'}:1" and parted[1][-1][0] == f"{raw / 'big.parquet'}:30"
+    whole, parted = curate("out-whole", 0), curate("out-parted", 2_000)
+    assert whole[0]["shards"] == 4 and parted[0]["shards"] > 14
     assert (
-        parted[2] == whole[2] == [(f"{raw / 'big.jsonl'}:8", "malformed JSON: Invalid control character at column 23")]
+        f"4 input file(s), read in {parted[0]['shards']} parts" in (tmp_path / "out-parted" / "report.md").read_text()
+    )
+    # less the bad, duplicate and blank lines of big.jsonl, and the bad line of more.jsonl.gz
+    assert parted[1] == whole[1] and len(whole[1]) == 40 - 3 + 20 + 30 + 20 - 1
+    assert parted[1][0][0] == f"{raw / 'big.jsonl'}:1" and parted[1][-1][0] == f"{raw / 'more.jsonl.gz'}:20"
+    assert (
+        parted[2]
+        == whole[2]
+        == [
+            (f"{raw / 'big.jsonl'}:8", "malformed JSON: Invalid control character at column 23"),
+            (
+                f"{raw / 'more.jsonl.gz'}:5",
+                "malformed JSON: Expecting property name enclosed in double quotes at column 2",
+            ),
+        ]
     )
 
 

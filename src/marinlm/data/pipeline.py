@@ -3,7 +3,8 @@
 Three stages, each resumable through per-shard completion markers (outputs are written under a
 temporary name and renamed, markers last):
 
-1. **map** (one task per input file, or per part of a big .jsonl or .parquet file: `split_bytes`;
+1. **map** (one task per input file, or per part of a big .jsonl(.gz/.zst) or .parquet file:
+   `split_bytes`;
    in worker processes or on Ray): read, reject bad input,
    normalise, identify language, quality filters, PII masking, decontamination; keep the surviving
    documents plus their hashes (document, paragraphs, MinHash bands) and token counts.
@@ -87,9 +88,9 @@ class PipelineConfig:
     ray_address: str = ""  # "" = start Ray on this machine; "auto" or host:port to join a cluster
     min_doc_chars: int = 1
     max_doc_bytes: int = 2_000_000  # bigger documents are rejected (and counted), not processed
-    # An uncompressed .jsonl or a .parquet input bigger than this is read in parts of about this
-    # size, each a task: one big file then keeps every worker busy, moves the progress bar and
-    # resumes part by part. 0 = a task per file. (Compressed .jsonl is read whole.)
+    # A .jsonl(.gz/.zst) or .parquet input bigger than this (uncompressed) is read in parts of
+    # about this size, each a task: one big file then keeps every worker busy, moves the progress
+    # bar and resumes part by part. A compressed file gets at most 16 parts. 0 = a task per file.
     split_bytes: int = 8_000_000
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     langid: LangIdConfig = field(default_factory=LangIdConfig)

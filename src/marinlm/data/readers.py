@@ -6,15 +6,17 @@ file and line, and reading goes on (or stops cleanly at a truncation); in a .txt
 documents, only the documents holding bad bytes are rejected. A leading UTF-8 byte-order mark is
 skipped. A missing input path is different: `expand_inputs` fails fast on it.
 
-A big uncompressed .jsonl or .parquet file can be read in parts (`input_parts`): byte ranges that
-start at a line, or runs of row groups. Each part names its lines and rows as the whole file does,
-so ids and error locations do not depend on how a file was cut.
+A big .jsonl(.gz/.zst) or .parquet file can be read in parts (`input_parts`): byte ranges that
+start at a line, runs of lines of a compressed stream, or runs of row groups. Each part names its
+lines and rows as the whole file does, so ids and error locations do not depend on how a file was
+cut.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
+import itertools
 import json
 import re
 import zlib
@@ -118,13 +120,24 @@ class TruncatedStream(OSError):
     """A compressed input ended in the middle of a frame."""
 
 
+# A compressed stream cannot be entered in the middle: each part decompresses (and skips) every line
+# before its own, so a compressed file gets at most this many parts, which bounds that waste to
+# about half the file's decompression per part (cheap beside the filters' cost per byte).
+MAX_COMPRESSED_PARTS = 16
+
+
 def input_parts(path: Path, split_bytes: int) -> list[dict | None]:
     """The parts to read `path` in, about `split_bytes` each: `[None]` (the whole file) unless it is
-    an uncompressed .jsonl or a .parquet file bigger than that. A .jsonl part is `{"start", "end",
-    "line"}`: a byte range starting at a line, and that line's number; a .parquet part is
-    `{"groups": [first, end], "row"}`: row groups, and the rows before them. Each has its `bytes`."""
+    a .jsonl(.gz/.zst) or a .parquet file bigger than that. A .jsonl part is `{"start", "end",
+    "line"}`: a byte range starting at a line, and that line's number; a compressed one is
+    `{"lines": [first, end]}`; a .parquet part is `{"groups": [first, end], "row"}`: row groups,
+    and the rows before them. Each has its `bytes` on disk, for progress."""
     size = path.stat().st_size
-    if split_bytes <= 0 or size <= split_bytes:
+    if split_bytes <= 0:
+        return [None]
+    if path.name.endswith((".jsonl.gz", ".jsonl.zst")):
+        return _compressed_parts(path, size, split_bytes)
+    if size <= split_bytes:
         return [None]
     count = -(-size // split_bytes)
     if path.name.endswith(".jsonl"):
@@ -137,7 +150,7 @@ def input_parts(path: Path, split_bytes: int) -> list[dict | None]:
 def whole_file_reason(path: Path) -> str:
     """Why `input_parts` reads `path` whole however big it is, and what would let it be cut."""
     if path.name.endswith((".gz", ".zst")):
-        return "a compressed stream cannot be cut; decompress it, or split it into several files"
+        return "its compressed stream could not be read to the end (`rejected/` says where it breaks); repair it"
     if path.name.endswith(".parquet"):
         return "it has a single row group; write it with smaller row groups (pyarrow's row_group_size)"
     return "only .jsonl and .parquet files are read in parts; split it into several files, or convert it to .jsonl"
@@ -186,6 +199,25 @@ def _parquet_parts(path: Path, size: int, count: int) -> list[dict] | list[None]
     for part in parts:  # progress counts the file's bytes on disk
         part["bytes"] = size * part["bytes"] // total
     return parts
+
+
+def _compressed_parts(path: Path, size: int, split_bytes: int) -> list[dict] | list[None]:
+    """Parts of equal line counts, from one pass that counts the lines and their bytes."""
+    if size * 20 <= split_bytes:  # text rarely compresses 20-fold: too small to count
+        return [None]
+    lines = raw = 0
+    try:
+        for line in _open_lines(path):
+            lines += 1
+            raw += len(line)
+    except Exception:  # truncated or corrupt: read whole, the reader rejects it where it breaks
+        return [None]
+    count = min(-(-raw // split_bytes), MAX_COMPRESSED_PARTS, lines)
+    if count <= 1:
+        return [None]
+    firsts = [1 + lines * k // count for k in range(count)]
+    ends = [*firsts[1:], lines + 1]
+    return [{"lines": [a, b], "bytes": size * (b - a) // lines} for a, b in zip(firsts, ends, strict=True)]
 
 
 def _jsonl_range_lines(path: Path, start: int, end: int) -> Iterator[bytes]:
@@ -296,8 +328,13 @@ def read_documents(
     if name.endswith(".json"):
         yield from _read_json_array(path, text_field, id_field, source)
         return
-    first = part["line"] if part else 1
-    lines = _jsonl_range_lines(path, part["start"], part["end"]) if part else _open_lines(path)
+    if part is None:
+        first, lines = 1, _open_lines(path)
+    elif "lines" in part:  # a compressed file's lines [first, end): decompress and skip the ones before
+        first, end = part["lines"]
+        lines = itertools.islice(_open_lines(path), first - 1, end - 1)
+    else:
+        first, lines = part["line"], _jsonl_range_lines(path, part["start"], part["end"])
     line_no = first - 1
     try:
         for line_no, line in enumerate(lines, start=first):
