@@ -66,6 +66,34 @@ def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
     assert sum(is_validation(f"d{i}", 3, 0.1) for i in range(300)) == val.num_docs - is_validation("ok1", 3, 0.1)
 
 
+def test_a_big_input_is_tokenized_in_parts_to_the_same_documents(dataset, tok_dir, tmp_path):
+    """A big input file was one unit: the bar still until its end, and a rerun after a kill started it
+    over. Now it is tokenized in parts (as curation reads it), to the same documents and split."""
+    root, _, whole = dataset
+    config = corpus_config(root, tok_dir, tmp_path / "parted", split_bytes=2_000, workers=1)
+    parted = tokenize(config, progress=False)
+    names = [entry["tokens"] for entry in parted["splits"]["train"]]
+    assert len(names) > 10 and names[0] == "train/00000.0000.tokens" and names[-1] == "train/00003.tokens"
+    for key in ("train_docs", "val_docs", "train_tokens", "val_tokens", "rejected"):
+        assert parted[key] == whole[key], key
+    for split in ("train", "val"):
+        a, b = TokenDataset(root / "tokens", split), TokenDataset(tmp_path / "parted", split)
+        assert a.num_docs == b.num_docs
+        assert all(np.array_equal(a.document(i), b.document(i)) for i in range(a.num_docs))
+    # A rerun redoes only the part whose output is gone, and comes to the same manifest.
+    (tmp_path / "parted" / names[3]).unlink()
+    again = tokenize(config, progress=False)
+    assert again["inputs_tokenized"] == 1
+    timing = ("seconds", "inputs_tokenized")
+    assert {k: v for k, v in again.items() if k not in timing} == {k: v for k, v in parted.items() if k not in timing}
+    # Cut otherwise, the same folder takes no marker of the earlier cut for a part of the new one.
+    recut = tokenize(corpus_config(root, tok_dir, tmp_path / "parted", split_bytes=3_000, workers=1), progress=False)
+    assert recut["inputs_tokenized"] > 0 and len(recut["splits"]["train"]) < len(names)
+    assert [recut[key] for key in ("train_docs", "train_tokens")] == [
+        whole[key] for key in ("train_docs", "train_tokens")
+    ]
+
+
 def test_a_fraction_that_holds_out_no_document_is_raised_to_hold_out_one():
     """A few dozen documents at 2% often held out none, and the quickstart stopped for want of a
     validation document; the raised fraction holds out exactly the one with the lowest key."""

@@ -1,9 +1,10 @@
 """`marinlm tokenize`: curated shards -> token shards, in parallel worker processes, resumably.
 
-Each input file is one unit of work. A worker tokenizes it with `encode_batch`, splits documents
+Each input file is one unit of work, or each part of a big .jsonl(.gz/.zst) or .parquet file
+(`split_bytes`, as curation cuts them). A worker tokenizes it with `encode_batch`, splits documents
 into train/val by a seeded hash of the document id, writes both outputs under temporary names,
-renames them, and then writes a completion marker. A rerun skips inputs whose marker matches the
-input's size and mtime; the manifest is rebuilt from the markers at the end.
+renames them, and then writes a completion marker. A rerun skips units whose marker matches the
+input's size and mtime (and the part); the manifest is rebuilt from the markers at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from marinlm.config import check
+from marinlm.data.readers import input_parts
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, copy_folder_atomic, job_output, named, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -39,6 +41,10 @@ class TokenizeConfig:
     seed: int = 0
     workers: int = 0  # processes; 0 = one per core (at most one per input file)
     batch_docs: int = 512
+    # A .jsonl(.gz/.zst) or .parquet input bigger than this is tokenized in parts of about this
+    # size, each a unit of progress and of resumption (a part's shards are named INPUT.PART).
+    # 0 = a unit per file. Curated shards are smaller than the default.
+    split_bytes: int = 64_000_000
     # local (worker processes) or ray: one Ray task per input file, for tokenizing on a cluster
     # (inputs, tokenizer and output_dir must then be on storage every node sees)
     executor: str = "local"
@@ -49,6 +55,7 @@ class TokenizeConfig:
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         check(self.batch_docs > 0, "batch_docs", f"must be positive, got {self.batch_docs}")
+        check(self.split_bytes >= 0, "split_bytes", f"must be >= 0 (0 = a unit per file), got {self.split_bytes}")
         check_executor(self.executor)
 
 
@@ -151,7 +158,7 @@ def tokenize_file(task: dict) -> dict:
                 writers[split].add(np.asarray(ids.ids, dtype=dtype), len(doc.text.encode("utf-8")))
             batch.clear()
 
-        for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"]):
+        for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"], part=task["part"]):
             if isinstance(item, Document):
                 docs += 1
                 batch.append(item)
@@ -187,9 +194,16 @@ def tokenize_file(task: dict) -> dict:
             "tokens_sha256": sha256_file(tokens_path),
             "docs_sha256": sha256_file(docs_path),
         }
-    record["input"]["sha256"] = sha256_file(task["path"])
+    # A part's record carries its file's hash, taken once by the parent rather than by every part.
+    record["input"]["sha256"] = task.get("sha256") or sha256_file(task["path"])
     write_json_atomic(out / ".done" / f"{name}.json", record)
     return record
+
+
+def _task_bytes(task_or_stamp: dict) -> int:
+    """The bytes on disk a unit reads: its part's, or its whole file's."""
+    part = task_or_stamp.get("part")
+    return part["bytes"] if part else task_or_stamp.get("size") or Path(task_or_stamp["path"]).stat().st_size
 
 
 def _worker_init(threads: int) -> None:
@@ -252,29 +266,38 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
         (out / split).mkdir(parents=True, exist_ok=True)
     tasks, records = [], {}
     for i, path in enumerate(paths):
-        name = f"{i:05d}"
-        stamp = _input_stamp(path)
-        if _marker_valid(out / ".done" / f"{name}.json", stamp, out):
-            records[name] = json.loads((out / ".done" / f"{name}.json").read_text())
-            continue
-        tasks.append(
-            {
-                "path": str(path),
-                "name": name,
-                "stamp": stamp,
-                "tokenizer": config.tokenizer,
-                "output_dir": str(out),
-                "text_field": config.text_field,
-                "id_field": config.id_field,
-                "seed": config.seed,
-                "val_fraction": config.val_fraction,
-                "batch_docs": config.batch_docs,
-            }
-        )
+        parts = input_parts(path, config.split_bytes)
+        todo = []
+        for k, part in enumerate(parts):
+            name = f"{i:05d}" if part is None else f"{i:05d}.{k:04d}"  # sorted: the file's order
+            stamp = _input_stamp(path) if part is None else {**_input_stamp(path), "part": part}
+            if _marker_valid(out / ".done" / f"{name}.json", stamp, out):
+                records[name] = json.loads((out / ".done" / f"{name}.json").read_text())
+                continue
+            todo.append(
+                {
+                    "path": str(path),
+                    "part": part,
+                    "name": name,
+                    "stamp": stamp,
+                    "tokenizer": config.tokenizer,
+                    "output_dir": str(out),
+                    "text_field": config.text_field,
+                    "id_field": config.id_field,
+                    "seed": config.seed,
+                    "val_fraction": config.val_fraction,
+                    "batch_docs": config.batch_docs,
+                }
+            )
+        if todo and parts != [None]:
+            digest = sha256_file(path)
+            for task in todo:
+                task["sha256"] = digest
+        tasks += todo
     cores = os.cpu_count() or 1
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
-    total_bytes = sum(Path(t["path"]).stat().st_size for t in tasks)
+    total_bytes = sum(_task_bytes(t) for t in tasks)
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     new_tokens = 0
     try:
@@ -288,7 +311,7 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
             records[record["name"]] = record
             new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
             bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
-            bar.update(record["input"]["size"])
+            bar.update(_task_bytes(record["input"]))
     finally:
         bar.close()
     rejected = [r for k in sorted(records) for r in records[k]["rejected"]]
