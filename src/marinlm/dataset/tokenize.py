@@ -200,10 +200,9 @@ def tokenize_file(task: dict) -> dict:
     return record
 
 
-def _task_bytes(task_or_stamp: dict) -> int:
-    """The bytes on disk a unit reads: its part's, or its whole file's."""
-    part = task_or_stamp.get("part")
-    return part["bytes"] if part else task_or_stamp.get("size") or Path(task_or_stamp["path"]).stat().st_size
+def _unit_bytes(stamp: dict) -> int:
+    """The bytes on disk a unit reads (from its input stamp): its part's, or its whole file's."""
+    return stamp["part"]["bytes"] if stamp.get("part") else stamp["size"]
 
 
 def _worker_init(threads: int) -> None:
@@ -297,7 +296,7 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     cores = os.cpu_count() or 1
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
-    total_bytes = sum(_task_bytes(t) for t in tasks)
+    total_bytes = sum(_unit_bytes(t["stamp"]) for t in tasks)
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     new_tokens = 0
     try:
@@ -311,7 +310,7 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
             records[record["name"]] = record
             new_tokens += sum(s["num_tokens"] for s in record["splits"].values())
             bar.set_postfix(tok_per_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
-            bar.update(_task_bytes(record["input"]))
+            bar.update(_unit_bytes(record["input"]))
     finally:
         bar.close()
     rejected = [r for k in sorted(records) for r in records[k]["rejected"]]
