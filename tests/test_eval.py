@@ -340,6 +340,29 @@ def test_bits_per_byte_of_a_one_word_text(tmp_path, loaded):
     assert bpb["tokens"] < 3 and math.isfinite(bpb["bits_per_byte"]) and bpb["bits_per_byte"] > 0
 
 
+def test_limit_on_a_text_file_scores_the_lines_that_fill_its_first_windows(tmp_path, loaded):
+    """`--limit N` on a `bpb:` text file (one document) scores about N windows of the model's context,
+    cut at a line end, as that text alone would score; a line longer than that is cut at a token."""
+    L = loaded.model.config.max_seq_len
+    lines = "".join(f"{i}: {SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]}\n" for i in range(80)).splitlines(keepends=True)
+    (tmp_path / "text.txt").write_text("".join(lines))
+    task = f"bpb:{tmp_path / 'text.txt'}"
+    whole = run_eval(loaded, EvalOptions(tasks=[task]))["results"][task]
+    part = run_eval(loaded, EvalOptions(tasks=[task], limit=2))["results"][task]
+    assert whole["tokens"] > 3 * L and 2 * L - 40 < part["tokens"] <= 2 * L + 1
+    kept = [k for k in range(len(lines)) if len("".join(lines[:k]).encode()) == part["bytes"]]
+    assert len(kept) == 1  # whole lines
+    (tmp_path / "head.txt").write_text("".join(lines[: kept[0]]))
+    head = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / 'head.txt'}"]))["results"]
+    assert next(iter(head.values()))["bits_per_byte"] == pytest.approx(part["bits_per_byte"], rel=1e-6)
+    line = " ".join(SAMPLE_TEXTS).replace("\n", " ") * 6
+    (tmp_path / "line.txt").write_text(line)
+    task = f"bpb:{tmp_path / 'line.txt'}"
+    one = run_eval(loaded, EvalOptions(tasks=[task], limit=1))["results"][task]
+    end = loaded.tokenizer.backend.encode(line).offsets[L - 1][1]  # of the L-th token, in characters
+    assert one["tokens"] == L and one["bytes"] == len(line[:end].encode())
+
+
 def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
     write_tasks(tmp_path)
     (tmp_path / "text.txt").write_text(" ".join(SAMPLE_TEXTS) * 3)

@@ -304,7 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder with the task files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval beside the source)",
     )
     ev.add_argument(
-        "--limit", type=int, default=None, help="score a deterministic subset of N items per task (val: N rows)"
+        "--limit",
+        type=int,
+        default=None,
+        help=(
+            "score a deterministic subset of N items per task (val: N rows; bpb: a .jsonl's first N texts, "
+            "a text file's first N windows of the model's context, cut at a line end)"
+        ),
     )
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")

@@ -6,7 +6,8 @@
   the tokens past the context's own encoding. Over-long inputs keep the continuation and the end of
   the context. A BOS token starts every context (the model was trained that way).
 - `loglikelihood_rolling(text)`: the log-likelihood of a whole text, in disjoint windows of at most
-  `max_length` predicted tokens (the harness's rolling windows).
+  `max_length` predicted tokens (the harness's rolling windows); `leading_windows(text, n)` the start
+  of a text that fills about n of them (eval's --limit on a text file).
 - `generate_until(context, until, max_tokens)`: greedy continuation cut at the first stop string.
 
 Batching: requests are grouped by context and sorted longest first. A batch computes each shared
@@ -167,6 +168,16 @@ class Scorer:
         greedy = ((torch.cat(top, 1) == target_RL) | ~counted_RL).all(1).tolist()
         for r, (_, i) in enumerate(members):
             results[i] = (sums[r], greedy[r])
+
+    def leading_windows(self, text: str, n: int) -> str:
+        """The start of `text` that fills about `n` rolling windows: cut at the last line end before
+        the end of its `n * max_length`-th token (at that token when the first line is longer)."""
+        encoding = self.tok.backend.encode(text, add_special_tokens=False)
+        budget = n * self.max_length
+        if len(encoding.ids) <= budget:
+            return text
+        cut = encoding.offsets[budget - 1][1]  # in characters
+        return text[: text.rfind("\n", 0, cut) + 1 or cut]
 
     @torch.no_grad()
     def loglikelihood_rolling(self, texts: list[str], desc: str = "rolling") -> list[tuple[float, int]]:

@@ -137,6 +137,8 @@ def run_eval(
         if spec == "val":
             results.update(_val_metrics(loaded, val_sources, options.batch_size, options.limit))
         elif spec.startswith("bpb:"):
+            if options.limit and task.suffix != ".jsonl":  # one text: its first `limit` windows
+                items = [scorer.leading_windows(items[0], options.limit)]
             ll = scorer.loglikelihood_rolling(items, desc=spec)
             total = sum(x for x, _ in ll)
             tokens = sum(n for _, n in ll)
