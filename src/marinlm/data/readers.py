@@ -19,6 +19,7 @@ import gzip
 import itertools
 import json
 import re
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,9 +87,21 @@ def curated_shards(folder: Path) -> list[Path] | None:
     return shards
 
 
-def expand_inputs(inputs: list[str] | str, key: str = "inputs") -> list[Path]:
+def _kind(path: Path) -> str:
+    """What a file is by its name, for a note: `.csv`, `.txt.gz`, or `(no suffix)`."""
+    if path.suffix in (".gz", ".zst", ".bz2", ".xz", ".zip") and len(path.suffixes) > 1:
+        return "".join(path.suffixes[-2:])
+    return path.suffix or "(no suffix)"
+
+
+def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = False) -> list[Path]:
     """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss, with
-    an error that names the config `key` the inputs came from."""
+    an error that names the config `key` the inputs came from.
+
+    A directory's hidden files and folders (`.git/`, `.DS_Store`) are not inputs. Its other files of
+    a type this does not read are skipped with a note on stderr (unless `quiet`) that counts them by
+    type, so that a folder of `.csv` or `.txt.gz` files beside the `.txt` ones is not half read unseen.
+    """
     if isinstance(inputs, str):
         inputs = [inputs]
     paths: list[Path] = []
@@ -102,10 +115,25 @@ def expand_inputs(inputs: list[str] | str, key: str = "inputs") -> list[Path]:
         elif p.is_dir() and (shards := curated_shards(p)) is not None:
             paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
+            files = sorted(
+                f for f in p.rglob("*") if f.is_file() and not any(n.startswith(".") for n in f.relative_to(p).parts)
+            )
+            found = [f for f in files if f.name.endswith(SUFFIXES)]
             if not found:
                 raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
             paths.extend(found)
+            skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
+            if skipped and not quiet:
+                kinds: dict[str, int] = {}
+                for f in skipped:
+                    kinds[_kind(f)] = kinds.get(_kind(f), 0) + 1
+                counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+                print(
+                    f"note: {key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
+                    f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif p.is_file():
             paths.append(p)
         else:

@@ -92,7 +92,7 @@ def document_ids(inputs: list[str], text_field: str = "text", id_field: str = "i
     """The ids of the documents that `tokenize` reads from `inputs`, in order: the split hashes them."""
     from marinlm.data.readers import Document, expand_inputs, read_documents
 
-    for path in expand_inputs(inputs):
+    for path in expand_inputs(inputs, quiet=True):
         yield from (doc.id for doc in read_documents(path, text_field, id_field) if isinstance(doc, Document))
 
 
