@@ -1,6 +1,8 @@
 """The command line: overrides reach configs; commands without a config reject unknown flags."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,6 +172,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--version"])
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("marinlm ")
+    # `python -m marinlm` is the command too (and `torchrun -m marinlm train ...`)
+    run = subprocess.run([sys.executable, "-m", "marinlm", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("marinlm "), run.stderr
 
 
 def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, tmp_path, capsys, monkeypatch):
