@@ -138,12 +138,15 @@ def test_scoring_is_dealt_across_ranks_with_the_same_forwards_on_each(loaded, mo
 
 
 @pytest.mark.parametrize(
-    "field, value", [("tasks", []), ("limit", 0), ("limit", -3), ("batch_size", 0), ("num_fewshot", -1)]
+    "field, value",
+    [("tasks", []), ("limit", 0), ("limit", -3), ("batch_size", 0), ("num_fewshot", -1), ("num_fewshot", 3)],
 )
 def test_bad_eval_options_name_the_field(field, value):
+    """`num_fewshot` is MMLU's: without mmlu among the tasks it was ignored, the report saying "3-shot"."""
     with pytest.raises(ConfigError) as info:
         EvalOptions(**{"tasks": ["hellaswag"], field: value})
     assert info.value.key == field
+    assert EvalOptions(tasks=["hellaswag", "mmlu"], num_fewshot=3).num_fewshot == 3
 
 
 def test_encode_pair_moves_trailing_space_to_continuation(loaded):
@@ -630,6 +633,11 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     )
     assert isinstance(offline["val"]["tokens"], int) and "| val | tokens |" not in table
     assert f"| {offline['val']['tokens']:,} tokens |" in table  # how much of the split was scored
+    assert "limit 5, 0-shot, 1.0 s." in table
+    shots = {"checkpoint": "c", "tokenizer_hash": "h", "limit": 5, "num_fewshot": 2, "seconds": 1.0}
+    assert "limit 5, 2-shot, 1.0 s." in markdown_table({"results": {"mmlu": {"acc": 0.3}}, "config": shots})
+    table = markdown_table({"results": {"mmlu": {"acc": 0.3}, "piqa": {"acc": 0.5}}, "config": shots})
+    assert "limit 5, MMLU 2-shot, the other tasks 0-shot, 1.0 s." in table
 
 
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):

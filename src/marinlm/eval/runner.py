@@ -45,6 +45,13 @@ class EvalOptions:
         check(self.limit is None or self.limit >= 1, "limit", f"must be >= 1 items per task, got {self.limit}")
         check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         check(self.num_fewshot >= 0, "num_fewshot", f"must be >= 0, got {self.num_fewshot}")
+        check(
+            not self.num_fewshot or "mmlu" in self.tasks,
+            "num_fewshot",
+            f"is MMLU's number of dev examples in the prompt, and the tasks {self.tasks} do not include mmlu (the "
+            "others are scored 0-shot; for few-shot on them, run lm-evaluation-harness with "
+            "marinlm.eval.harness.MarinHarnessLM)",
+        )
 
 
 def _data_dir(options: EvalOptions) -> Path:
@@ -266,9 +273,12 @@ def markdown_table(report: dict) -> str:
             n = metrics.get("n", f"{metrics['tokens']:,} tokens" if "tokens" in metrics else "")
             lines.append(f"| {task} | {name} | {value:.4f} | {se} | {n} |")
     c = report["config"]
+    shots = f"{c['num_fewshot']}-shot"
+    if c["num_fewshot"] and set(report["results"]) - {"mmlu"}:
+        shots = f"MMLU {shots}, the other tasks 0-shot"
     lines += [
         "",
         f"Checkpoint `{c['checkpoint']}`, tokenizer `{c['tokenizer_hash'][:12]}`, limit {c['limit']}, "
-        f"{c['num_fewshot']}-shot, {c['seconds']} s.",
+        f"{shots}, {c['seconds']} s.",
     ]
     return "\n".join(lines) + "\n"
