@@ -129,10 +129,21 @@ def test_an_empty_output_folder_is_refused(argv, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-@pytest.mark.parametrize("command", [["generate", "runs/x", "--prompt", "a"], ["eval", "runs/x", "--tasks", "val"]])
-def test_asking_for_cuda_on_a_cpu_machine_is_a_clear_error(command, capsys):
-    assert main([*command, "--device", "cuda"]) == 2  # it used to be torch's AssertionError traceback
-    assert "device 'cuda': no CUDA device on this machine" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "runs/x", "--prompt", "a", "--device", "cuda"],
+        ["eval", "runs/x", "--tasks", "val", "--device", "cuda"],
+        ["train", str(CONFIGS / "train" / "tiny.yaml"), "--train.device=cuda"],
+    ],
+)
+def test_asking_for_cuda_on_a_cpu_machine_is_a_clear_error(command, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2  # it used to be torch's AssertionError traceback
+    err = capsys.readouterr().err
+    assert "device 'cuda': no CUDA device on this machine" in err
+    assert command[0] != "train" or "config error: train.device: device 'cuda'" in err  # the key named
+    assert list(tmp_path.iterdir()) == []  # no run folder left behind
 
 
 def test_a_reader_that_leaves_ends_the_command_quietly(monkeypatch, capsys):

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
-from marinlm.config import dump_config, to_dict
+from marinlm.config import ConfigError, dump_config, to_dict
 from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
 from marinlm.model.cpu_bf16 import emulated_bf16, gemm_dtype
 from marinlm.model.summary import summarize
@@ -52,7 +52,10 @@ from marinlm.utils.progress import progress_bar
 class Trainer(ResumeMixin):
     def __init__(self, config: TrainConfig, resume: str = "auto"):
         self.config = c = config
-        self.info = init_distributed(c.train.device)
+        try:
+            self.info = init_distributed(c.train.device)
+        except ValueError as e:  # a device this machine does not have
+            raise ConfigError("train.device", str(e)) from None
         self.device = self.info.device
         if c.parallel.cpu_offload and self.device.type != "cuda":
             raise ValueError(
