@@ -802,3 +802,10 @@ def test_a_curation_folder_as_input_means_its_shards(tmp_path):
     shards[0].unlink()
     with pytest.raises(FileNotFoundError, match=r"00000.* listed in .*manifest.json but missing"):
         expand_inputs([str(out)])
+    # Unfinished (no manifest yet), its report, dropped/ and rejected/ files were read as documents.
+    (out / "manifest.json").unlink()
+    with pytest.raises(ValueError, match=rf"^sources\[0\].inputs: {out} is a curation that has not finished"):
+        expand_inputs([str(out)], "sources[0].inputs")
+    (out / ".marinlm-job.json").write_text('{"job": "tokenize"}')
+    with pytest.raises(ValueError, match=rf"^inputs: {out} holds token shards written by `marinlm tokenize`"):
+        expand_inputs([str(out)])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marinlm.utils.io import json_error, strip_bom
+from marinlm.utils.io import JOB_FILE, json_error, strip_bom
 
 # Plain-text files are one document each (prose, markup, source code).
 TEXT_SUFFIXES = (
@@ -94,6 +94,23 @@ def _kind(path: Path) -> str:
     return path.suffix or "(no suffix)"
 
 
+def _job_folder(record: Path) -> str:
+    """What the marinlm job that wrote `record`'s folder left there, and why it is no input."""
+    try:
+        job = json.loads(record.read_text()).get("job")
+    except (OSError, ValueError, AttributeError):
+        job = None
+    if job == "curate":
+        return (
+            "is a curation that has not finished (it has no manifest.json yet), so its report, dropped/ and "
+            "rejected/ files would be read as documents beside its shards: rerun its `marinlm data run` to "
+            "finish it, then give the folder again"
+        )
+    if job == "tokenize":
+        return "holds token shards written by `marinlm tokenize`, not text: give the text it was made from"
+    return f"holds the outputs of a marinlm job ({record.name}), not text"
+
+
 def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = False) -> list[Path]:
     """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss, with
     an error that names the config `key` the inputs came from.
@@ -114,6 +131,8 @@ def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = Fa
             paths.extend(m for m in matches if m.is_file())
         elif p.is_dir() and (shards := curated_shards(p)) is not None:
             paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
+        elif p.is_dir() and (p / JOB_FILE).is_file():
+            raise ValueError(f"{key}: {spec} {_job_folder(p / JOB_FILE)}")
         elif p.is_dir():
             files = sorted(
                 f for f in p.rglob("*") if f.is_file() and not any(n.startswith(".") for n in f.relative_to(p).parts)
