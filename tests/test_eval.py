@@ -364,6 +364,11 @@ def test_limit_on_a_text_file_scores_the_lines_that_fill_its_first_windows(tmp_p
     one = run_eval(loaded, EvalOptions(tasks=[task], limit=1))["results"][task]
     end = loaded.tokenizer.backend.encode(line).offsets[L - 1][1]  # of the L-th token, in characters
     assert one["tokens"] == L and one["bytes"] == len(line[:end].encode())
+    (tmp_path / "greek.txt").write_text(" Ελληνικά" * 600)  # 9 characters a token: more than the first guess
+    task = f"bpb:{tmp_path / 'greek.txt'}"
+    one = run_eval(loaded, EvalOptions(tasks=[task], limit=1))["results"][task]
+    assert loaded.tokenizer.encode(" Ελληνικά" * 3) == [loaded.tokenizer.encode(" Ελληνικά")[0]] * 3
+    assert one["tokens"] == L and one["bytes"] == len((" Ελληνικά" * L).encode())
 
 
 def test_run_eval_writes_results_with_metadata(tmp_path, loaded):

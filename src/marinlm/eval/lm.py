@@ -172,8 +172,13 @@ class Scorer:
     def leading_windows(self, text: str, n: int) -> str:
         """The start of `text` that fills about `n` rolling windows: cut at the last line end before
         the end of its `n * max_length`-th token (at that token when the first line is longer)."""
-        encoding = self.tok.backend.encode(text, add_special_tokens=False)
         budget = n * self.max_length
+        size = 8 * budget  # characters: encode a prefix that holds the budget with tokens to spare (a big file)
+        while True:
+            encoding = self.tok.backend.encode(text[:size], add_special_tokens=False)
+            if len(encoding.ids) > budget + 64 or size >= len(text):
+                break
+            size *= 2
         if len(encoding.ids) <= budget:
             return text
         cut = encoding.offsets[budget - 1][1]  # in characters
