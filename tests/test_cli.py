@@ -310,6 +310,12 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
     assert "KING HENRY:" in out and "| val | loss |" in out
     manifest = json.loads(Path("runs/tokens/manifest.json").read_text())
     assert manifest["tokenizer"]["vocab_size"] == 4096 and Path("runs/tiny/checkpoints/step-00000002").is_dir()
+    # Each stage's line says how well the tokenizer compresses: on its sample, then on all the data.
+    report = json.loads(Path("runs/tokenizer/train_report.json").read_text())
+    assert f"; {report['bytes_per_token']:.2f} bytes a token on 256 of them\n" in out
+    text_bytes = sum(e["num_bytes"] for split in manifest["splits"].values() for e in split)
+    compression = text_bytes / (manifest["train_tokens"] + manifest["val_tokens"])
+    assert f" ({compression:.2f} bytes of text a token); " in out and 2.5 < compression < 6
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tqdm import tqdm
 
-from marinlm.tokenizer import EOS, SPECIAL_TOKENS, MarinTokenizer, TokenizerTrainConfig, train_bpe, train_tokenizer
+from marinlm.tokenizer import (
+    EOS,
+    SPECIAL_TOKENS,
+    MarinTokenizer,
+    TokenizerTrainConfig,
+    iter_training_texts,
+    train_bpe,
+    train_tokenizer,
+)
 from marinlm.utils.io import OutputInUseError
 
 from conftest import SAMPLE_TEXTS, shared_data, stdlib_python_texts
@@ -101,6 +109,10 @@ def test_train_tokenizer_command_writes_loadable_folder(tmp_path, capsys):
     size = tqdm.format_sizeof(sum(p.stat().st_size for p in (tmp_path / "corpus").rglob("*") if p.is_file()))
     assert any(line.startswith("tokenizer: read: 100%") and f"| {size}/{size} [" in line for line in err), err
     assert err[-1] == "tokenizer: computing the merges"
+    texts = list(iter_training_texts(config.inputs, "text", 0))  # all 60 are the sample (<= 256, short)
+    assert max(map(len, texts)) < 16_384 and report["bytes_per_token_sample"]["documents"] == 60
+    compression = sum(len(t.encode()) for t in texts) / sum(len(tok.encode(t)) for t in texts)
+    assert report["bytes_per_token"] == round(compression, 3) and 2.0 < compression < 6.0
     again = MarinTokenizer.load(tmp_path / "tok")
     assert again.hash == tok.hash
     assert json.loads((tmp_path / "tok" / "train_report.json").read_text())["hash"] == tok.hash

@@ -56,7 +56,8 @@ def _tokenizer_train(args, overrides) -> int:
     _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides), in_child=True)
     print(
         f"tokenizer: vocab {report['vocab_size']} from {report['documents']} documents "
-        f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}"
+        f"({report['bytes'] / 1e6:.1f} MB) in {report['seconds']} s -> {report['output_dir']}; "
+        f"{report['bytes_per_token']:.2f} bytes a token on {report['bytes_per_token_sample']['documents']} of them"
     )
     if report["vocab_size"] < report["vocab_size_requested"]:
         print(f"note: {report['vocab_size_requested']} asked; the corpus supports no more merges (add text)")
@@ -70,10 +71,13 @@ def _tokenize(args, overrides) -> int:
 
     config = _load(TokenizeConfig, args.config, overrides)
     manifest = tokenize(config)
+    tokens = manifest["train_tokens"] + manifest["val_tokens"]
+    text_bytes = sum(e["num_bytes"] for split in manifest["splits"].values() for e in split)
     print(
         f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
-        f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs; "
-        f"{manifest['rejected_count']:,} rejected input records; {manifest['seconds']} s"
+        f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs"
+        + (f" ({text_bytes / tokens:.2f} bytes of text a token)" if tokens else "")
+        + f"; {manifest['rejected_count']:,} rejected input records; {manifest['seconds']} s"
     )
     if manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] >= 2:
         ids = document_ids(config.inputs, config.text_field, config.id_field)

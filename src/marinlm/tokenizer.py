@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import sys
 import time
@@ -225,19 +226,29 @@ def iter_training_texts(
         print("tokenizer: computing the merges", file=sys.stderr, flush=True)
 
 
-def _train_job(config: TokenizerTrainConfig) -> tuple[str, dict, list]:
-    """Child process: read the inputs and train; returns the tokenizer's JSON, counts and rejects."""
+SAMPLE_DOCS, SAMPLE_CHARS = 256, 16_384  # the report's compression: a seeded sample of the documents, each clipped
+
+
+def _train_job(config: TokenizerTrainConfig) -> tuple[str, dict, list, list[str]]:
+    """Child process: read the inputs and train; returns the tokenizer's JSON, counts, rejects and a
+    seeded sample of the documents (reservoir sampling: any document equally likely)."""
     counted = {"bytes": 0, "docs": 0}
     rejected: list = []
+    sample: list[str] = []
+    rng = random.Random(0)
 
     def texts():
         for text in iter_training_texts(config.inputs, config.text_field, config.max_bytes, rejected):
             counted["bytes"] += len(text.encode())
             counted["docs"] += 1
+            if len(sample) < SAMPLE_DOCS:
+                sample.append(text[:SAMPLE_CHARS])
+            elif (k := rng.randrange(counted["docs"])) < SAMPLE_DOCS:
+                sample[k] = text[:SAMPLE_CHARS]
             yield text
 
     trained = train_bpe(texts(), config.vocab_size, config.min_frequency)
-    return trained.to_str(), counted, rejected
+    return trained.to_str(), counted, rejected, sample
 
 
 def train_tokenizer(
@@ -262,7 +273,7 @@ def train_tokenizer(
             "which token shards made with it need; give another output_dir, or remove it to train a new one"
         )
     start = time.perf_counter()
-    trained_json, counted, rejected = call_in_child(_train_job, config) if in_child else _train_job(config)
+    trained_json, counted, rejected, sample = call_in_child(_train_job, config) if in_child else _train_job(config)
     trained = Tokenizer.from_str(trained_json)
     if counted["docs"] == 0:  # e.g. a wrong text_field: a bytes-only tokenizer is no result
         first = f" (first: {rejected[0].location}: {rejected[0].reason})" if rejected else ""
@@ -278,6 +289,11 @@ def train_tokenizer(
         "rejected": len(rejected),
         "rejected_examples": [f"{r.location}: {r.reason}" for r in rejected[:5]],
         "bytes": counted["bytes"],
+        # Compression on (a sample of) the text it was trained on: an upper bound for other text.
+        "bytes_per_token": round(
+            sum(len(t.encode()) for t in sample) / max(sum(map(len, tok.encode_batch(sample))), 1), 3
+        ),
+        "bytes_per_token_sample": {"documents": len(sample), "max_chars_each": SAMPLE_CHARS},
         "seconds": round(time.perf_counter() - start, 2),
         "hash": tok.hash,
         "output_dir": str(config.output_dir),

@@ -215,7 +215,9 @@ def run_quickstart(
         Stage(
             "tokenizer",
             time.perf_counter() - t,
-            f"byte-level BPE, vocab {tok.vocab_size}, trained on {tok_report['bytes'] / 1e6:.1f} MB",
+            f"byte-level BPE, vocab {tok.vocab_size}, trained on {tok_report['bytes'] / 1e6:.1f} MB; "
+            f"{tok_report['bytes_per_token']:.2f} bytes a token on {tok_report['bytes_per_token_sample']['documents']} "
+            "of its documents",
         )
     )
 
