@@ -473,7 +473,7 @@ def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path
     """A run killed while its newest checkpoint was copied, or a disk that lost its tail: `marinlm
     eval/generate RUN` warn and use the newest good one; naming the damaged one is an error."""
     from marinlm.train.checkpoint import CheckpointError
-    from marinlm.train.inference import load_model
+    from marinlm.train.inference import load_model, resolve_checkpoint
     from marinlm.train.trainer import run_training
 
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}, checkpoint={"every_steps": 2}))
@@ -487,6 +487,8 @@ def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path
     assert f"warning: skipping unusable checkpoint: {newest}" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match=str(weights)):
         load_model(newest)
+    # The run's checkpoints/ folder given for the run: the same choice (it was "no usable checkpoint").
+    assert resolve_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000002"
 
 
 def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token_data, tmp_path):

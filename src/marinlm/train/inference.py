@@ -36,7 +36,8 @@ class LoadedModel:
 
 
 def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
-    """A checkpoint folder as given, or the newest valid one of a run folder; validated either way
+    """A checkpoint folder as given, or the newest valid one of a run folder (or of its checkpoints/
+    folder); validated either way
     (a CheckpointError if the given one is not), so callers need not hash it again. Under torchrun
     the ranks share the hashing and agree on the folder."""
     path = Path(path)
@@ -45,7 +46,7 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
     if is_checkpoint_folder(path):
         validate(path, rank, world_size)
         return path
-    candidates = list_checkpoints(path / "checkpoints")
+    candidates = list_checkpoints(path / "checkpoints") or list_checkpoints(path)  # a run, or its checkpoints/
     for folder in candidates:
         try:
             validate(folder, rank, world_size)
