@@ -155,9 +155,9 @@ def test_resume_accepts_a_run_folder_for_its_newest_good_checkpoint(token_data, 
     """As `generate`, `eval` and `init_from` do; it was taken for a checkpoint without COMPLETE.json."""
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 8}))
     (tmp_path / "run" / "checkpoints" / "step-00000008" / "COMPLETE.json").unlink()  # an unfinished save
-    for run_dir in ("run", "other"):
+    for run_dir, source in (("run", "run"), ("other", "run"), ("third", "run/checkpoints")):  # or its checkpoints/
         trainer = Trainer(
-            train_config(token_data, tmp_path / run_dir, train={"steps": 10}), resume=str(tmp_path / "run")
+            train_config(token_data, tmp_path / run_dir, train={"steps": 10}), resume=str(tmp_path / source)
         )
         assert trainer.step == 4
         trainer.close()

@@ -65,6 +65,8 @@ class ResumeMixin:
                 loaded = self.checkpoints.load_latest(tensors, folder / "checkpoints")
                 if loaded is None:
                     raise CheckpointError(f"{folder}: a run folder without checkpoints; nothing to resume")
+            elif not is_checkpoint_folder(folder) and list_checkpoints(folder):
+                loaded = self.checkpoints.load_latest(tensors, folder)  # a run's checkpoints/ folder: never None
             else:
                 loaded = (folder, self.checkpoints.load(folder, tensors))
         except CheckpointMismatch as e:
