@@ -326,6 +326,34 @@ def test_a_text_file_with_windows_line_ends_is_cut_at_its_paragraphs(tmp_path):
     assert bad.reason == "invalid UTF-8 at byte 6"
 
 
+def test_compressed_text_files_read_as_the_text_they_hold(tmp_path):
+    """.txt.gz and .txt.zst (a common form of text dumps) were not inputs: a folder of them was skipped."""
+    import zstandard
+
+    from marinlm.data.readers import expand_inputs
+
+    data = b"first line\r\nstill first\r\n\r\nsecond\r\n\r\nthird \xc3\xa9"
+    (tmp_path / "a.txt").write_bytes(data)
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "a.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    assert expand_inputs([str(tmp_path)]) == [tmp_path / n for n in ("a.txt", "a.txt.gz", "a.txt.zst")]
+    texts = {n: [d.text for d in read_documents(tmp_path / n, split_pattern="\n\n")] for n in ("a.txt.gz", "a.txt.zst")}
+    assert texts["a.txt.gz"] == texts["a.txt.zst"] == ["first line\nstill first", "second", "third é"]
+    [doc] = read_documents(tmp_path / "a.txt.gz")
+    assert (doc.id, doc.source, doc.text) == (
+        str(tmp_path / "a.txt.gz"),
+        "a",
+        "first line\nstill first\n\nsecond\n\nthird é",
+    )
+    zst = (tmp_path / "a.txt.zst").read_bytes()
+    (tmp_path / "bad.txt.zst").write_bytes(zst[:4] + bytes(b ^ 0xFF for b in zst[4:]))  # zstandard's own error
+    for name in ("a.txt.gz", "a.txt.zst", "bad.txt.zst"):  # truncated or corrupt: a rejected record, not an exception
+        (tmp_path / f"cut-{name}").write_bytes((tmp_path / name).read_bytes()[:20])
+        [bad] = read_documents(tmp_path / f"cut-{name}")
+        assert isinstance(bad, Rejected) and bad.location == str(tmp_path / f"cut-{name}")
+        assert bad.reason.startswith("truncated or corrupt stream: "), bad.reason
+
+
 def test_invalid_utf8_in_a_cut_text_file_rejects_only_its_document(tmp_path):
     (tmp_path / "book.txt").write_bytes(b"chapter one\n\nchapter \xff two\n\nchapter three")
     first, bad, third = read_documents(tmp_path / "book.txt", split_pattern="\n\n")

@@ -1,4 +1,4 @@
-"""Document readers for .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet, plus HF `datasets`.
+"""Document readers for .txt(.gz/.zst), .jsonl, .jsonl.gz, .jsonl.zst and .parquet, plus HF `datasets`.
 
 Bad input never raises out of a reader: a malformed JSON line, invalid UTF-8, a missing or
 non-string text field, or a truncated compressed stream becomes a `Rejected` record naming the
@@ -47,7 +47,9 @@ TEXT_SUFFIXES = (
     ".sh",
     ".php",
 )
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".json", *TEXT_SUFFIXES)
+# Compressed plain text: decompressed whole, then read as the .txt file it holds.
+COMPRESSED_TEXT_SUFFIXES = (".txt.gz", ".txt.zst")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".json", *TEXT_SUFFIXES, *COMPRESSED_TEXT_SUFFIXES)
 
 
 @dataclass
@@ -196,7 +198,7 @@ def input_parts(path: Path, split_bytes: int) -> list[dict | None]:
 
 def whole_file_reason(path: Path) -> str:
     """Why `input_parts` reads `path` whole however big it is, and what would let it be cut."""
-    if path.name.endswith((".gz", ".zst")):
+    if path.name.endswith((".jsonl.gz", ".jsonl.zst")):
         return "its compressed stream could not be read to the end (`rejected/` says where it breaks); repair it"
     if path.name.endswith(".parquet"):
         return "it has a single row group; write it with smaller row groups (pyarrow's row_group_size)"
@@ -335,12 +337,12 @@ def read_documents(
 ) -> Iterator[Document | Rejected]:
     """Yield the documents of one file in order; problems come out as `Rejected` records.
 
-    A .txt file is one document (its path is the id), or several when `split_pattern` (a regex) is
-    given; with `chunk_chars`, a longer one is cut into pieces of at most that many characters at
-    paragraph breaks (`chunk_text`); Windows line ends read as "\n". JSON records need `text_field` to
-    be a string or a list of strings (joined by newlines), or are themselves a string (a .json list of
-    texts); `id_field` falls back to "path:line" when absent. `part` (from `input_parts`) reads one
-    part of a big .jsonl or .parquet file.
+    A .txt file (or a .txt.gz/.txt.zst) is one document (its path is the id), or several when
+    `split_pattern` (a regex) is given; with `chunk_chars`, a longer one is cut into pieces of at
+    most that many characters at paragraph breaks (`chunk_text`); Windows line ends read as "\n".
+    JSON records need `text_field` to be a string or a list of strings (joined by newlines), or are
+    themselves a string (a .json list of texts); `id_field` falls back to "path:line" when absent.
+    `part` (from `input_parts`) reads one part of a big .jsonl or .parquet file.
     """
     path = Path(path)
     source = source or path.stem.split(".")[0]
@@ -348,10 +350,20 @@ def read_documents(
     if name.endswith(".parquet"):
         yield from _read_parquet(path, text_field, id_field, source, part)
         return
-    if name.endswith(TEXT_SUFFIXES):
+    if name.endswith(TEXT_SUFFIXES + COMPRESSED_TEXT_SUFFIXES):
+        try:
+            data = path.read_bytes() if name.endswith(TEXT_SUFFIXES) else b"".join(_open_lines(path))
+        except (EOFError, OSError, zlib.error) as e:
+            yield Rejected(source, str(path), f"truncated or corrupt stream: {e}")
+            return
+        except Exception as e:  # zstandard.ZstdError
+            if not type(e).__module__.startswith("zstandard"):
+                raise
+            yield Rejected(source, str(path), f"truncated or corrupt stream: {e}")
+            return
         # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
         # only the documents that hold them.
-        raw = strip_bom(path.read_bytes()).decode("utf-8", errors="surrogateescape")
+        raw = strip_bom(data).decode("utf-8", errors="surrogateescape")
         # Windows line ends read as "\n", as Python's text mode reads them: `split_pattern` and the
         # paragraph breaks that `chunk_chars` cuts at see the same text whatever wrote the file.
         text = raw.replace("\r\n", "\n")
