@@ -798,17 +798,17 @@ def test_a_malformed_decontamination_file_names_file_and_line(tmp_path, name, co
 
 
 def test_a_folder_skips_hidden_files_and_names_the_types_it_does_not_read(tmp_path, capsys):
-    """A folder's `.csv` or `.txt.gz` files beside its `.txt` ones used to be skipped without a word;
+    """A folder's `.csv` or `.txt.bz2` files beside its `.txt` ones used to be skipped without a word;
     hidden files and folders (`.git/`, `.DS_Store`) are no inputs at all."""
     from marinlm.data.readers import expand_inputs
 
-    for name in ("a.txt", "sub/b.jsonl", "t.csv", "sub/u.csv", "sub/c.txt.gz", "README", ".DS_Store", ".git/x.md"):
+    for name in ("a.txt", "sub/b.jsonl", "t.csv", "sub/u.csv", "sub/c.txt.bz2", "README", ".DS_Store", ".git/x.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("some text\n")
     assert expand_inputs([str(tmp_path)], "sources[1].inputs") == [tmp_path / "a.txt", tmp_path / "sub" / "b.jsonl"]
     err = capsys.readouterr().err
     assert f"note: sources[1].inputs: skipping 4 file(s) under {tmp_path} of types not read " in err
-    assert f"(.csv: 2, (no suffix): 1, .txt.gz: 1; e.g. {tmp_path / 'README'}); the types read are .jsonl," in err
+    assert f"(.csv: 2, (no suffix): 1, .txt.bz2: 1; e.g. {tmp_path / 'README'}); the types read are .jsonl," in err
     assert expand_inputs([str(tmp_path)], quiet=True) and capsys.readouterr().err == ""
     assert expand_inputs([str(tmp_path / "sub")]) and "skipping 2 file(s)" in capsys.readouterr().err
 

@@ -90,7 +90,7 @@ def curated_shards(folder: Path) -> list[Path] | None:
 
 
 def _kind(path: Path) -> str:
-    """What a file is by its name, for a note: `.csv`, `.txt.gz`, or `(no suffix)`."""
+    """What a file is by its name, for a note: `.csv`, `.txt.bz2`, or `(no suffix)`."""
     if path.suffix in (".gz", ".zst", ".bz2", ".xz", ".zip") and len(path.suffixes) > 1:
         return "".join(path.suffixes[-2:])
     return path.suffix or "(no suffix)"
@@ -119,7 +119,7 @@ def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = Fa
 
     A directory's hidden files and folders (`.git/`, `.DS_Store`) are not inputs. Its other files of
     a type this does not read are skipped with a note on stderr (unless `quiet`) that counts them by
-    type, so that a folder of `.csv` or `.txt.gz` files beside the `.txt` ones is not half read unseen.
+    type, so that a folder of `.csv` or `.txt.bz2` files beside the `.txt` ones is not half read unseen.
     """
     if isinstance(inputs, str):
         inputs = [inputs]
