@@ -328,7 +328,7 @@ def test_mmlu_short_of_shots_or_subjects_and_empty_bpb_texts_are_errors(tmp_path
     with pytest.raises(TaskDataError, match=r"mmlu/test: no SUBJECT_test.csv files"):
         prepare(EvalOptions(tasks=["mmlu"], data_dir=str(tmp_path)))
     (tmp_path / "texts.jsonl").write_text('\n{"text": "a b"}\n{"text": 7}\n')
-    with pytest.raises(TaskDataError, match=r"texts.jsonl:3: expected a JSON object with a 'text' string"):
+    with pytest.raises(TaskDataError, match=r"texts.jsonl:3: field 'text' is int, not a string; bits per byte scores"):
         prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'texts.jsonl'}"]))
     (tmp_path / "blank.txt").write_text("  \n")
     with pytest.raises(TaskDataError, match=r"blank.txt: no text to score"):
@@ -369,6 +369,32 @@ def test_limit_on_a_text_file_scores_the_lines_that_fill_its_first_windows(tmp_p
     one = run_eval(loaded, EvalOptions(tasks=[task], limit=1))["results"][task]
     assert loaded.tokenizer.encode(" Ελληνικά" * 3) == [loaded.tokenizer.encode(" Ελληνικά")[0]] * 3
     assert one["tokens"] == L and one["bytes"] == len((" Ελληνικά" * L).encode())
+
+
+def test_bits_per_byte_reads_compressed_and_columnar_files_as_curation_does(tmp_path, loaded):
+    """A curated shard (.jsonl.zst) or a .txt.gz was read as one UTF-8 text: 'invalid UTF-8 (byte 1 of the file)'."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    records = "".join(json.dumps({"text": t}) + "\n" for t in SAMPLE_TEXTS[:4]).encode()
+    (tmp_path / "r.jsonl").write_bytes(records)
+    (tmp_path / "r.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(records))
+    pq.write_table(pa.table({"text": SAMPLE_TEXTS[:4]}), tmp_path / "r.parquet")
+    text = "\n".join(SAMPLE_TEXTS) * 4
+    (tmp_path / "t.txt").write_text(text)
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(text.encode()))
+    names = ["r.jsonl", "r.jsonl.zst", "r.parquet", "t.txt", "t.txt.gz"]
+    results = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / n}" for n in names]))["results"]
+    score = {
+        n: (results[f"bpb:{tmp_path / n}"]["tokens"], results[f"bpb:{tmp_path / n}"]["bits_per_byte"]) for n in names
+    }
+    assert score["r.jsonl"] == score["r.jsonl.zst"] == score["r.parquet"]
+    assert score["t.txt"] == score["t.txt.gz"] and score["t.txt"][0] > loaded.model.config.max_seq_len
+    limited = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / 't.txt.gz'}"], limit=1))["results"]
+    assert next(iter(limited.values()))["tokens"] <= loaded.model.config.max_seq_len  # one text: its first window
 
 
 def test_run_eval_writes_results_with_metadata(tmp_path, loaded):

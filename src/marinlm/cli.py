@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         required=True,
-        help="hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH",
+        help=(
+            "hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH (a text file, or "
+            "a .jsonl(.gz/.zst), .json or .parquet file of records with a 'text' field, such as a curated shard)"
+        ),
     )
     ev.add_argument(
         "--data-dir",
@@ -312,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=(
-            "score a deterministic subset of N items per task (val: N rows; bpb: a .jsonl's first N texts, "
+            "score a deterministic subset of N items per task (val: N rows; bpb: a .jsonl(.gz/.zst), .json or "
+            ".parquet file's first N texts, "
             "a text file's first N windows of the model's context, cut at a line end)"
         ),
     )

@@ -1,15 +1,15 @@
 """`marinlm eval RUN_OR_CKPT --tasks ...`: run tasks, write results JSON + a markdown table.
 
 Task specs: the names in `marinlm.eval.tasks` (hellaswag, arc_easy, arc_challenge, piqa,
-winogrande, lambada_openai, mmlu), `bpb:PATH` for bits per byte of a text file (or .jsonl with a
-"text" field) with rolling windows, and `val` for the run's held-out token split.
+winogrande, lambada_openai, mmlu), `bpb:PATH` for bits per byte with rolling windows of a text file
+(any name; .txt.gz/.txt.zst too) or of the "text" of each record of a .jsonl(.gz/.zst), .json or
+.parquet file (a curated shard), and `val` for the run's held-out token split.
 Every task file is read and validated before any scoring starts, and results are written once,
 atomically, at the end: a bad file fails the run instead of producing partial results.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marinlm.config import check
+from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, read_documents
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, TaskFileMissing, read_text, score, subset, task_registry
 from marinlm.parallel.distributed import rank_and_world
@@ -27,6 +28,10 @@ from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 # a source checkout (an installed package has no such folder).
 DATA_ENV = "MARINLM_EVAL_DATA"
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"
+
+
+# `bpb:` files of many texts (each scored from its own start); any other file is one text.
+BPB_RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 
 
 @dataclass(kw_only=True)
@@ -75,19 +80,15 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             path = Path(spec[4:])
             if not path.is_file():
                 raise TaskDataError(f"{path}: text file for bits-per-byte not found")
-            if path.suffix == ".jsonl":
+            if path.name.endswith(BPB_RECORD_SUFFIXES + COMPRESSED_TEXT_SUFFIXES):  # as curation reads them
                 texts = []
-                for n, line in enumerate(read_text(path).splitlines(), start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        text = None
-                    if not isinstance(text, str):
-                        raise TaskDataError(f"{path}:{n}: expected a JSON object with a 'text' string")
-                    texts.append(text)
-            else:
+                for item in read_documents(path, text_field="text", id_field=None):
+                    if isinstance(item, Rejected):
+                        raise TaskDataError(
+                            f"{item.location}: {item.reason}; bits per byte scores each record's 'text'"
+                        )
+                    texts.append(item.text)
+            else:  # any other file is one text, as it is on disk
                 texts = [read_text(path)]
             if not any(t.strip() for t in texts):
                 raise TaskDataError(f"{path}: no text to score")
@@ -144,7 +145,7 @@ def run_eval(
         if spec == "val":
             results.update(_val_metrics(loaded, val_sources, options.batch_size, options.limit))
         elif spec.startswith("bpb:"):
-            if options.limit and task.suffix != ".jsonl":  # one text: its first `limit` windows
+            if options.limit and not task.name.endswith(BPB_RECORD_SUFFIXES):  # one text: its first `limit` windows
                 items = [scorer.leading_windows(items[0], options.limit)]
             ll = scorer.loglikelihood_rolling(items, desc=spec)
             total = sum(x for x, _ in ll)
