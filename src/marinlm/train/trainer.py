@@ -434,6 +434,9 @@ class Trainer(ResumeMixin):
             self._bar = None
             if profiler is not None:
                 profiler.stop()
+                traces = sorted((self.run_dir / "profile").glob("*.pt.trace.json"), key=lambda f: f.stat().st_mtime)
+                if traces:
+                    print(f"profile: {traces[-1]} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
             if self.sinks is not None:
                 self.sinks.close()
         summary = {
