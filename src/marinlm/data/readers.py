@@ -461,7 +461,8 @@ def _read_json_array(path: Path, text_field, id_field, source):
         yield Rejected(source, str(path), f"unreadable JSON file: {e}")
         return
     if not isinstance(records, list):
-        yield Rejected(source, str(path), "a .json input must hold a list of objects")
+        got = f"an object with keys {list(records)[:8]}" if isinstance(records, dict) else type(records).__name__
+        yield Rejected(source, str(path), f"a .json input must hold a list of records or texts, got {got}")
         return
     for i, record in enumerate(records):
         yield _from_record(record, f"{path}:{i}", text_field, id_field, source, {"file": str(path), "index": i})
