@@ -307,6 +307,12 @@ def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
         raise TruncatedStream("zstd stream ended inside a frame")
 
 
+def _stream_error(e: Exception) -> bool:
+    """Whether `e` is a truncated or corrupt compressed stream's: gzip's, zlib's, our zstd reader's,
+    or zstandard's own ZstdError (matched by module: zstandard is imported only where it is used)."""
+    return isinstance(e, (EOFError, OSError, zlib.error)) or type(e).__module__.startswith("zstandard")
+
+
 def _open_lines(path: Path) -> Iterator[bytes]:
     if path.name.endswith(".zst"):
         yield from _zstd_lines(path)
@@ -353,11 +359,8 @@ def read_documents(
     if name.endswith(TEXT_SUFFIXES + COMPRESSED_TEXT_SUFFIXES):
         try:
             data = path.read_bytes() if name.endswith(TEXT_SUFFIXES) else b"".join(_open_lines(path))
-        except (EOFError, OSError, zlib.error) as e:
-            yield Rejected(source, str(path), f"truncated or corrupt stream: {e}")
-            return
-        except Exception as e:  # zstandard.ZstdError
-            if not type(e).__module__.startswith("zstandard"):
+        except Exception as e:
+            if name.endswith(TEXT_SUFFIXES) or not _stream_error(e):
                 raise
             yield Rejected(source, str(path), f"truncated or corrupt stream: {e}")
             return
@@ -401,13 +404,10 @@ def read_documents(
                 line = strip_bom(line)
             if line.strip():
                 yield _parse_line(line, path, line_no, text_field, id_field, source)
-    except (EOFError, OSError, zlib.error) as e:
-        yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
-    except Exception as e:  # zstandard.ZstdError
-        if type(e).__module__.startswith("zstandard"):
-            yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
-        else:
+    except Exception as e:
+        if not _stream_error(e):
             raise
+        yield Rejected(source, f"{path}:{line_no + 1}", f"truncated or corrupt stream: {e}")
 
 
 def chunk_text(text: str, max_chars: int) -> list[str]:
