@@ -383,9 +383,12 @@ def test_bits_per_byte_reads_compressed_and_columnar_files_as_curation_does(tmp_
     (tmp_path / "r.jsonl").write_bytes(records)
     (tmp_path / "r.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(records))
     pq.write_table(pa.table({"text": SAMPLE_TEXTS[:4]}), tmp_path / "r.parquet")
-    text = "\n".join(SAMPLE_TEXTS) * 4
-    (tmp_path / "t.txt").write_text(text)
+    text = "\r\n".join(SAMPLE_TEXTS) * 4  # scored byte for byte, Windows line ends too, compressed or not
+    (tmp_path / "t.txt").write_bytes(text.encode())
     (tmp_path / "t.txt.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:50])
+    with pytest.raises(TaskDataError, match=r"cut.txt.gz: truncated or corrupt stream: "):
+        prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'cut.txt.gz'}"]))
     names = ["r.jsonl", "r.jsonl.zst", "r.parquet", "t.txt", "t.txt.gz"]
     results = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / n}" for n in names]))["results"]
     score = {

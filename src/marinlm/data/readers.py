@@ -313,6 +313,16 @@ def _stream_error(e: Exception) -> bool:
     return isinstance(e, (EOFError, OSError, zlib.error)) or type(e).__module__.startswith("zstandard")
 
 
+def decompressed(path: Path) -> bytes:
+    """A .gz or .zst file's content; a truncated or corrupt stream raises ValueError naming the file."""
+    try:
+        return b"".join(_open_lines(path))
+    except Exception as e:
+        if not _stream_error(e):
+            raise
+        raise ValueError(f"{path}: truncated or corrupt stream: {e}") from None
+
+
 def _open_lines(path: Path) -> Iterator[bytes]:
     if path.name.endswith(".zst"):
         yield from _zstd_lines(path)
@@ -358,11 +368,9 @@ def read_documents(
         return
     if name.endswith(TEXT_SUFFIXES + COMPRESSED_TEXT_SUFFIXES):
         try:
-            data = path.read_bytes() if name.endswith(TEXT_SUFFIXES) else b"".join(_open_lines(path))
-        except Exception as e:
-            if name.endswith(TEXT_SUFFIXES) or not _stream_error(e):
-                raise
-            yield Rejected(source, str(path), f"truncated or corrupt stream: {e}")
+            data = path.read_bytes() if name.endswith(TEXT_SUFFIXES) else decompressed(path)
+        except ValueError as e:
+            yield Rejected(source, str(path), str(e).removeprefix(f"{path}: "))
             return
         # Undecodable bytes are carried as lone surrogates, so that a file cut into documents loses
         # only the documents that hold them.

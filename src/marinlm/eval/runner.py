@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marinlm.config import check
-from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, read_documents
+from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, decompressed, read_documents
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, TaskFileMissing, read_text, score, subset, task_registry
 from marinlm.parallel.distributed import rank_and_world
@@ -80,7 +80,7 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             path = Path(spec[4:])
             if not path.is_file():
                 raise TaskDataError(f"{path}: text file for bits-per-byte not found")
-            if path.name.endswith(BPB_RECORD_SUFFIXES + COMPRESSED_TEXT_SUFFIXES):  # as curation reads them
+            if path.name.endswith(BPB_RECORD_SUFFIXES):  # as curation reads them
                 texts = []
                 for item in read_documents(path, text_field="text", id_field=None):
                     if isinstance(item, Rejected):
@@ -88,6 +88,11 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
                             f"{item.location}: {item.reason}; bits per byte scores each record's 'text'"
                         )
                     texts.append(item.text)
+            elif path.name.endswith(COMPRESSED_TEXT_SUFFIXES):  # the text file it holds, byte for byte
+                try:
+                    texts = [read_text(path, decompressed(path))]
+                except ValueError as e:
+                    raise TaskDataError(str(e)) from None
             else:  # any other file is one text, as it is on disk
                 texts = [read_text(path)]
             if not any(t.strip() for t in texts):

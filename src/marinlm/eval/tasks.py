@@ -77,9 +77,9 @@ class StrList:
     """Field type: a list of strings (choices, endings, context options)."""
 
 
-def read_text(path: Path) -> str:
-    """The file as UTF-8; a bad byte is a TaskDataError naming the file and line."""
-    return read_utf8(path, error=TaskDataError)
+def read_text(path: Path, data: bytes | None = None) -> str:
+    """The file (or its decompressed `data`) as UTF-8; a bad byte is a TaskDataError naming the file and line."""
+    return read_utf8(path, error=TaskDataError, data=data)
 
 
 def _type_error(value, tp: type) -> str | None:

@@ -110,10 +110,13 @@ def strip_bom(data: bytes) -> bytes:
     return data[len(UTF8_BOM) :] if data.startswith(UTF8_BOM) else data
 
 
-def read_utf8(path: str | Path, what: str = "invalid UTF-8", error: type[Exception] = ValueError) -> str:
+def read_utf8(
+    path: str | Path, what: str = "invalid UTF-8", error: type[Exception] = ValueError, data: bytes | None = None
+) -> str:
     """The file as UTF-8 text, without a leading byte-order mark; a bad byte raises `error` naming
-    the file and line."""
-    data = Path(path).read_bytes()
+    the file and line. `data`: the file's bytes, when they are not read from `path` as they are (a
+    decompressed file)."""
+    data = Path(path).read_bytes() if data is None else data
     text = strip_bom(data)
     try:
         return text.decode("utf-8")
