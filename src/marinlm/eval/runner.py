@@ -90,9 +90,10 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
                     texts.append(item.text)
             elif path.name.endswith(COMPRESSED_TEXT_SUFFIXES):  # the text file it holds, byte for byte
                 try:
-                    texts = [read_text(path, decompressed(path))]
+                    data = decompressed(path)
                 except ValueError as e:
                     raise TaskDataError(str(e)) from None
+                texts = [read_text(path, data)]
             else:  # any other file is one text, as it is on disk
                 texts = [read_text(path)]
             if not any(t.strip() for t in texts):
