@@ -37,9 +37,8 @@ class LoadedModel:
 
 def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
     """A checkpoint folder as given, or the newest valid one of a run folder (or of its checkpoints/
-    folder); validated either way
-    (a CheckpointError if the given one is not), so callers need not hash it again. Under torchrun
-    the ranks share the hashing and agree on the folder."""
+    folder); validated either way (a CheckpointError if the given one is not), so callers need not
+    hash it again. Under torchrun the ranks share the hashing and agree on the folder."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such run or checkpoint folder{checkpoints_beside(path)}")
