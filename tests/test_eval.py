@@ -622,7 +622,8 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     from conftest import ROOT
 
     write_tasks(tmp_path / "tasks")
-    tasks = ["arc_easy", "piqa", "val"]
+    (tmp_path / "text.txt").write_text("\n".join(SAMPLE_TEXTS) * 12)  # more than 5 windows: cut by the limit
+    tasks = ["arc_easy", "piqa", "val", f"bpb:{tmp_path / 'text.txt'}"]
     hook = {"every_n_steps": 2, "tasks": tasks, "limit": 5, "data_dir": str(tmp_path / "tasks")}
     save_config(train_config(token_data, tmp_path / "run", train={"steps": 2}, eval=hook), tmp_path / "run.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29537"]
@@ -659,7 +660,16 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
         for name, value in metrics.items():
             if name != "seconds":
                 assert sharded["results"][task][name] == pytest.approx(value, rel=1e-5, nan_ok=True), (task, name)
-    for task, metric in (("arc_easy", "acc"), ("arc_easy", "acc_norm"), ("piqa", "acc"), ("val", "loss")):
+    max_seq_len = load_model(tmp_path / "run").config.model.max_seq_len
+    assert 4 * max_seq_len < offline[tasks[3]]["tokens"] <= 5 * max_seq_len + 1
+    pairs = (
+        ("arc_easy", "acc"),
+        ("arc_easy", "acc_norm"),
+        ("piqa", "acc"),
+        ("val", "loss"),
+        (tasks[3], "bits_per_byte"),
+    )
+    for task, metric in pairs:
         assert logged[0][f"eval/{task}/{metric}"] == pytest.approx(offline[task][metric], rel=1e-5), (task, metric)
     table = markdown_table(
         {
