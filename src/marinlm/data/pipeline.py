@@ -3,11 +3,10 @@
 Three stages, each resumable through per-shard completion markers (outputs are written under a
 temporary name and renamed, markers last):
 
-1. **map** (one task per input file, or per part of a big .jsonl(.gz/.zst) or .parquet file:
-   `split_bytes`;
-   in worker processes or on Ray): read, reject bad input,
-   normalise, identify language, quality filters, PII masking, decontamination; keep the surviving
-   documents plus their hashes (document, paragraphs, MinHash bands) and token counts.
+1. **map** (one task per input file, or per `split_bytes` part of a big .jsonl(.gz/.zst) or
+   .parquet file; in worker processes or on Ray): read, reject bad input, normalise, identify
+   language, quality filters, PII masking, decontamination; keep the surviving documents plus
+   their hashes (document, paragraphs, MinHash bands) and token counts.
 2. **reduce** (one process, hashes only): exact document dedup, fuzzy dedup (connected components
    of LSH collisions), paragraph dedup, then the mixture plan (repeats per document).
 3. **write** (one task per map task): apply the plan and write the output shard.
