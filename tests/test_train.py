@@ -266,6 +266,12 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
         Trainer(train_config(copy, tmp_path / "run"), resume="none")
     with pytest.raises(ShardError, match=r"data\.sources\[0\]\.path: .*nowhere/manifest.json: no manifest"):
         Trainer(train_config(tmp_path / "nowhere", tmp_path / "run"), resume="none")
+    assert not (tmp_path / "run").exists()  # a start that fails leaves no run folder (it held only a lock file)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(ShardError, match="no manifest"):
+        Trainer(train_config(tmp_path / "nowhere", tmp_path / "kept"), resume="none")
+    assert [p.name for p in (tmp_path / "kept").iterdir() if p.name != ".marinlm.lock"] == ["notes.txt"]
     manifest = json.loads((token_data / "manifest.json").read_text())
     no_val = tmp_path / "no-val"
     tokenize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -77,11 +78,22 @@ class Trainer(ResumeMixin):
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
+        new_folder = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._locked = False
         if self.info.is_main:  # one job at a time writes a run folder (a second `train` would interleave)
             lock_folder(self.run_dir)
             self._locked = True
+        try:
+            self._set_up(resume)
+        except BaseException:  # bad data, no memory, Ctrl-C: leave no half-made run folder behind
+            self.close()
+            if new_folder and self.info.is_main:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _set_up(self, resume: str) -> None:
+        c = self.config
         self.world = self.info.world_size
         micro = c.train.micro_batch or c.train.global_batch // self.world
         if c.train.global_batch % (micro * self.world):
