@@ -286,7 +286,14 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
     )
     trainer = Trainer(train_config(no_val, tmp_path / "run2"), resume="none")
     assert trainer.val_sources == {} and trainer.validate() is None
-    assert "split 'val' has no documents; validation is off" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "split 'val' has no documents; validation is off" in out
+    vocab = manifest["tokenizer"]["vocab_size"]  # the tiny model's 4,096 rows are too many: a note says so
+    unused = 4096 - vocab
+    assert (
+        f"note: model.vocab_size 4,096 is larger than the tokenizer's {vocab:,}: {unused:,} rows of the embedding "
+        f"and the output layer ({unused * 128 * 2 / 1e6:.2f}M parameters) are never used; set model.vocab_size={vocab}"
+    ) in out
     trainer.close()
     # In a mixture, a source without one is left out of validation, and the others validate.
     mixture = {"sources": [{"path": str(no_val)}, {"path": str(token_data)}]}

@@ -107,6 +107,16 @@ class Trainer(ResumeMixin):
         if first is None:
             raise ValueError("data.sources: give at least one tokenized dataset")
         self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
+        padded = -(-first.vocab_size // 128) * 128  # a multiple of 128 above the tokenizer's is usual padding
+        if c.model.vocab_size > padded and self.info.is_main:
+            unused = c.model.vocab_size - first.vocab_size
+            params = unused * c.model.d_model * (1 if c.model.tie_embeddings else 2)
+            print(
+                f"note: model.vocab_size {c.model.vocab_size:,} is larger than the tokenizer's {first.vocab_size:,}: "
+                f"{unused:,} rows of the embedding and the output layer ({params / 1e6:.2f}M parameters) are never "
+                f"used; set model.vocab_size={first.vocab_size} (or a multiple of 128 above it)",
+                flush=True,
+            )
         # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
         # path may be relative to another folder, or gone).
         recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
