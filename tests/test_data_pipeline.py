@@ -837,3 +837,32 @@ def test_a_curation_folder_as_input_means_its_shards(tmp_path):
     (out / ".marinlm-job.json").write_text('{"job": "tokenize"}')
     with pytest.raises(ValueError, match=rf"^inputs: {out} holds token shards written by `marinlm tokenize`"):
         expand_inputs([str(out)])
+
+
+def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_skips_the_others(tmp_path, capsys):
+    """A data folder that also held a token folder, a training run or a curation read their manifests,
+    metrics.jsonl and reports as documents (and a curation's dropped/ and rejected/ files too)."""
+    from marinlm.data.readers import expand_inputs
+
+    root = tmp_path / "data"
+    write_jsonl(root / "raw" / "a.jsonl", synthetic_docs(6, seed=1, words=40), "a-")
+    run_pipeline(bare_config(root / "curated", [{"name": "web", "inputs": [str(root / "raw")]}]))
+    shards = [root / "curated" / s["path"] for s in json.loads((root / "curated/manifest.json").read_text())["shards"]]
+    for name, job in (("tokens", "tokenize"), ("old/unfinished", "curate")):
+        (root / name).mkdir(parents=True)
+        (root / name / ".marinlm-job.json").write_text(json.dumps({"job": job}))
+        (root / name / "report.md").write_text("# not a document\n")
+    (root / "run" / "checkpoints").mkdir(parents=True)
+    (root / "run" / ".marinlm.lock").write_text("pid 1\n")
+    (root / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (root / "notes.txt").write_text("a text of mine\n")
+    capsys.readouterr()
+    assert expand_inputs([str(root)]) == [*shards, root / "notes.txt", root / "raw" / "a.jsonl"]
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: inputs: skipping 3 folder(s) under {root} that marinlm jobs wrote: ")
+    assert f"{root / 'old/unfinished'} is a curation that has not finished" in err
+    assert f"{root / 'run'} is a training run's folder" in err
+    assert f"{root / 'tokens'} holds token shards written by `marinlm tokenize`" in err
+    assert expand_inputs([str(root)], quiet=True) and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=rf"^inputs: {root / 'run'} is a training run's folder"):
+        expand_inputs([str(root / "run")])  # given itself, as a curation or token folder is refused

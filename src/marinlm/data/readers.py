@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marinlm.utils.io import JOB_FILE, json_error, strip_bom
+from marinlm.utils.io import JOB_FILE, LOCK_FILE, json_error, strip_bom
 
 # Plain-text files are one document each (prose, markup, source code).
 TEXT_SUFFIXES = (
@@ -96,8 +96,16 @@ def _kind(path: Path) -> str:
     return path.suffix or "(no suffix)"
 
 
-def _job_folder(record: Path) -> str:
-    """What the marinlm job that wrote `record`'s folder left there, and why it is no input."""
+def _marinlm_output(folder: Path) -> str | None:
+    """Why `folder`, written by a marinlm job other than a finished curation, is no text input (how
+    the message goes on after its name); None if no marinlm job wrote it."""
+    record = folder / JOB_FILE
+    if not record.is_file():
+        if not (folder / LOCK_FILE).is_file():
+            return None
+        if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
+            return "is a training run's folder (checkpoints, metrics, reports), not text"
+        return f"holds the outputs of a marinlm job (it has {LOCK_FILE}), not text"
     try:
         job = json.loads(record.read_text()).get("job")
     except (OSError, ValueError, AttributeError):
@@ -111,6 +119,39 @@ def _job_folder(record: Path) -> str:
     if job == "tokenize":
         return "holds token shards written by `marinlm tokenize`, not text: give the text it was made from"
     return f"holds the outputs of a marinlm job ({record.name}), not text"
+
+
+def _outside_marinlm_outputs(root: Path, files: list[Path], key: str, spec: str, quiet: bool) -> list[Path]:
+    """`files` (under `root`, sorted) less those in a folder a marinlm job wrote: a finished curation
+    below `root` stands for its shards, as when it is given itself; a token folder, a run folder or
+    an unfinished curation is skipped, with a note naming it (its manifests, metrics and reports
+    would otherwise be read as documents)."""
+    folders = sorted({f.parent for f in files} | {d for f in files for d in f.parents if root in d.parents})
+    curated: dict[Path, set[Path]] = {}
+    skipped: dict[Path, str] = {}
+    for folder in folders:
+        if any(folder == d or d in folder.parents for d in (*curated, *skipped)):
+            continue  # inside one already found
+        if (shards := curated_shards(folder)) is not None:
+            curated[folder] = set(shards)
+        elif why := _marinlm_output(folder):
+            skipped[folder] = why
+    if not curated and not skipped:
+        return files
+    if skipped and not quiet:
+        named = "; ".join(f"{d} {why.split(':')[0]}" for d, why in list(skipped.items())[:3])
+        more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        print(
+            f"note: {key}: skipping {len(skipped)} folder(s) under {spec} that marinlm jobs wrote: {named}{more}",
+            file=sys.stderr,
+            flush=True,
+        )
+    kept = []
+    for f in files:
+        owner = next((d for d in (*curated, *skipped) if d in f.parents), None)
+        if owner is None or f in curated.get(owner, ()):
+            kept.append(f)
+    return kept
 
 
 def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = False) -> list[Path]:
@@ -133,12 +174,13 @@ def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = Fa
             paths.extend(m for m in matches if m.is_file())
         elif p.is_dir() and (shards := curated_shards(p)) is not None:
             paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
-        elif p.is_dir() and (p / JOB_FILE).is_file():
-            raise ValueError(f"{key}: {spec} {_job_folder(p / JOB_FILE)}")
+        elif p.is_dir() and (why := _marinlm_output(p)):
+            raise ValueError(f"{key}: {spec} {why}")
         elif p.is_dir():
             files = sorted(
                 f for f in p.rglob("*") if f.is_file() and not any(n.startswith(".") for n in f.relative_to(p).parts)
             )
+            files = _outside_marinlm_outputs(p, files, key, spec, quiet)
             found = [f for f in files if f.name.endswith(SUFFIXES)]
             if not found:
                 raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
