@@ -706,10 +706,12 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
     (tmp_path / "whole").mkdir()
     (tmp_path / "whole" / "texts.json").write_text(json.dumps(texts))
     (tmp_path / "whole" / "cut.jsonl.gz").write_bytes(gzip.compress(jsonl(35), compresslevel=0)[:-30])
+    kept = []  # for the report
     for folder in ("whole", "raw"):
         inputs = [{"name": "a", "inputs": [str(tmp_path / folder)]}]
-        _tasks(bare_config(tmp_path / "x", inputs, split_bytes=2000), tmp_path)
+        _tasks(bare_config(tmp_path / "x", inputs, split_bytes=2000), tmp_path, kept)
     notes = capsys.readouterr().err.splitlines()
+    assert notes == [f"note: {n}" for n in kept]
     sizes = {
         n: tqdm.format_sizeof((tmp_path / "whole" / n).stat().st_size, "B") for n in ("texts.json", "cut.jsonl.gz")
     }
@@ -864,5 +866,9 @@ def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_ski
     assert f"{root / 'run'} is a training run's folder" in err
     assert f"{root / 'tokens'} holds token shards written by `marinlm tokenize`" in err
     assert expand_inputs([str(root)], quiet=True) and capsys.readouterr().err == ""
+    report = run_pipeline(bare_config(tmp_path / "again", [{"name": "web", "inputs": [str(root)]}]))
+    assert report["accounting"]["web"]["in"] == 6 + 1 + 6  # the curation's shards, notes.txt, raw/a.jsonl
+    assert report["input_notes"] == [err.strip().removeprefix("note: ").replace("inputs:", "sources[0].inputs:")]
+    assert f"- Note: {report['input_notes'][0]}" in (tmp_path / "again" / "report.md").read_text()
     with pytest.raises(ValueError, match=rf"^inputs: {root / 'run'} is a training run's folder"):
         expand_inputs([str(root / "run")])  # given itself, as a curation or token folder is refused

@@ -331,7 +331,9 @@ def run_write(task: dict) -> dict:
 # --- orchestration ------------------------------------------------------------------------------
 
 
-def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
+def _tasks(config: PipelineConfig, work: Path, notes: list[str] | None = None) -> list[dict]:
+    """One task per input file or part of one. Notes on the inputs (files skipped, a big file read
+    whole) are printed, and kept in `notes` for the report."""
     from marinlm.config import to_dict
 
     if not config.sources:
@@ -345,17 +347,19 @@ def _tasks(config: PipelineConfig, work: Path) -> list[dict]:
                     f"output_dir {config.output_dir} is inside input folder {given} of source {spec.name!r}: "
                     "a rerun would read its own outputs; put the output elsewhere"
                 )
-        for path in expand_inputs(spec.inputs, f"sources[{i}].inputs"):  # a miss fails here, before any work
+        # A miss fails here, before any work.
+        for path in expand_inputs(spec.inputs, f"sources[{i}].inputs", notes=notes):
             parts = input_parts(path, config.split_bytes)
             size = path.stat().st_size
             if parts == [None] and 0 < 4 * config.split_bytes < size:
-                print(
-                    f"note: {path} ({tqdm.format_sizeof(size, 'B')}) is read whole, by one worker: "
+                message = (
+                    f"{path} ({tqdm.format_sizeof(size, 'B')}) is read whole, by one worker: "
                     f"{whole_file_reason(path)}, to have it read in parts of split_bytes={config.split_bytes:,} "
-                    "on every worker",
-                    file=sys.stderr,
-                    flush=True,
+                    "on every worker"
                 )
+                print(f"note: {message}", file=sys.stderr, flush=True)
+                if notes is not None:
+                    notes.append(message)
             for part in parts:
                 tasks.append(
                     {
@@ -442,12 +446,13 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> dict:
     An output folder that holds a curation with other settings or inputs is an error (resuming
     would mix the two); `restart` empties it instead. One job at a time may write the folder.
     """
-    tasks = _tasks(config, Path(config.output_dir) / ".work")  # inputs checked before anything is written
+    notes: list[str] = []
+    tasks = _tasks(config, Path(config.output_dir) / ".work", notes)  # inputs checked before anything is written
     with job_output(config.output_dir, job_settings(config, tasks), restart=restart):
-        return _run_pipeline(config, tasks)
+        return _run_pipeline(config, tasks, notes)
 
 
-def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
+def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -> dict:
     from marinlm.data.reduce import reduce
     from marinlm.data.report import write_report
 
@@ -500,6 +505,6 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict]) -> dict:
         "docs": sum(s["docs"] for s in stage3),
     }
     write_json_atomic(out / "manifest.json", manifest)
-    report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start)
+    report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start, notes)
     report["units_run"] = units_run  # this call's work (0: all done by an earlier run); not in report.json
     return report

@@ -121,7 +121,17 @@ def _marinlm_output(folder: Path) -> str | None:
     return f"holds the outputs of a marinlm job ({record.name}), not text"
 
 
-def _outside_marinlm_outputs(root: Path, files: list[Path], key: str, spec: str, quiet: bool) -> list[Path]:
+def _note(message: str, quiet: bool, notes: list[str] | None) -> None:
+    """Say `message` on stderr as a note (unless `quiet`), and keep it in `notes` (for a report)."""
+    if not quiet:
+        print(f"note: {message}", file=sys.stderr, flush=True)
+    if notes is not None:
+        notes.append(message)
+
+
+def _outside_marinlm_outputs(
+    root: Path, files: list[Path], key: str, spec: str, quiet: bool, notes: list[str] | None
+) -> list[Path]:
     """`files` (under `root`, sorted) less those in a folder a marinlm job wrote: a finished curation
     below `root` stands for its shards, as when it is given itself; a token folder, a run folder or
     an unfinished curation is skipped, with a note naming it (its manifests, metrics and reports
@@ -138,13 +148,13 @@ def _outside_marinlm_outputs(root: Path, files: list[Path], key: str, spec: str,
             skipped[folder] = why
     if not curated and not skipped:
         return files
-    if skipped and not quiet:
+    if skipped:
         named = "; ".join(f"{d} {why.split(':')[0]}" for d, why in list(skipped.items())[:3])
         more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        print(
-            f"note: {key}: skipping {len(skipped)} folder(s) under {spec} that marinlm jobs wrote: {named}{more}",
-            file=sys.stderr,
-            flush=True,
+        _note(
+            f"{key}: skipping {len(skipped)} folder(s) under {spec} that marinlm jobs wrote: {named}{more}",
+            quiet,
+            notes,
         )
     kept = []
     for f in files:
@@ -154,7 +164,9 @@ def _outside_marinlm_outputs(root: Path, files: list[Path], key: str, spec: str,
     return kept
 
 
-def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = False) -> list[Path]:
+def expand_inputs(
+    inputs: list[str] | str, key: str = "inputs", quiet: bool = False, notes: list[str] | None = None
+) -> list[Path]:
     """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss, with
     an error that names the config `key` the inputs came from.
 
@@ -180,23 +192,22 @@ def expand_inputs(inputs: list[str] | str, key: str = "inputs", quiet: bool = Fa
             files = sorted(
                 f for f in p.rglob("*") if f.is_file() and not any(n.startswith(".") for n in f.relative_to(p).parts)
             )
-            files = _outside_marinlm_outputs(p, files, key, spec, quiet)
+            files = _outside_marinlm_outputs(p, files, key, spec, quiet, notes)
             found = [f for f in files if f.name.endswith(SUFFIXES)]
             if not found:
                 raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
             paths.extend(found)
             skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
-            if skipped and not quiet:
+            if skipped:
                 kinds: dict[str, int] = {}
                 for f in skipped:
                     kinds[_kind(f)] = kinds.get(_kind(f), 0) + 1
                 counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
-                print(
-                    f"note: {key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
-                    f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}",
-                    file=sys.stderr,
-                    flush=True,
+                message = (
+                    f"{key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
+                    f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}"
                 )
+                _note(message, quiet, notes)
         elif p.is_file():
             paths.append(p)
         else:

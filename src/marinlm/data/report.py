@@ -43,7 +43,7 @@ def _merge(stage1: list[dict]) -> tuple[list[str], dict]:
     return order, merged
 
 
-def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: float) -> dict:
+def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: float, notes=()) -> dict:
     order, merged = _merge(stage1)
     sources = [s.name for s in config.sources]
     steps = []
@@ -136,6 +136,7 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
         "warnings": warnings,
         "shards": len(tasks),
         "input_files": len({task["path"] for task in tasks}),
+        "input_notes": list(notes),  # files and folders skipped, big files read whole
     }
     write_json_atomic(out / "report.json", report)
     write_text_atomic(out / "report.md", _markdown(report))
@@ -207,6 +208,7 @@ def _markdown(report: dict) -> str:
     files, shards = report["input_files"], report["shards"]
     read_as = "" if shards == files else f", read in {shards} parts (`split_bytes`)"
     lines = ["# Curation report", "", f"{files} input file(s){read_as}, in {report['seconds']} s.", ""]
+    lines += [f"- Note: {n}" for n in report.get("input_notes", [])] + [""] * bool(report.get("input_notes"))
     for w in report["warnings"]:
         lines.append(f"> **Warning:** {w}")
     lines += [
