@@ -71,7 +71,10 @@ class ResumeMixin:
                 loaded = (folder, self.checkpoints.load(folder, tensors))
         except CheckpointMismatch as e:
             changes = self._config_changes(e.folder)
-            hint = f"; its config.yaml differs first at {changes[0]}" if changes else ""
+            # A changed type (optimizer, router) first: the keys it brings or drops would hide it.
+            changes.sort(key=lambda change: not change.split(":")[0].endswith(".type"))
+            more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+            hint = f"; its config.yaml differs at {'; '.join(changes[:3])}{more}" if changes else ""
             advice = "Resume with the run's own settings, or start a new run_dir"
             raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
         folder, state = loaded
