@@ -556,7 +556,10 @@ def test_continued_training_starts_from_another_runs_weights(token_data, tmp_pat
     # Its own checkpoints win from then on; another model's weights are refused.
     Trainer(train_config(token_data, tmp_path / "next", train={"steps": 9}, **later), resume="auto").close()
     assert "init_from is not used" in capsys.readouterr().out
-    with pytest.raises(CheckpointMismatch, match=r"checkpoint.init_from: not a checkpoint of this model"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"init_from: not a checkpoint of this model: .*; its config.yaml differs at model\.num_layers: 2 -> 3$",
+    ):
         Trainer(train_config(token_data, tmp_path / "other", model={"num_layers": 3}, **later), resume="auto")
 
 

@@ -29,7 +29,7 @@ from marinlm.utils.io import differences
 
 
 class ResumeMixin:
-    def _config_changes(self, folder: Path) -> list[str]:
+    def _config_changes(self, folder: Path, sections=("model", "optim", "data", "schedule", "train")) -> list[str]:
         """The model, optimizer, data, schedule and training-loop settings that differ from the
         checkpoint's config.yaml, model first (logging, checkpointing and the like change freely).
 
@@ -42,7 +42,7 @@ class ResumeMixin:
             return []
         return [
             f"{section}.{change}"
-            for section in ("model", "optim", "data", "schedule", "train")
+            for section in sections
             for change in differences(saved.get(section, {}), to_dict(getattr(self.config, section)))
         ]
 
@@ -70,11 +70,7 @@ class ResumeMixin:
             else:
                 loaded = (folder, self.checkpoints.load(folder, tensors))
         except CheckpointMismatch as e:
-            changes = self._config_changes(e.folder)
-            # A changed type (optimizer, router) first: the keys it brings or drops would hide it.
-            changes.sort(key=lambda change: not change.split(":")[0].endswith(".type"))
-            more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
-            hint = f"; its config.yaml differs at {'; '.join(changes[:3])}{more}" if changes else ""
+            hint = _differences_hint(self._config_changes(e.folder))
             advice = "Resume with the run's own settings, or start a new run_dir"
             raise CheckpointMismatch(e.folder, f"{e.detail}{hint}. {advice}") from None
         folder, state = loaded
@@ -126,7 +122,8 @@ class ResumeMixin:
         try:
             load_tensors(folder, tensors)
         except CheckpointMismatch as e:
-            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}") from None
+            hint = _differences_hint(self._config_changes(folder, ("model",)))
+            raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}{hint}") from None
         set_model_state_dict(self.model, tensors["model"])
         self.initialized_from = str(folder)
         if self.info.is_main:
@@ -175,3 +172,13 @@ class ResumeMixin:
         self.bad_steps = 0
         self.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
         self._log_event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")
+
+
+def _differences_hint(changes: list[str]) -> str:
+    """'; its config.yaml differs at ...': up to three of a checkpoint's config differences, a
+    changed type (optimizer, router) first, as the keys it brings or drops would hide it."""
+    if not changes:
+        return ""
+    changes = sorted(changes, key=lambda change: not change.split(":")[0].endswith(".type"))
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    return f"; its config.yaml differs at {'; '.join(changes[:3])}{more}"
