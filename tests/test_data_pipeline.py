@@ -845,6 +845,7 @@ def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_ski
     """A data folder that also held a token folder, a training run or a curation read their manifests,
     metrics.jsonl and reports as documents (and a curation's dropped/ and rejected/ files too)."""
     from marinlm.data.readers import expand_inputs
+    from marinlm.tokenizer import MarinTokenizer, train_bpe
 
     root = tmp_path / "data"
     write_jsonl(root / "raw" / "a.jsonl", synthetic_docs(6, seed=1, words=40), "a-")
@@ -858,13 +859,23 @@ def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_ski
     (root / "run" / ".marinlm.lock").write_text("pid 1\n")
     (root / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     (root / "notes.txt").write_text("a text of mine\n")
+    MarinTokenizer(train_bpe(["a text to learn a few merges from"] * 4, vocab_size=300)).save(root / "tokenizer")
     capsys.readouterr()
     assert expand_inputs([str(root)]) == [*shards, root / "notes.txt", root / "raw" / "a.jsonl"]
     err = capsys.readouterr().err
-    assert err.startswith(f"note: inputs: skipping 3 folder(s) under {root} that marinlm jobs wrote: ")
+    assert err.startswith(f"note: inputs: skipping 4 folder(s) under {root} of outputs, not text: ")
     assert f"{root / 'old/unfinished'} is a curation that has not finished" in err
     assert f"{root / 'run'} is a training run's folder" in err
-    assert f"{root / 'tokens'} holds token shards written by `marinlm tokenize`" in err
+    assert f"{root / 'tokenizer'} holds a tokenizer (tokenizer.json), not text; and 1 more\n" in err  # no documents
+    # A glob's folders are read as folders (they were dropped without a word), outputs skipped alike.
+    assert expand_inputs([f"{root}/*"], quiet=True) == expand_inputs([str(root)], quiet=True)
+    assert expand_inputs([f"{root}/**/*.jsonl"], quiet=True) == [root / "raw" / "a.jsonl"]  # none in outputs
+    with pytest.raises(FileNotFoundError, match=r"input glob matched no file to read: .*/data/tok\*$"):
+        expand_inputs([f"{root}/tok*"], quiet=True)
+    with pytest.raises(ValueError, match=rf"^inputs: {root / 'tokens'} holds token shards written by `marinlm"):
+        expand_inputs([str(root / "tokens")])
+    with pytest.raises(ValueError, match=rf"^inputs: {root / 'tokenizer'} holds a tokenizer \(tokenizer.json\), not"):
+        expand_inputs([str(root / "tokenizer")])
     assert expand_inputs([str(root)], quiet=True) and capsys.readouterr().err == ""
     report = run_pipeline(bare_config(tmp_path / "again", [{"name": "web", "inputs": [str(root)]}]))
     assert report["accounting"]["web"]["in"] == 6 + 1 + 6  # the curation's shards, notes.txt, raw/a.jsonl

@@ -101,6 +101,8 @@ def _marinlm_output(folder: Path) -> str | None:
     the message goes on after its name); None if no marinlm job wrote it."""
     record = folder / JOB_FILE
     if not record.is_file():
+        if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
+            return "holds a tokenizer (tokenizer.json), not text"
         if not (folder / LOCK_FILE).is_file():
             return None
         if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
@@ -130,13 +132,13 @@ def _note(message: str, quiet: bool, notes: list[str] | None) -> None:
 
 
 def _outside_marinlm_outputs(
-    root: Path, files: list[Path], key: str, spec: str, quiet: bool, notes: list[str] | None
+    tops: list[Path], files: list[Path], key: str, spec: str, quiet: bool, notes: list[str] | None
 ) -> list[Path]:
-    """`files` (under `root`, sorted) less those in a folder a marinlm job wrote: a finished curation
-    below `root` stands for its shards, as when it is given itself; a token folder, a run folder or
-    an unfinished curation is skipped, with a note naming it (its manifests, metrics and reports
-    would otherwise be read as documents)."""
-    folders = sorted({f.parent for f in files} | {d for f in files for d in f.parents if root in d.parents})
+    """`files` (sorted) less those in a folder that holds outputs rather than text, at or below one
+    of the folders `tops`: a finished curation stands for its shards, as when it is given itself; a
+    token folder, a run folder, a tokenizer or an unfinished curation is skipped, with a note naming
+    it (its manifests, metrics and reports would otherwise be read as documents)."""
+    folders = sorted({d for f in files for d in f.parents if any(d == t or t in d.parents for t in tops)})
     curated: dict[Path, set[Path]] = {}
     skipped: dict[Path, str] = {}
     for folder in folders:
@@ -152,9 +154,7 @@ def _outside_marinlm_outputs(
         named = "; ".join(f"{d} {why.split(':')[0]}" for d, why in list(skipped.items())[:3])
         more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         _note(
-            f"{key}: skipping {len(skipped)} folder(s) under {spec} that marinlm jobs wrote: {named}{more}",
-            quiet,
-            notes,
+            f"{key}: skipping {len(skipped)} folder(s) under {spec} of outputs, not text: {named}{more}", quiet, notes
         )
     kept = []
     for f in files:
@@ -164,11 +164,46 @@ def _outside_marinlm_outputs(
     return kept
 
 
+def _files_under(
+    folders: list[Path],
+    given: list[Path],
+    key: str,
+    spec: str,
+    quiet: bool,
+    notes: list[str] | None,
+    also_under: Path | None = None,
+) -> list[Path]:
+    """The files to read under `folders` (a folder input, or the folders a glob matched), with the
+    files `given` by name (a glob's matches in `also_under`), in sorted order. Hidden files and
+    folders are no inputs; folders of outputs are left out (`_outside_marinlm_outputs`); files of
+    types not read are skipped with a note that counts them by type."""
+    walked = {f for d in folders for f in d.rglob("*") if f.is_file() and not _hidden_under(f, d)}
+    tops = [*folders, also_under] if also_under is not None else folders
+    files = _outside_marinlm_outputs(tops, sorted(walked | set(given)), key, spec, quiet, notes)
+    skipped = [f for f in files if f in walked and f not in given and not f.name.endswith(SUFFIXES)]
+    if skipped:
+        kinds: dict[str, int] = {}
+        for f in skipped:
+            kinds[_kind(f)] = kinds.get(_kind(f), 0) + 1
+        counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+        message = (
+            f"{key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
+            f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}"
+        )
+        _note(message, quiet, notes)
+    return [f for f in files if f not in skipped]
+
+
+def _hidden_under(path: Path, folder: Path) -> bool:
+    return any(n.startswith(".") for n in path.relative_to(folder).parts)
+
+
 def expand_inputs(
     inputs: list[str] | str, key: str = "inputs", quiet: bool = False, notes: list[str] | None = None
 ) -> list[Path]:
-    """Expand files, directories (recursively, known suffixes) and globs; fail fast on a miss, with
-    an error that names the config `key` the inputs came from.
+    """Expand files, directories (recursively, known suffixes) and globs (a folder a glob matches is
+    read as a folder); fail fast on a miss, with an error that names the config `key` the inputs
+    came from.
 
     A directory's hidden files and folders (`.git/`, `.DS_Store`) are not inputs. Its other files of
     a type this does not read are skipped with a note on stderr (unless `quiet`) that counts them by
@@ -183,31 +218,22 @@ def expand_inputs(
             matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
             if not matches:
                 raise FileNotFoundError(f"{key}: input glob matched nothing: {spec}")
-            paths.extend(m for m in matches if m.is_file())
+            folders, given = [m for m in matches if m.is_dir()], [m for m in matches if m.is_file()]
+            # The folder the glob searches (before its first wildcard) is walked as a folder given is.
+            base = Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+            found = _files_under(folders, given, key, spec, quiet, notes, also_under=base)
+            if not found:
+                raise FileNotFoundError(f"{key}: input glob matched no file to read: {spec}")
+            paths.extend(found)
         elif p.is_dir() and (shards := curated_shards(p)) is not None:
             paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
         elif p.is_dir() and (why := _marinlm_output(p)):
             raise ValueError(f"{key}: {spec} {why}")
         elif p.is_dir():
-            files = sorted(
-                f for f in p.rglob("*") if f.is_file() and not any(n.startswith(".") for n in f.relative_to(p).parts)
-            )
-            files = _outside_marinlm_outputs(p, files, key, spec, quiet, notes)
-            found = [f for f in files if f.name.endswith(SUFFIXES)]
+            found = _files_under([p], [], key, spec, quiet, notes)
             if not found:
                 raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
             paths.extend(found)
-            skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
-            if skipped:
-                kinds: dict[str, int] = {}
-                for f in skipped:
-                    kinds[_kind(f)] = kinds.get(_kind(f), 0) + 1
-                counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
-                message = (
-                    f"{key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
-                    f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}"
-                )
-                _note(message, quiet, notes)
         elif p.is_file():
             paths.append(p)
         else:
