@@ -87,6 +87,12 @@ def _tokenize(args, overrides) -> int:
             f"so training on these tokens runs without validation; --val_fraction={one!r} holds out one "
             f"(into another output_dir)"
         )
+    elif manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] == 1:
+        print(
+            "note: one document cannot be split into train and val, so training on these tokens runs without "
+            "validation; cut the text into documents first: `marinlm data run` with the source's chunk_chars "
+            "(the quickstart cuts a .txt corpus so), or split the file"
+        )
     return 0
 
 
