@@ -717,7 +717,7 @@ def test_real_task_files_parse_and_score(loaded):
     assert [len(items) for _, _, items in full] == [10042, 1838, 5153]
 
 
-def test_task_rows_from_hf_datasets_on_local_files(tmp_path):
+def test_task_rows_from_hf_datasets_on_local_files(tmp_path, loaded):
     pytest.importorskip("datasets")
     write_tasks(tmp_path / "local")
     rows = tmp_path / "arc_rows.jsonl"
@@ -736,6 +736,18 @@ def test_task_rows_from_hf_datasets_on_local_files(tmp_path):
     assert [i.requests[0].context for i in arc_items] == [f"Question: q{i}?\nAnswer:" for i in range(3)]
     assert [i.gold for i in arc_items] == [0, 1, 0]
     assert len(prepared[1][2]) == 1  # piqa still from the local file
+    # The results name the HF source, and hash only the files read from disk (the local arc_easy.jsonl,
+    # not read, was hashed as if it had been).
+    config = run_eval(loaded, replace(options, limit=2))["config"]
+    assert config["hf_datasets"] == {"arc_easy.jsonl": f"json:{rows}:train"}
+    assert sorted(Path(f).name for f in config["task_file_sha256"]) == ["piqa_valid.jsonl", "piqa_valid_labels.lst"]
+    from marinlm.cli import main
+
+    with pytest.raises(SystemExit):  # a bare --hf meant none, and the tasks were read from disk
+        main(["eval", "run", "--tasks", "arc_easy", "--hf"])
+    # A file no asked task reads was ignored, and the task read from disk without a word.
+    with pytest.raises(ConfigError, match=r"^hf_datasets: 'arc_easy.json' is no file of the tasks asked for; their"):
+        prepare(replace(options, hf_datasets={"arc_easy.json": f"json:{rows}:train"}))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"query": "Q", "gold": 0}) + "\n")
     with pytest.raises(TaskDataError, match=r"missing field 'choices'"):

@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--predictions", action="store_true", help="also write per-item predictions")
     ev.add_argument(
         "--hf",
-        nargs="*",
+        nargs="+",
         default=[],
         metavar="FILE=NAME[:CONFIG]:SPLIT",
         help="read a task file from HF datasets, e.g. hellaswag_val.jsonl=org/hellaswag-marinlm:validation",

@@ -72,6 +72,10 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
     task_module.HF_SOURCES.clear()
     task_module.HF_SOURCES.update(options.hf_datasets or {})
     registry = task_registry(options.num_fewshot)
+    wanted = {Path(f).name: spec for spec in options.tasks if spec in registry for f in registry[spec].files}
+    for name in options.hf_datasets or {}:  # one that no task reads would be ignored without a word
+        known = ", ".join(f"{f} ({spec})" for f, spec in wanted.items()) or "none: no downstream task was asked for"
+        check(name in wanted, "hf_datasets", f"{name!r} is no file of the tasks asked for; their files: {known}")
     prepared = []
     for spec in options.tasks:
         if spec == "val":
@@ -179,6 +183,8 @@ def run_eval(
             data_dir = _data_dir(options)
             for rel in task.files:
                 path = data_dir / rel
+                if path.name in (options.hf_datasets or {}):
+                    continue  # read from HF datasets: its source is in the config, not this file's hash
                 if path.is_file():
                     files[str(path)] = sha256_file(path)
                 elif path.is_dir():
@@ -195,6 +201,7 @@ def run_eval(
             "batch_size": options.batch_size,
             "data_dir": str(_data_dir(options)),
             "task_file_sha256": files,
+            "hf_datasets": dict(options.hf_datasets or {}),  # task files read from HF datasets instead
             "processes": rank_and_world()[1],  # under torchrun: the model sharded and the items dealt over them
             "seconds": round(time.perf_counter() - start, 2),
         },
