@@ -841,6 +841,23 @@ def test_a_curation_folder_as_input_means_its_shards(tmp_path):
         expand_inputs([str(out)])
 
 
+def test_a_file_name_that_is_not_utf8_is_named_before_any_work(tmp_path):
+    """`marinlm data run` on a folder holding `caf\\xe9.txt` (a Latin-1 name) failed part way with
+    "'utf-8' codec can't encode character '\\udce9'", naming no file."""
+    from marinlm.data.readers import expand_inputs
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "fine.txt").write_text("A text. " * 50)
+    with open(os.fsencode(tmp_path / "in") + b"/caf\xe9.txt", "wb") as f:
+        f.write(b"Some text here. " * 50)
+    message = r"^sources\[0\]\.inputs: 1 file name\(s\) not valid UTF-8: b'.*/in/caf\\xe9\.txt'; rename them"
+    with pytest.raises(ValueError, match=message):
+        expand_inputs([str(tmp_path / "in")], "sources[0].inputs")
+    with pytest.raises(ValueError, match=message):
+        run_pipeline(bare_config(tmp_path / "out", [{"name": "a", "inputs": [str(tmp_path / "in")]}]))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
 def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_skips_the_others(tmp_path, capsys):
     """A data folder that also held a token folder, a training run or a curation read their manifests,
     metrics.jsonl and reports as documents (and a curation's dropped/ and rejected/ files too)."""

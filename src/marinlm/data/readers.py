@@ -18,6 +18,7 @@ import glob
 import gzip
 import itertools
 import json
+import os
 import re
 import sys
 import zlib
@@ -241,7 +242,23 @@ def expand_inputs(
     for p in paths:
         if not p.name.endswith(SUFFIXES):
             raise ValueError(f"{key}: {p}: unsupported input type; supported suffixes: {', '.join(SUFFIXES)}")
+    undecodable = [p for p in paths if not _utf8_path(p)]
+    if undecodable:  # ids, rejected/ and reports name files in UTF-8 JSON: it failed part way, unnamed
+        named = ", ".join(repr(os.fsencode(p)) for p in undecodable[:3])
+        more = f" and {len(undecodable) - 3} more" if len(undecodable) > 3 else ""
+        raise ValueError(
+            f"{key}: {len(undecodable)} file name(s) not valid UTF-8: {named}{more}; rename them "
+            "(document ids and reports name their files in UTF-8)"
+        )
     return paths
+
+
+def _utf8_path(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # a name of bytes the file system's encoding could not decode
+        return False
+    return True
 
 
 class TruncatedStream(OSError):
