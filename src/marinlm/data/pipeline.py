@@ -36,7 +36,7 @@ from marinlm.data.filters import QualityConfig, quality_steps
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
 from marinlm.data.pii import MaskPII, PIIConfig
-from marinlm.data.readers import Document, expand_inputs, input_parts, read_documents, whole_file_reason
+from marinlm.data.readers import Document, expand_inputs, input_note, input_parts, read_documents, whole_file_reason
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -357,9 +357,7 @@ def _tasks(config: PipelineConfig, work: Path, notes: list[str] | None = None) -
                     f"{whole_file_reason(path)}, to have it read in parts of split_bytes={config.split_bytes:,} "
                     "on every worker"
                 )
-                print(f"note: {message}", file=sys.stderr, flush=True)
-                if notes is not None:
-                    notes.append(message)
+                input_note(message, notes=notes)
             for part in parts:
                 tasks.append(
                     {

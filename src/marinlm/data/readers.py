@@ -124,7 +124,7 @@ def _marinlm_output(folder: Path) -> str | None:
     return f"holds the outputs of a marinlm job ({record.name}), not text"
 
 
-def _note(message: str, quiet: bool, notes: list[str] | None) -> None:
+def input_note(message: str, quiet: bool = False, notes: list[str] | None = None) -> None:
     """Say `message` on stderr as a note (unless `quiet`), and keep it in `notes` (for a report)."""
     if not quiet:
         print(f"note: {message}", file=sys.stderr, flush=True)
@@ -139,11 +139,15 @@ def _outside_marinlm_outputs(
     of the folders `tops`: a finished curation stands for its shards, as when it is given itself; a
     token folder, a run folder, a tokenizer or an unfinished curation is skipped, with a note naming
     it (its manifests, metrics and reports would otherwise be read as documents)."""
-    folders = sorted({d for f in files for d in f.parents if any(d == t or t in d.parents for t in tops)})
+    folders: set[Path] = set()  # every folder at or below a top that holds one of the files
+    for d in {f.parent for f in files}:
+        while d not in folders and any(d.is_relative_to(t) for t in tops):
+            folders.add(d)
+            d = d.parent
     curated: dict[Path, set[Path]] = {}
     skipped: dict[Path, str] = {}
-    for folder in folders:
-        if any(folder == d or d in folder.parents for d in (*curated, *skipped)):
+    for folder in sorted(folders):  # a folder before those inside it
+        if any(folder.is_relative_to(d) for d in (*curated, *skipped)):
             continue  # inside one already found
         if (shards := curated_shards(folder)) is not None:
             curated[folder] = set(shards)
@@ -154,7 +158,7 @@ def _outside_marinlm_outputs(
     if skipped:
         named = "; ".join(f"{d} {why.split(':')[0]}" for d, why in list(skipped.items())[:3])
         more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        _note(
+        input_note(
             f"{key}: skipping {len(skipped)} folder(s) under {spec} of outputs, not text: {named}{more}", quiet, notes
         )
     kept = []
@@ -181,7 +185,8 @@ def _files_under(
     walked = {f for d in folders for f in d.rglob("*") if f.is_file() and not _hidden_under(f, d)}
     tops = [*folders, also_under] if also_under is not None else folders
     files = _outside_marinlm_outputs(tops, sorted(walked | set(given)), key, spec, quiet, notes)
-    skipped = [f for f in files if f in walked and f not in given and not f.name.endswith(SUFFIXES)]
+    named = set(given)
+    skipped = [f for f in files if f in walked and f not in named and not f.name.endswith(SUFFIXES)]
     if skipped:
         kinds: dict[str, int] = {}
         for f in skipped:
@@ -191,8 +196,9 @@ def _files_under(
             f"{key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
             f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}"
         )
-        _note(message, quiet, notes)
-    return [f for f in files if f not in skipped]
+        input_note(message, quiet, notes)
+    not_read = set(skipped)
+    return [f for f in files if f not in not_read]
 
 
 def _hidden_under(path: Path, folder: Path) -> bool:
