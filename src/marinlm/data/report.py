@@ -208,7 +208,8 @@ def _markdown(report: dict) -> str:
     files, shards = report["input_files"], report["shards"]
     read_as = "" if shards == files else f", read in {shards} parts (`split_bytes`)"
     lines = ["# Curation report", "", f"{files} input file(s){read_as}, in {report['seconds']} s.", ""]
-    lines += [f"- Note: {n}" for n in report.get("input_notes", [])] + [""] * bool(report.get("input_notes"))
+    if report.get("input_notes"):
+        lines += [f"- Note: {n}" for n in report["input_notes"]] + [""]
     for w in report["warnings"]:
         lines.append(f"> **Warning:** {w}")
     lines += [
