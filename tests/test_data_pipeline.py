@@ -287,11 +287,15 @@ def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_
     [txt] = read_documents(tmp_path / "c.txt")
     assert txt.location == str(tmp_path / "c.txt") and txt.reason == "invalid UTF-8 at byte 10"
 
-    (tmp_path / "d.json").write_text(json.dumps([{"text": ["line one", "line two"]}, "a bare text", 42]))
-    doc, bare, odd = read_documents(tmp_path / "d.json")
+    (tmp_path / "d.json").write_text(json.dumps([{"text": ["line one", "line two"]}, "a bare text", 42, None]))
+    doc, bare, odd, null = read_documents(tmp_path / "d.json")
+    assert null.reason.endswith("got null") and null.raw == "null"  # JSON's words, not Python's NoneType
     assert doc.text == "line one\nline two"
     assert (bare.text, bare.id) == ("a bare text", f"{tmp_path / 'd.json'}:1")  # a list of texts is documents
-    assert odd.location == f"{tmp_path / 'd.json'}:2" and "expected a JSON object, got int" in odd.reason
+    assert (
+        odd.location == f"{tmp_path / 'd.json'}:2"
+        and "expected a JSON object (a record) or a string (a text), got a number" in odd.reason
+    )
     (tmp_path / "e.json").write_text(json.dumps({"text": "an object, not a list"}))
     [whole] = read_documents(tmp_path / "e.json")
     assert whole.reason == "a .json input must hold a list of records or texts, got an object with keys ['text']"

@@ -545,11 +545,26 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
     return _from_record(record, where, text_field, id_field, source, {"file": str(path), "line": line_no})
 
 
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (null, a number, an object with keys [...])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict):
+        return f"an object with keys {list(value)[:8]}"
+    return {str: "a string", list: "a list"}.get(type(value), type(value).__name__)
+
+
 def _from_record(record, where, text_field, id_field, source, provenance) -> Document | Rejected:
     if isinstance(record, str):  # a list of texts (or a JSON string per line): each one a document
         return Document(id=where, text=record, source=source, metadata=dict(provenance))
     if not isinstance(record, dict):
-        return Rejected(source, where, f"expected a JSON object, got {type(record).__name__}", _clip(str(record)))
+        got = _json_kind(record)
+        shown = _clip(json.dumps(record, ensure_ascii=False, default=str))
+        return Rejected(source, where, f"expected a JSON object (a record) or a string (a text), got {got}", shown)
     text = record.get(text_field)
     if text is None:
         return Rejected(source, where, f"missing field {text_field!r}", _clip(json.dumps(record, ensure_ascii=False)))
@@ -571,7 +586,7 @@ def _read_json_array(path: Path, text_field, id_field, source):
         yield Rejected(source, str(path), f"unreadable JSON file: {e}")
         return
     if not isinstance(records, list):
-        got = f"an object with keys {list(records)[:8]}" if isinstance(records, dict) else type(records).__name__
+        got = _json_kind(records)
         yield Rejected(source, str(path), f"a .json input must hold a list of records or texts, got {got}")
         return
     for i, record in enumerate(records):
