@@ -114,6 +114,18 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, cap
     assert f"inputs: input path does not exist: {missing}" in capsys.readouterr().err  # the key, the path
 
 
+def test_a_diverged_run_ends_with_its_message_and_no_traceback(monkeypatch, capsys):
+    import marinlm.train.trainer as trainer
+    from marinlm.train.signals import TrainingDiverged
+
+    def diverge(config, resume):
+        raise TrainingDiverged("training diverged: ... --resume runs/x/checkpoints/step-00000004")
+
+    monkeypatch.setattr(trainer, "run_training", diverge)
+    assert main(["train", str(CONFIGS / "train" / "tiny.yaml")]) == 1
+    assert capsys.readouterr().err == "error: training diverged: ... --resume runs/x/checkpoints/step-00000004\n"
+
+
 @pytest.mark.parametrize(
     "argv",
     [

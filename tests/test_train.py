@@ -374,6 +374,33 @@ def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path, async_save
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data, tmp_path):
+    """A learning rate too high made every step after step 4 non-finite: the run rolled back to
+    step 4 for ever (each time past other batches), and never ended."""
+    from marinlm.train.signals import TrainingDiverged
+
+    config = train_config(
+        token_data, tmp_path / "run", train={"steps": 12, "max_consecutive_bad_steps": 2, "max_rollbacks": 2}
+    )
+    trainer = Trainer(config, resume="none")
+
+    def poison(module, args, output):  # every step after the first checkpoint fails, whatever the batch
+        if trainer.step >= 4 and output.ce_loss is not None:
+            output.ce_loss = output.ce_loss * float("nan")
+
+    trainer.model.register_forward_hook(poison)
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"^training diverged: 2 non-finite steps in a row at step 6, again after 2 rollback\(s\) to "
+        r"step-00000004, .*\(train.max_rollbacks=2\); lower the learning rate \(optim.lr=0.02\) "
+        r".*: --resume .*step-00000004$",
+    ):
+        trainer.fit()
+    assert [e["event"] for e in trainer.events].count("rollback") == 2
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]
+    trainer.close()
+
+
 def test_a_run_that_fails_keeps_its_asynchronous_save(token_data, tmp_path):
     """Step 4's asynchronous save was written in full but never renamed into place when the run
     failed at step 6, so a resume went back to the start."""

@@ -22,6 +22,9 @@ class LoopConfig:
     deterministic: bool = True  # torch.use_deterministic_algorithms: bitwise-exact resume on CPU
     max_minutes: float = 0.0  # stop (with a checkpoint) after this much wall time; 0 = no limit
     max_consecutive_bad_steps: int = 3  # NaN/Inf steps in a row before rolling back to a checkpoint
+    # Rollbacks to one checkpoint (each skipping other batches) before the run stops as diverged: a
+    # learning rate too high fails again whatever the data, and would roll back for ever.
+    max_rollbacks: int = 3
     device: str = "auto"
     init: str = "auto"  # full (every rank builds all weights, then shards), sharded (init on shards), auto
     # Refuse at start a model whose weights, gradients and optimizer state alone cannot fit in a
@@ -46,6 +49,7 @@ class LoopConfig:
             "max_consecutive_bad_steps",
             f"must be >= 1, got {self.max_consecutive_bad_steps}",
         )
+        check(self.max_rollbacks >= 0, "max_rollbacks", f"must be >= 0, got {self.max_rollbacks}")
         check(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         check(self.init in ("auto", "full", "sharded"), "init", f"must be auto, full or sharded, got {self.init!r}")
 

@@ -25,6 +25,7 @@ from marinlm.train.checkpoint import (
     step_of,
 )
 from marinlm.train.config import TrainConfig
+from marinlm.train.signals import TrainingDiverged
 from marinlm.utils.io import differences
 
 
@@ -168,6 +169,16 @@ class ResumeMixin:
         if loaded is None:
             raise RuntimeError(f"{bad_count} consecutive NaN/Inf steps and no checkpoint to roll back to")
         folder, _ = loaded
+        tries = sum(1 for e in self.events if e["event"] == "rollback" and e["to"] == str(folder))
+        if tries >= self.config.train.max_rollbacks:
+            lr = getattr(self.config.optim, "lr", None)
+            raise TrainingDiverged(
+                f"training diverged: {bad_count} non-finite steps in a row at step {bad_from}, again after "
+                f"{tries} rollback(s) to {folder.name}, each past other batches, so the data is not the cause "
+                f"(train.max_rollbacks={self.config.train.max_rollbacks}); lower the learning rate"
+                + (f" (optim.lr={lr:g})" if lr is not None else "")
+                + f" or lengthen the warmup, and resume from the last good checkpoint: --resume {folder}"
+            )
         self.loader.load_state_dict(position)  # skip the offending batches
         self.bad_steps = 0
         self.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})

@@ -1,5 +1,5 @@
 """Stop signals: catching them for the training loop, turning SIGTERM into an exception elsewhere,
-and the exceptions they leave behind (light to import: the CLI catches them)."""
+and the exceptions they, or a diverged run, leave behind (light to import: the CLI catches them)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ class StoppedBySignal(Exception):
     def __init__(self, name: str, step: int, then: str = "the same command resumes from it"):
         super().__init__(f"stopped by {name} with a checkpoint at step {step}; {then}")
         self.name, self.step = name, step
+
+
+class TrainingDiverged(RuntimeError):
+    """Non-finite steps kept coming back after `train.max_rollbacks` rollbacks to one checkpoint,
+    each past other batches: the run stops, with its last good checkpoint named, rather than roll
+    back for ever."""
 
 
 class Terminated(BaseException):
