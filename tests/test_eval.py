@@ -684,6 +684,10 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     assert "limit 5, 2-shot, 1.0 s." in markdown_table({"results": {"mmlu": {"acc": 0.3}}, "config": shots})
     table = markdown_table({"results": {"mmlu": {"acc": 0.3}, "piqa": {"acc": 0.5}}, "config": shots})
     assert "limit 5, MMLU 2-shot, the other tasks 0-shot, 1.0 s." in table
+    # A "|" in a file's name ended its cell; no limit read "limit None".
+    unlimited = {**shots, "limit": None, "num_fewshot": 0}
+    table = markdown_table({"results": {"bpb:a|b.txt": {"bits_per_byte": 1.5}}, "config": unlimited})
+    assert "| bpb:a\\|b.txt | bits_per_byte | 1.5000 |" in table and "`h`, no limit, 0-shot, 1.0 s." in table
 
 
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):

@@ -285,14 +285,16 @@ def markdown_table(report: dict) -> str:
             se = f"{stderr:.4f}" if isinstance(stderr, float) and math.isfinite(stderr) else ""
             # Perplexity tasks count tokens (how much of the split `val` scored, for one).
             n = metrics.get("n", f"{metrics['tokens']:,} tokens" if "tokens" in metrics else "")
-            lines.append(f"| {task} | {name} | {value:.4f} | {se} | {n} |")
+            cell = task.replace("|", "\\|")  # a file name may hold one: it would end the cell
+            lines.append(f"| {cell} | {name} | {value:.4f} | {se} | {n} |")
     c = report["config"]
     shots = f"{c['num_fewshot']}-shot"
     if c["num_fewshot"] and set(report["results"]) - {"mmlu"}:
         shots = f"MMLU {shots}, the other tasks 0-shot"
     lines += [
         "",
-        f"Checkpoint `{c['checkpoint']}`, tokenizer `{c['tokenizer_hash'][:12]}`, limit {c['limit']}, "
-        f"{shots}, {c['seconds']} s.",
+        f"Checkpoint `{c['checkpoint']}`, tokenizer `{c['tokenizer_hash'][:12]}`, "
+        + (f"limit {c['limit']}, " if c["limit"] else "no limit, ")
+        + f"{shots}, {c['seconds']} s.",
     ]
     return "\n".join(lines) + "\n"
