@@ -771,7 +771,7 @@ def test_rerun_resumes_only_the_same_curation(tmp_path):
     with pytest.raises(OutputInUseError, match=r"out: .*\(config.min_doc_chars: 1 -> 500\)"):
         run_pipeline(bare_config(out, sources, min_doc_chars=500))
     write_jsonl(tmp_path / "in" / "a.jsonl", synthetic_docs(30, seed=2, words=60), "a-")  # the corpus changed
-    with pytest.raises(OutputInUseError, match=r"inputs\[0\]\.(size|mtime_ns)"):
+    with pytest.raises(OutputInUseError, match=r"inputs\[0\] \(/.*/in/a\.jsonl\)\.(size|mtime_ns)"):  # the file named
         run_pipeline(bare_config(out, sources))
     assert (out / "manifest.json").read_text() == manifest  # nothing was lost
     restarted = run_pipeline(bare_config(out, sources), restart=True)

@@ -234,7 +234,9 @@ def differences(old: Any, new: Any, key: str = "") -> Iterator[str]:
                 yield from differences(old[k], new[k], sub)
     elif isinstance(old, list) and isinstance(new, list):
         for i, (a, b) in enumerate(zip(old, new)):
-            yield from differences(a, b, f"{key}[{i}]")
+            # An input file's record is named by its path too: "inputs[1] (/data/b.txt).mtime_ns".
+            same_path = isinstance(a, dict) and isinstance(b, dict) and "path" in a and a.get("path") == b.get("path")
+            yield from differences(a, b, f"{key}[{i}] ({a['path']})" if same_path else f"{key}[{i}]")
         if len(old) != len(new):
             yield f"{key}: {len(old)} items -> {len(new)} items"
     elif old != new:
