@@ -282,6 +282,8 @@ def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_
     (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # no footer
     [cut] = read_documents(tmp_path / "b.parquet")
     assert cut.location == str(tmp_path / "b.parquet") and "unreadable parquet" in cut.reason
+    [other] = read_documents(tmp_path / "a.parquet", text_field="content")
+    assert other.reason == "missing column 'content' (its columns are 'text')"
 
     (tmp_path / "c.txt").write_bytes(b"fine text\n\xc3(\n")
     [txt] = read_documents(tmp_path / "c.txt")

@@ -247,6 +247,13 @@ def test_a_corpus_nothing_of_which_is_kept_names_the_reason_and_the_flag(tmp_pat
     assert "chunk_chars: 16000" in (tmp_path / "a" / "curation.yaml").read_text()
     with pytest.raises(ValueError, match=r"language_en \(30\); --languages lists the languages to keep \(now zh\)"):
         run_quickstart(str(tmp_path / "b"), corpus=corpus, minutes=1, text_field="body", languages=["zh"])
+    # A .parquet file without a 'text' column: its reason was cut to "columns (1)", with no flag named.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": [r["body"] for r in records]}), tmp_path / "docs.parquet")
+    with pytest.raises(ValueError, match=r"missing column 'text' \(1\); --text-field names the records' text field"):
+        run_quickstart(str(tmp_path / "c"), corpus=[str(tmp_path / "docs.parquet")], minutes=1)
 
 
 def test_a_user_corpus_is_sampled_from_a_prompt_in_its_own_style(token_data):

@@ -602,7 +602,8 @@ def _read_parquet(path: Path, text_field, id_field, source, part: dict | None = 
         yield Rejected(source, str(path), f"unreadable parquet: {e}")
         return
     if text_field not in table.schema_arrow.names:
-        yield Rejected(source, str(path), f"missing column {text_field!r}; columns: {table.schema_arrow.names}")
+        names = ", ".join(repr(n) for n in table.schema_arrow.names)  # a parenthesis: the report groups the rest
+        yield Rejected(source, str(path), f"missing column {text_field!r} (its columns are {names})")
         return
     # A row group at a time: a corrupt one costs its own rows, not the rest of the file.
     row = part["row"] if part else 0

@@ -117,7 +117,7 @@ def _why_nothing_was_kept(curation: dict, text_field: str, languages: list[str])
             reasons.update(source["dropped"])
     hints = []
     for reason, _ in reasons.most_common(3):
-        if reason.startswith("rejected: missing field") or "not a string" in reason:
+        if reason.startswith(("rejected: missing field", "rejected: missing column")) or "not a string" in reason:
             hints.append(f"--text-field names the records' text field (now {text_field!r})")
         elif reason.startswith("language_") and reason != "language_low_confidence":
             hints.append(f"--languages lists the languages to keep (now {' '.join(languages)})")
