@@ -336,7 +336,7 @@ def test_compressed_text_files_read_as_the_text_they_hold(tmp_path):
     """.txt.gz and .txt.zst (a common form of text dumps) were not inputs: a folder of them was skipped."""
     import zstandard
 
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
 
     data = b"first line\r\nstill first\r\n\r\nsecond\r\n\r\nthird \xc3\xa9"
     (tmp_path / "a.txt").write_bytes(data)
@@ -808,7 +808,7 @@ def test_a_malformed_decontamination_file_names_file_and_line(tmp_path, name, co
 def test_a_folder_skips_hidden_files_and_names_the_types_it_does_not_read(tmp_path, capsys):
     """A folder's `.csv` or `.txt.bz2` files beside its `.txt` ones used to be skipped without a word;
     hidden files and folders (`.git/`, `.DS_Store`) are no inputs at all."""
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
 
     for name in ("a.txt", "sub/b.jsonl", "t.csv", "sub/u.csv", "sub/c.txt.bz2", "README", ".DS_Store", ".git/x.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -824,7 +824,7 @@ def test_a_folder_skips_hidden_files_and_names_the_types_it_does_not_read(tmp_pa
 def test_a_curation_folder_as_input_means_its_shards(tmp_path):
     """Pointing tokenize or the tokenizer trainer at a curation folder used to read its rejected/ and
     dropped/ side outputs as documents too (twice the documents on the quickstart corpus)."""
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
     from marinlm.tokenizer import iter_training_texts
 
     docs = synthetic_docs(20, seed=3, words=60)
@@ -850,7 +850,7 @@ def test_a_curation_folder_as_input_means_its_shards(tmp_path):
 def test_a_file_name_that_is_not_utf8_is_named_before_any_work(tmp_path):
     """`marinlm data run` on a folder holding `caf\\xe9.txt` (a Latin-1 name) failed part way with
     "'utf-8' codec can't encode character '\\udce9'", naming no file."""
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "fine.txt").write_text("A text. " * 50)
@@ -867,7 +867,7 @@ def test_a_file_name_that_is_not_utf8_is_named_before_any_work(tmp_path):
 def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_skips_the_others(tmp_path, capsys):
     """A data folder that also held a token folder, a training run or a curation read their manifests,
     metrics.jsonl and reports as documents (and a curation's dropped/ and rejected/ files too)."""
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
     from marinlm.tokenizer import MarinTokenizer, train_bpe
 
     root = tmp_path / "data"

@@ -200,7 +200,8 @@ def iter_training_texts(
     source each, so a prefix of the list would leave whole sources, languages or code out of the
     vocabulary.
     """
-    from marinlm.data.readers import Document, expand_inputs, read_documents
+    from marinlm.data.inputs import expand_inputs
+    from marinlm.data.readers import Document, read_documents
 
     paths = expand_inputs(inputs)
     sizes = [os.path.getsize(path) for path in paths]

@@ -33,10 +33,11 @@ from marinlm.config import ConfigError, check
 from marinlm.data.decontam import DecontamConfig, Decontaminate, NgramIndex
 from marinlm.data.dedup import DedupConfig, minhash_bands, xxh3
 from marinlm.data.filters import QualityConfig, quality_steps
+from marinlm.data.inputs import expand_inputs, input_note
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
 from marinlm.data.pii import MaskPII, PIIConfig
-from marinlm.data.readers import Document, expand_inputs, input_note, input_parts, read_documents, whole_file_reason
+from marinlm.data.readers import Document, input_parts, read_documents, whole_file_reason
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map

@@ -4,7 +4,7 @@ Bad input never raises out of a reader: a malformed JSON line, invalid UTF-8, a 
 non-string text field, or a truncated compressed stream becomes a `Rejected` record naming the
 file and line, and reading goes on (or stops cleanly at a truncation); in a .txt file cut into
 documents, only the documents holding bad bytes are rejected. A leading UTF-8 byte-order mark is
-skipped. A missing input path is different: `expand_inputs` fails fast on it.
+skipped. A missing input path is different: `inputs.expand_inputs` fails fast on it.
 
 A big .jsonl(.gz/.zst) or .parquet file can be read in parts (`input_parts`): byte ranges that
 start at a line, runs of lines of a compressed stream, or runs of row groups. Each part names its
@@ -14,20 +14,17 @@ cut.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import itertools
 import json
-import os
 import re
-import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marinlm.utils.io import JOB_FILE, LOCK_FILE, json_error, strip_bom
+from marinlm.utils.io import json_error, strip_bom
 
 # Plain-text files are one document each (prose, markup, source code).
 TEXT_SUFFIXES = (
@@ -69,202 +66,6 @@ class Rejected:
     location: str  # "path:line" or "path"
     reason: str
     raw: str = ""  # the offending content, clipped
-
-
-def curated_shards(folder: Path) -> list[Path] | None:
-    """The output shards of a finished `marinlm data run` folder, from its manifest; None if
-    `folder` is not one."""
-    manifest = folder / "manifest.json"
-    if not (manifest.is_file() and (folder / "shards").is_dir()):
-        return None
-    try:
-        listed = json.loads(manifest.read_text()).get("shards")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    if not isinstance(listed, list) or not all(isinstance(s, dict) and "path" in s for s in listed):
-        return None
-    shards = [folder / s["path"] for s in listed]  # paths relative to the folder (absolute ones stay)
-    for shard in shards:
-        if not shard.is_file():
-            raise FileNotFoundError(f"{shard}: listed in {manifest} but missing")
-    return shards
-
-
-def _kind(path: Path) -> str:
-    """What a file is by its name, for a note: `.csv`, `.txt.bz2`, or `(no suffix)`."""
-    if path.suffix in (".gz", ".zst", ".bz2", ".xz", ".zip") and len(path.suffixes) > 1:
-        return "".join(path.suffixes[-2:])
-    return path.suffix or "(no suffix)"
-
-
-def _marinlm_output(folder: Path) -> str | None:
-    """Why `folder`, written by a marinlm job other than a finished curation, is no text input (how
-    the message goes on after its name); None if no marinlm job wrote it."""
-    record = folder / JOB_FILE
-    if not record.is_file():
-        if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
-            return "holds a tokenizer (tokenizer.json), not text"
-        if not (folder / LOCK_FILE).is_file():
-            return None
-        if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
-            return "is a training run's folder (checkpoints, metrics, reports), not text"
-        return f"holds the outputs of a marinlm job (it has {LOCK_FILE}), not text"
-    try:
-        job = json.loads(record.read_text()).get("job")
-    except (OSError, ValueError, AttributeError):
-        job = None
-    if job == "curate":
-        return (
-            "is a curation that has not finished (it has no manifest.json yet), so its report, dropped/ and "
-            "rejected/ files would be read as documents beside its shards: rerun its `marinlm data run` to "
-            "finish it, then give the folder again"
-        )
-    if job == "tokenize":
-        return "holds token shards written by `marinlm tokenize`, not text: give the text it was made from"
-    return f"holds the outputs of a marinlm job ({record.name}), not text"
-
-
-def input_note(message: str, quiet: bool = False, notes: list[str] | None = None) -> None:
-    """Say `message` on stderr as a note (unless `quiet`), and keep it in `notes` (for a report)."""
-    if not quiet:
-        print(f"note: {message}", file=sys.stderr, flush=True)
-    if notes is not None:
-        notes.append(message)
-
-
-def _outside_marinlm_outputs(
-    tops: list[Path], files: list[Path], key: str, spec: str, quiet: bool, notes: list[str] | None
-) -> list[Path]:
-    """`files` (sorted) less those in a folder that holds outputs rather than text, at or below one
-    of the folders `tops`: a finished curation stands for its shards, as when it is given itself; a
-    token folder, a run folder, a tokenizer or an unfinished curation is skipped, with a note naming
-    it (its manifests, metrics and reports would otherwise be read as documents)."""
-    folders: set[Path] = set()  # every folder at or below a top that holds one of the files
-    for d in {f.parent for f in files}:
-        while d not in folders and any(d.is_relative_to(t) for t in tops):
-            folders.add(d)
-            d = d.parent
-    curated: dict[Path, set[Path]] = {}
-    skipped: dict[Path, str] = {}
-    for folder in sorted(folders):  # a folder before those inside it
-        if any(folder.is_relative_to(d) for d in (*curated, *skipped)):
-            continue  # inside one already found
-        if (shards := curated_shards(folder)) is not None:
-            curated[folder] = set(shards)
-        elif why := _marinlm_output(folder):
-            skipped[folder] = why
-    if not curated and not skipped:
-        return files
-    if skipped:
-        named = "; ".join(f"{d} {why.split(':')[0]}" for d, why in list(skipped.items())[:3])
-        more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        input_note(
-            f"{key}: skipping {len(skipped)} folder(s) under {spec} of outputs, not text: {named}{more}", quiet, notes
-        )
-    kept = []
-    for f in files:
-        owner = next((d for d in (*curated, *skipped) if d in f.parents), None)
-        if owner is None or f in curated.get(owner, ()):
-            kept.append(f)
-    return kept
-
-
-def _files_under(
-    folders: list[Path],
-    given: list[Path],
-    key: str,
-    spec: str,
-    quiet: bool,
-    notes: list[str] | None,
-    also_under: Path | None = None,
-) -> list[Path]:
-    """The files to read under `folders` (a folder input, or the folders a glob matched), with the
-    files `given` by name (a glob's matches in `also_under`), in sorted order. Hidden files and
-    folders are no inputs; folders of outputs are left out (`_outside_marinlm_outputs`); files of
-    types not read are skipped with a note that counts them by type."""
-    walked = {f for d in folders for f in d.rglob("*") if f.is_file() and not _hidden_under(f, d)}
-    tops = [*folders, also_under] if also_under is not None else folders
-    files = _outside_marinlm_outputs(tops, sorted(walked | set(given)), key, spec, quiet, notes)
-    named = set(given)
-    skipped = [f for f in files if f in walked and f not in named and not f.name.endswith(SUFFIXES)]
-    if skipped:
-        kinds: dict[str, int] = {}
-        for f in skipped:
-            kinds[_kind(f)] = kinds.get(_kind(f), 0) + 1
-        counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
-        message = (
-            f"{key}: skipping {len(skipped)} file(s) under {spec} of types not read ({counts}; "
-            f"e.g. {skipped[0]}); the types read are {', '.join(SUFFIXES)}"
-        )
-        input_note(message, quiet, notes)
-    not_read = set(skipped)
-    return [f for f in files if f not in not_read]
-
-
-def _hidden_under(path: Path, folder: Path) -> bool:
-    return any(n.startswith(".") for n in path.relative_to(folder).parts)
-
-
-def expand_inputs(
-    inputs: list[str] | str, key: str = "inputs", quiet: bool = False, notes: list[str] | None = None
-) -> list[Path]:
-    """Expand files, directories (recursively, known suffixes) and globs (a folder a glob matches is
-    read as a folder); fail fast on a miss, with an error that names the config `key` the inputs
-    came from.
-
-    A directory's hidden files and folders (`.git/`, `.DS_Store`) are not inputs. Its other files of
-    a type this does not read are skipped with a note on stderr (unless `quiet`) that counts them by
-    type, so that a folder of `.csv` or `.txt.bz2` files beside the `.txt` ones is not half read unseen.
-    """
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    paths: list[Path] = []
-    for spec in inputs:
-        p = Path(spec)
-        if any(ch in spec for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"{key}: input glob matched nothing: {spec}")
-            folders, given = [m for m in matches if m.is_dir()], [m for m in matches if m.is_file()]
-            # The folder the glob searches (before its first wildcard) is walked as a folder given is.
-            base = Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
-            found = _files_under(folders, given, key, spec, quiet, notes, also_under=base)
-            if not found:
-                raise FileNotFoundError(f"{key}: input glob matched no file to read: {spec}")
-            paths.extend(found)
-        elif p.is_dir() and (shards := curated_shards(p)) is not None:
-            paths.extend(shards)  # a curation output: its shards, never its rejected/ and dropped/ files
-        elif p.is_dir() and (why := _marinlm_output(p)):
-            raise ValueError(f"{key}: {spec} {why}")
-        elif p.is_dir():
-            found = _files_under([p], [], key, spec, quiet, notes)
-            if not found:
-                raise FileNotFoundError(f"{key}: input directory has no {', '.join(SUFFIXES)} files: {spec}")
-            paths.extend(found)
-        elif p.is_file():
-            paths.append(p)
-        else:
-            raise FileNotFoundError(f"{key}: input path does not exist: {spec}")
-    for p in paths:
-        if not p.name.endswith(SUFFIXES):
-            raise ValueError(f"{key}: {p}: unsupported input type; supported suffixes: {', '.join(SUFFIXES)}")
-    undecodable = [p for p in paths if not _utf8_path(p)]
-    if undecodable:  # ids, rejected/ and reports name files in UTF-8 JSON: it failed part way, unnamed
-        named = ", ".join(repr(os.fsencode(p)) for p in undecodable[:3])
-        more = f" and {len(undecodable) - 3} more" if len(undecodable) > 3 else ""
-        raise ValueError(
-            f"{key}: {len(undecodable)} file name(s) not valid UTF-8: {named}{more}; rename them "
-            "(document ids and reports name their files in UTF-8)"
-        )
-    return paths
-
-
-def _utf8_path(path: Path) -> bool:
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:  # a name of bytes the file system's encoding could not decode
-        return False
-    return True
 
 
 class TruncatedStream(OSError):

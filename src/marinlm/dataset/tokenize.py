@@ -90,7 +90,8 @@ def fraction_holding_out_one(doc_ids: Iterable[str], seed: int, fraction: float)
 
 def document_ids(inputs: list[str], text_field: str = "text", id_field: str = "id") -> Iterator[str]:
     """The ids of the documents that `tokenize` reads from `inputs`, in order: the split hashes them."""
-    from marinlm.data.readers import Document, expand_inputs, read_documents
+    from marinlm.data.inputs import expand_inputs
+    from marinlm.data.readers import Document, read_documents
 
     for path in expand_inputs(inputs, quiet=True):
         yield from (doc.id for doc in read_documents(path, text_field, id_field) if isinstance(doc, Document))
@@ -239,7 +240,7 @@ def tokenize(config: TokenizeConfig, progress: bool = True, restart: bool = Fals
     is an error (its shards would be mixed with, or mislabelled as, the new ones); `restart`
     empties it instead. One job at a time may write the folder.
     """
-    from marinlm.data.readers import expand_inputs
+    from marinlm.data.inputs import expand_inputs
     from marinlm.tokenizer import MarinTokenizer
 
     try:  # inputs checked before anything is written
