@@ -377,6 +377,8 @@ def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path, async_save
 def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data, tmp_path):
     """A learning rate too high made every step after step 4 non-finite: the run rolled back to
     step 4 for ever (each time past other batches), and never ended."""
+    import warnings
+
     from marinlm.train.signals import TrainingDiverged
 
     config = train_config(
@@ -398,6 +400,20 @@ def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data
         trainer.fit()
     assert [e["event"] for e in trainer.events].count("rollback") == 2
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]
+    trainer.close()
+    # Failing before the first checkpoint: the same error (it was a RuntimeError, a traceback in the CLI).
+    trainer = Trainer(train_config(token_data, tmp_path / "early", train={"max_consecutive_bad_steps": 2}), "none")
+
+    def poison_all(module, args, output):
+        if output.ce_loss is not None:
+            output.ce_loss = output.ce_loss * float("nan")
+
+    trainer.model.register_forward_hook(poison_all)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TrainingDiverged, match=r"at step 2, and no checkpoint to roll back to; lower the learn"):
+            trainer.fit()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]  # torch's, on skipped first steps
     trainer.close()
 
 

@@ -166,18 +166,25 @@ class ResumeMixin:
         bad_from, bad_count = self.step, self.bad_steps
         self.checkpoints.finalize()  # an asynchronous save still in flight is the newest checkpoint
         loaded = self._load_checkpoint()
+        lr = getattr(self.config.optim, "lr", None)
+        advice = (
+            "lower the learning rate" + (f" (optim.lr={lr:g})" if lr is not None else "") + " or lengthen the warmup"
+        )
+        stopped = f"training diverged: {bad_count} non-finite steps in a row at step {bad_from}"
         if loaded is None:
-            raise RuntimeError(f"{bad_count} consecutive NaN/Inf steps and no checkpoint to roll back to")
+            raise TrainingDiverged(f"{stopped}, and no checkpoint to roll back to; {advice}, and start again")
         folder, _ = loaded
         tries = sum(1 for e in self.events if e["event"] == "rollback" and e["to"] == str(folder))
         if tries >= self.config.train.max_rollbacks:
-            lr = getattr(self.config.optim, "lr", None)
+            again = (
+                f", again after {tries} rollback(s) to {folder.name}, each past other batches, so the data is not "
+                "the cause"
+                if tries
+                else ""
+            )
             raise TrainingDiverged(
-                f"training diverged: {bad_count} non-finite steps in a row at step {bad_from}, again after "
-                f"{tries} rollback(s) to {folder.name}, each past other batches, so the data is not the cause "
-                f"(train.max_rollbacks={self.config.train.max_rollbacks}); lower the learning rate"
-                + (f" (optim.lr={lr:g})" if lr is not None else "")
-                + f" or lengthen the warmup, and resume from the last good checkpoint: --resume {folder}"
+                f"{stopped}{again} (train.max_rollbacks={self.config.train.max_rollbacks}); {advice}, and resume "
+                f"from the last good checkpoint: --resume {folder}"
             )
         self.loader.load_state_dict(position)  # skip the offending batches
         self.bad_steps = 0

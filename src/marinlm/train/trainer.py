@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -397,7 +398,11 @@ class Trainer(ResumeMixin):
                     grad_clip=c.train.grad_clip,
                     world_size=self.world,
                 )
-                self.scheduler.step()
+                with warnings.catch_warnings():
+                    # A skipped (non-finite) step still moves the schedule on, by design; torch warns
+                    # of "lr_scheduler.step() before optimizer.step()" when the first steps are skipped.
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                    self.scheduler.step()
                 self.step += 1
                 self._step_time = time.perf_counter() - t0
                 self._last_result = result
