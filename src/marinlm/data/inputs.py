@@ -48,8 +48,8 @@ def _kind(path: Path) -> str:
 
 
 def _marinlm_output(folder: Path) -> str | None:
-    """Why `folder`, written by a marinlm job other than a finished curation, is no text input (how
-    the message goes on after its name); None if no marinlm job wrote it."""
+    """Why `folder`, which holds outputs other than a finished curation (a marinlm job's, or a
+    tokenizer), is no text input (how the message goes on after its name); None if it holds none."""
     record = folder / JOB_FILE
     if not record.is_file():
         if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():

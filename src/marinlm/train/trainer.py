@@ -398,10 +398,12 @@ class Trainer(ResumeMixin):
                     grad_clip=c.train.grad_clip,
                     world_size=self.world,
                 )
-                with warnings.catch_warnings():
-                    # A skipped (non-finite) step still moves the schedule on, by design; torch warns
-                    # of "lr_scheduler.step() before optimizer.step()" when the first steps are skipped.
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                # A skipped (non-finite) step still moves the schedule on, by design; torch warns of
+                # "lr_scheduler.step() before optimizer.step()" when the first steps are skipped. Only
+                # then is the filter changed: each change makes once-only warnings print again.
+                with warnings.catch_warnings() if result.skipped else contextlib.nullcontext():
+                    if result.skipped:
+                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
                     self.scheduler.step()
                 self.step += 1
                 self._step_time = time.perf_counter() - t0
