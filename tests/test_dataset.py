@@ -675,3 +675,32 @@ def test_validation_on_max_rows_covers_many_documents(tmp_path, monkeypatch):
         pass
     assert len(validated) == 8
     assert len({d for _, index in validated for d in source.row(index)[1].tolist() if d >= 0}) >= 6
+
+
+def test_a_folder_that_is_not_token_shards_says_what_it_is_and_what_to_give(dataset, tok_dir, tmp_path):
+    """Each used to read `FOLDER/manifest.json: no manifest` or `missing key 'tokenizer'`."""
+    from marinlm.utils.io import JOB_FILE
+
+    root, _, _ = dataset
+    curation = tmp_path / "curated"
+    (curation / "shards").mkdir(parents=True)
+    (curation / "shards" / "00000.jsonl.zst").write_bytes(b"")
+    (curation / "manifest.json").write_text(json.dumps({"shards": [{"path": "shards/00000.jsonl.zst"}]}))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / JOB_FILE).write_text(json.dumps({"job": "tokenize"}))
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    tokenize_hint = r"tokenize it first: marinlm tokenize \S+ --inputs='\[{}\]' --tokenizer=TOKENIZER"
+    cases = {
+        tmp_path / "nowhere": "no such folder",
+        tmp_path / "file.jsonl": "is a file, not a folder of token shards",
+        curation: r"is a curation \(`marinlm data run`\), not token shards; " + tokenize_hint.format(curation),
+        root / "corpus": "holds text, not token shards; " + tokenize_hint.format(root / "corpus"),
+        tmp_path / "run": r"is a training run's folder, not token shards \(its own data sources are in .*config.yaml\)",
+        tok_dir: "holds a tokenizer, not token shards",
+        root: f"holds no token shards itself; the token folders inside it: {root / 'tokens'}$",
+        tmp_path / "unfinished": r"holds an unfinished `marinlm tokenize` \(no manifest.json yet\): rerun it",
+    }
+    for folder, message in cases.items():
+        with pytest.raises(ShardError, match=f"^{folder}: {message}"):
+            TokenDataset(folder)

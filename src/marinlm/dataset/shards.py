@@ -14,6 +14,7 @@ Documents are stored without BOS/EOS; the loader adds them when packing.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,43 @@ class ShardError(ValueError):
 
 class EmptySplitError(ShardError):
     """A well-formed token folder whose requested split holds no documents (e.g. val_fraction 0)."""
+
+
+def not_token_shards(folder: Path) -> str:
+    """Why `folder`, which has no usable token manifest, is not a `marinlm tokenize` output, and what
+    to give instead (the error's text after the folder's name)."""
+    from marinlm.data.inputs import curated_shards
+    from marinlm.data.readers import SUFFIXES
+    from marinlm.utils.io import JOB_FILE
+
+    tokenize = "marinlm tokenize configs/tokenize/default.yaml --inputs='[{}]' --tokenizer=TOKENIZER --output_dir=DIR"
+    if not folder.exists():
+        return "no such folder"
+    if not folder.is_dir():
+        return "is a file, not a folder of token shards (the folder `marinlm tokenize` wrote)"
+    try:
+        job = json.loads((folder / JOB_FILE).read_text()).get("job")
+    except (OSError, ValueError, AttributeError):
+        job = None
+    if job == "tokenize":
+        return "holds an unfinished `marinlm tokenize` (no manifest.json yet): rerun it to finish"
+    try:
+        curated = curated_shards(folder) is not None
+    except OSError:
+        curated = False
+    if curated:
+        return f"is a curation (`marinlm data run`), not token shards; tokenize it first: {tokenize.format(folder)}"
+    if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
+        return f"is a training run's folder, not token shards (its own data sources are in {folder / 'config.yaml'})"
+    if (folder / "tokenizer.json").is_file():
+        return "holds a tokenizer, not token shards"
+    inside = sorted(str(m.parent) for m in [*folder.glob("*/manifest.json"), *folder.glob("*/*/manifest.json")])
+    inside = [f for f in inside if (Path(f) / "train").is_dir() or (Path(f) / "val").is_dir()]
+    if inside:
+        return f"holds no token shards itself; the token folders inside it: {', '.join(inside[:5])}"
+    if any(f.name.endswith(SUFFIXES) for f in itertools.islice(folder.rglob("*"), 10_000)):
+        return f"holds text, not token shards; tokenize it first: {tokenize.format(folder)}"
+    return "no manifest.json; is this a finished `marinlm tokenize` output?"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -91,7 +129,7 @@ class TokenDataset:
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         manifest_path = self.folder / "manifest.json"
         if not manifest_path.is_file():
-            raise ShardError(f"{manifest_path}: no manifest; is this a finished `marinlm tokenize` output?")
+            raise ShardError(f"{self.folder}: {not_token_shards(self.folder)}")
         try:
             self.manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as e:
@@ -114,6 +152,8 @@ class TokenDataset:
             self.split = split
             self.shards = [self._open(entry, verify) for entry in m["splits"][split] if entry["num_docs"] > 0]
         except (KeyError, TypeError, IndexError) as e:  # hand-edited, or not written by `marinlm tokenize`
+            if not str(m.get("format", "") if isinstance(m, dict) else "").startswith("marinlm-tokens"):
+                raise ShardError(f"{self.folder}: {not_token_shards(self.folder)}") from None
             what = f"missing key {e}" if isinstance(e, KeyError) else f"malformed ({e})"
             raise ShardError(f"{manifest_path}: {what}; is this a finished `marinlm tokenize` output?") from None
         self.num_docs = sum(s.num_docs for s in self.shards)
