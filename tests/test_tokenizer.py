@@ -116,8 +116,15 @@ def test_train_tokenizer_command_writes_loadable_folder(tmp_path, capsys):
     again = MarinTokenizer.load(tmp_path / "tok")
     assert again.hash == tok.hash
     assert json.loads((tmp_path / "tok" / "train_report.json").read_text())["hash"] == tok.hash
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json at \S+nothing \(no such folder\)$"):
         MarinTokenizer.load(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json at \S+corpus$"):  # text: nothing to name
+        MarinTokenizer.load(tmp_path / "corpus")
+    # A run, token shards or the quickstart's folder, given for the tokenizer they keep a copy of.
+    with pytest.raises(
+        FileNotFoundError, match=rf"no tokenizer.json at {tmp_path}; the tokenizers inside it: {tmp_path / 'tok'}$"
+    ):
+        MarinTokenizer.load(tmp_path)
     # A second training run into the same folder would orphan shards made with the first tokenizer.
     with pytest.raises(OutputInUseError, match=r"tok: already holds a tokenizer \(sha256 "):
         train_tokenizer(TokenizerTrainConfig(inputs=config.inputs, output_dir=config.output_dir, vocab_size=300))

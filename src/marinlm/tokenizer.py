@@ -183,11 +183,23 @@ class MarinTokenizer:
     def load(cls, folder: str | Path) -> MarinTokenizer:
         path = Path(folder) / "tokenizer.json" if Path(folder).is_dir() else Path(folder)
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {folder}")
+            raise FileNotFoundError(f"no tokenizer.json at {folder}{_copies_inside(Path(folder))}")
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as e:
             raise ValueError(f"{path}: not a valid tokenizers file: {e}") from None
+
+
+def _copies_inside(folder: Path) -> str:
+    """A hint naming the tokenizers a folder of marinlm outputs holds (a run, its checkpoints, token
+    shards and the quickstart each keep a copy in a `tokenizer/` folder); empty if it holds none."""
+    if not folder.is_dir():
+        return " (no such folder)" if not folder.exists() else ""
+    found = [str(p.parent) for p in [*folder.glob("*/tokenizer.json"), *folder.glob("*/*/tokenizer.json")]]
+    if not found:
+        return ""
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return f"; the tokenizers inside it: {', '.join(sorted(found)[:3])}{more}"
 
 
 def iter_training_texts(
