@@ -287,9 +287,13 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
         ),
         progress=False,
     )
-    trainer = Trainer(train_config(no_val, tmp_path / "run2"), resume="none")
+    trainer = Trainer(train_config(no_val, tmp_path / "run2", schedule={"warmup_steps": 20}), resume="none")
     assert trainer.val_sources == {} and trainer.validate() is None
     out = capsys.readouterr().out
+    assert (
+        "note: schedule.warmup_steps 20 is not shorter than the run's 8 steps (train.steps): the warmup is cut to 7 "
+        "steps, so the learning rate rises all run, peaks at the last step and never decays"
+    ) in out
     assert "split 'val' has no documents; validation is off" in out
     vocab = manifest["tokenizer"]["vocab_size"]  # the tiny model's 4,096 rows are too many: a note says so
     unused = 4096 - vocab

@@ -118,6 +118,14 @@ class Trainer(ResumeMixin):
                 f"used; set model.vocab_size={first.vocab_size} (or a multiple of 128 above it)",
                 flush=True,
             )
+        warmup = c.schedule.warmup_steps
+        if warmup is not None and warmup >= c.train.steps and self.info.is_main:
+            print(
+                f"note: schedule.warmup_steps {warmup:,} is not shorter than the run's {c.train.steps:,} steps "
+                f"(train.steps): the warmup is cut to {c.schedule.warmup(c.train.steps):,} steps, so the learning rate "
+                "rises all run, peaks at the last step and never decays; shorten the warmup or lengthen the run",
+                flush=True,
+            )
         # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
         # path may be relative to another folder, or gone).
         recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
