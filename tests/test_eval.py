@@ -389,6 +389,15 @@ def test_bits_per_byte_reads_compressed_and_columnar_files_as_curation_does(tmp_
     (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:50])
     with pytest.raises(TaskDataError, match=r"cut.txt.gz: truncated or corrupt stream: "):
         prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'cut.txt.gz'}"]))
+    # A folder is one file per task: its readable files are named (it was "text file ... not found").
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens" / "manifest.json").write_text("{}")
+    (tmp_path / "tokens" / ".marinlm-job.json").write_text(json.dumps({"job": "tokenize"}))
+    first = " ".join(f"bpb:{tmp_path / n}" for n in ["cut.txt.gz", "r.jsonl", "r.jsonl.zst"])
+    with pytest.raises(TaskDataError, match=rf"^{tmp_path}: is a folder; bpb:PATH scores one file .*, e\.g\. {first};"):
+        prepare(EvalOptions(tasks=[f"bpb:{tmp_path}"]))
+    with pytest.raises(TaskDataError, match=r"tokens: is a folder; bpb:PATH scores one file of text \(.*token shards"):
+        prepare(EvalOptions(tasks=[f"bpb:{tmp_path / 'tokens'}"]))
     names = ["r.jsonl", "r.jsonl.zst", "r.parquet", "t.txt", "t.txt.gz"]
     results = run_eval(loaded, EvalOptions(tasks=[f"bpb:{tmp_path / n}" for n in names]))["results"]
     score = {
@@ -765,7 +774,7 @@ def test_task_rows_from_hf_datasets_on_local_files(tmp_path, loaded):
 
 
 def test_cli_output_may_be_a_folder(tmp_path, loaded, monkeypatch):
-    """`--output DIR` writes DIR/eval.json (it was an IsADirectoryError)."""
+    """`--output DIR` writes DIR/eval.json (it was an IsADirectoryError), or eval-2.json beside an earlier one."""
     import marinlm.train.inference as inference
     from marinlm.cli import main
 
@@ -776,6 +785,15 @@ def test_cli_output_may_be_a_folder(tmp_path, loaded, monkeypatch):
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert report["results"][f"bpb:{tmp_path / 'text.txt'}"]["bits_per_byte"] > 0
     assert (tmp_path / "out" / "eval.md").is_file()
+    # A second result in the folder goes beside the first, as the default output's do (it was written over it).
+    assert main(["eval", "run", "--tasks", f"bpb:{tmp_path / 'text.txt'}", "--output", str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval-2.json", "eval-2.md", "eval.json", "eval.md"]
+    # A folder to be made, written with a trailing slash (it became a file of that name, and NAME.md beside it).
+    assert main(["eval", "run", "--tasks", f"bpb:{tmp_path / 'text.txt'}", "--output", f"{tmp_path / 'new'}/"]) == 0
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["eval.json", "eval.md"]
+    # A file name is written as given.
+    assert main(["eval", "run", "--tasks", f"bpb:{tmp_path / 'text.txt'}", "--output", str(tmp_path / "r.json")]) == 0
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").is_file()
 
 
 def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, monkeypatch):

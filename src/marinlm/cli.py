@@ -194,8 +194,8 @@ def _eval(args, overrides) -> int:
     try:
         loaded = load_model(args.run, device=args.device)
         output = Path(args.output) if args.output else _default_eval_output(loaded.checkpoint)
-        if output.is_dir():  # like `cp FILE DIR/`
-            output = output / "eval.json"
+        if args.output and (output.is_dir() or args.output.endswith(("/", os.sep))):  # like `cp FILE DIR/`
+            output = _unused_result_path(output, "eval")
         # Results are written once, at the end: a folder that cannot be made must fail now, not after
         # the scoring.
         if main_rank:
@@ -256,9 +256,12 @@ def _default_eval_output(checkpoint: Path) -> Path:
     (checkpoint.keep_last) while training goes on, and results kept in it would go with it.
     CHECKPOINT/eval.json for a checkpoint outside a run. Never over an earlier result: -2, -3, ..."""
     if checkpoint.parent.name == "checkpoints":
-        folder, stem = checkpoint.parent.parent / "eval", checkpoint.name
-    else:
-        folder, stem = checkpoint, "eval"
+        return _unused_result_path(checkpoint.parent.parent / "eval", checkpoint.name)
+    return _unused_result_path(checkpoint, "eval")
+
+
+def _unused_result_path(folder: Path, stem: str) -> Path:
+    """FOLDER/STEM.json, or the first of STEM-2.json, STEM-3.json, ... not taken (nor its .md)."""
     path, n = folder / f"{stem}.json", 2
     while path.exists() or path.with_suffix(".md").exists():
         path, n = folder / f"{stem}-{n}.json", n + 1
@@ -339,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--output",
         default=None,
-        help="results JSON, or a folder for eval.json (default: RUN/eval/STEP.json, or CHECKPOINT/eval.json for a "
-        "checkpoint outside a run; never over an earlier result)",
+        help="results JSON, or a folder (an existing one, or a path ending in /) for eval.json (default: "
+        "RUN/eval/STEP.json, or CHECKPOINT/eval.json for a checkpoint outside a run); in a folder never over an "
+        "earlier result: then eval-2.json, eval-3.json, ...",
     )
     ev.add_argument("--device", default="cpu")
     ev.set_defaults(func=_eval)

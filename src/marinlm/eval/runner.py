@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marinlm.config import check
+from marinlm.data.inputs import expand_inputs
 from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, decompressed, read_documents
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, TaskFileMissing, read_text, score, subset, task_registry
@@ -82,6 +83,16 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
             prepared.append((spec, None, []))
         elif spec.startswith("bpb:"):
             path = Path(spec[4:])
+            if path.is_dir():  # one file per task: name some of those it holds (a curation's shards)
+                try:
+                    files = expand_inputs([str(path)], key="bpb", quiet=True)
+                except (OSError, ValueError) as e:  # none to read, or outputs (token shards, a run): say so
+                    raise TaskDataError(f"{path}: is a folder; bpb:PATH scores one file of text ({e})") from None
+                examples = f", e.g. {' '.join(f'bpb:{f}' for f in files[:3])}"
+                raise TaskDataError(
+                    f"{path}: is a folder; bpb:PATH scores one file (a text file, or a .jsonl(.gz/.zst), .json or "
+                    f".parquet file of records){examples}; give several bpb: tasks for several files"
+                )
             if not path.is_file():
                 raise TaskDataError(f"{path}: text file for bits-per-byte not found")
             if path.name.endswith(BPB_RECORD_SUFFIXES):  # as curation reads them
