@@ -328,6 +328,11 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
     text_bytes = sum(e["num_bytes"] for split in manifest["splits"].values() for e in split)
     compression = text_bytes / (manifest["train_tokens"] + manifest["val_tokens"])
     assert f" ({compression:.2f} bytes of text a token); " in out and 2.5 < compression < 6
+    # Run again, tokenize has nothing left to do, and says so (it showed an empty bar and the old time alone).
+    assert main(commands[2][1:]) == 0
+    said = capsys.readouterr()
+    assert f"rejected input records; done by an earlier run in {manifest['seconds']} s\n" in said.out
+    assert said.err.endswith("part(s) done by an earlier run of this job; nothing left to do\n")
 
 
 @pytest.mark.parametrize(

@@ -474,6 +474,7 @@ def test_resume_after_kill_gives_identical_output(tmp_path):
                 [{"name": "web", "inputs": [str(tmp_path / "in")]}],
                 langid={"enabled": True},
                 workers=1,
+                progress=True,
             ),
             configs[name],
         )
@@ -491,6 +492,8 @@ def test_resume_after_kill_gives_identical_output(tmp_path):
     assert 1 <= done_before < 6
     resumed = _run_cli(configs["killed"])
     assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+    said = f"curate: filter: {done_before} of 6 part(s) done by an earlier run of this job; resuming with the other"
+    assert f"{said} {6 - done_before}\n" in resumed.stdout.read()
     a = json.loads((tmp_path / "reference" / "manifest.json").read_text())
     b = json.loads((tmp_path / "killed" / "manifest.json").read_text())
     assert a["shards"] == b["shards"]  # same files, same sha256
@@ -759,16 +762,22 @@ def test_a_big_file_is_read_in_parts_that_curate_as_the_whole_file_does(tmp_path
     )
 
 
-def test_rerun_resumes_only_the_same_curation(tmp_path):
+def test_rerun_resumes_only_the_same_curation(tmp_path, capsys):
     """Other settings or changed inputs in the same output folder are refused (resuming used to
     return the old curation as if it were the new one); how the work runs may change."""
     write_jsonl(tmp_path / "in" / "a.jsonl", synthetic_docs(40, seed=1, words=60), "a-")
     sources = [{"name": "web", "inputs": [str(tmp_path / "in")]}]
     out = tmp_path / "out"
     first = run_pipeline(bare_config(out, sources))
-    again = run_pipeline(bare_config(out, sources, workers=2))  # same job, other worker count: resumes
+    capsys.readouterr()
+    again = run_pipeline(bare_config(out, sources, workers=2, progress=True))  # same job, other worker count: resumes
     assert again["accounting"] == first["accounting"]
     assert first["units_run"] == 3 and again["units_run"] == 0  # map + reduce + write; then nothing left
+    # Said in a line per stage, not as empty bars ("curate: filter: 0.00B [00:00, ?B/s]").
+    assert capsys.readouterr().err.splitlines() == [
+        f"curate: {stage}: 1 of 1 part(s) done by an earlier run of this job; nothing left to do"
+        for stage in ("filter", "write")
+    ]
     manifest = (out / "manifest.json").read_text()
     with pytest.raises(OutputInUseError, match=r"out: .*\(config.min_doc_chars: 1 -> 500\)"):
         run_pipeline(bare_config(out, sources, min_doc_chars=500))

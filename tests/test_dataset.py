@@ -147,15 +147,22 @@ def test_tokenize_says_when_no_document_is_held_out_and_which_fraction_holds_out
     )
 
 
-def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir):
+def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir, capsys):
     root, _, manifest = dataset
+    parts = len(manifest["sources"])
     out = root / "tokens"
     # Simulate a crash in shard 1: its marker never got written and its output is half there.
     (out / ".done" / "00001.json").unlink()
     with open(out / "train" / "00001.tokens", "r+b") as f:
         f.truncate(10)
     before = {p: p.stat().st_mtime_ns for p in (out / "train").glob("0000[02].tokens")}
-    again = tokenize(corpus_config(root, tok_dir, out, workers=1), progress=False)
+    capsys.readouterr()
+    again = tokenize(corpus_config(root, tok_dir, out, workers=1))
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[0]
+        == f"tokenize: {parts - 1} of {parts} part(s) done by an earlier run of this job; resuming with the other 1"
+    )
     assert again["splits"] == manifest["splits"]  # byte-identical outputs (sha256 in the manifest)
     assert again["inputs_tokenized"] == 1  # only the damaged one
     assert {p: p.stat().st_mtime_ns for p in before} == before  # finished shards were not rewritten
@@ -164,8 +171,11 @@ def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_d
     # a training run records the data it used by the file's sha256.
     written = (out / "manifest.json").read_bytes()
     time.sleep(0.05)
-    third = tokenize(corpus_config(root, tok_dir, out, workers=1), progress=False)
+    third = tokenize(corpus_config(root, tok_dir, out, workers=1))
     assert third["inputs_tokenized"] == 0 and third["seconds"] == again["seconds"]
+    # Said in a line, not as an empty bar ("tokenize: 0.00B [00:00, ?B/s]").
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"tokenize: {parts} of {parts} part(s) done by an earlier run of this job; nothing left to do"]
     assert (out / "manifest.json").read_bytes() == written
 
 

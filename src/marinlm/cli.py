@@ -77,7 +77,9 @@ def _tokenize(args, overrides) -> int:
         f"tokens: train {manifest['train_tokens']:,} in {manifest['train_docs']:,} docs, "
         f"val {manifest['val_tokens']:,} in {manifest['val_docs']:,} docs"
         + (f" ({text_bytes / tokens:.2f} bytes of text a token)" if tokens else "")
-        + f"; {manifest['rejected_count']:,} rejected input records; {manifest['seconds']} s"
+        + f"; {manifest['rejected_count']:,} rejected input records; "
+        + ("done by an earlier run in " if manifest["inputs_tokenized"] == 0 else "")
+        + f"{manifest['seconds']} s"
     )
     if manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] >= 2:
         ids = document_ids(config.inputs, config.text_field, config.id_field)

@@ -378,13 +378,21 @@ def _tasks(config: PipelineConfig, work: Path, notes: list[str] | None = None) -
     return tasks
 
 
-def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, size_of) -> list[dict]:
-    """Run `fn` over `tasks` locally (processes) or on Ray.
+def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, size_of, units: int) -> list[dict]:
+    """Run `fn` over `tasks`, those of the stage's `units` not done by an earlier run, locally
+    (processes) or on Ray.
 
     Progress counts the bytes each task reads (`size_of(task)`), so the bar has a total and an ETA
-    (a count of documents has neither before the end); the documents kept so far ride along.
+    (a count of documents has neither before the end); the documents kept so far ride along. A
+    rerun says how much an earlier run did, rather than show a bar of nothing.
     """
     results = []
+    if len(tasks) < units:
+        done = units - len(tasks)
+        left = f"resuming with the other {len(tasks)}" if tasks else "nothing left to do"
+        _say(config, f"{desc}: {done} of {units} part(s) done by an earlier run of this job; {left}")
+    if not tasks:
+        return results
     sizes = {task["shard"]: size_of(task) for task in tasks}
     bar = progress_bar(total=sum(sizes.values()), desc=desc, unit="B", unit_scale=True, disable=not config.progress)
     docs, start = 0, time.perf_counter()
@@ -469,7 +477,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -
 
     todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
     units_run = len(todo)
-    _run_tasks(run_map, todo, config, "curate: filter", lambda t: t["bytes"])
+    _run_tasks(run_map, todo, config, "curate: filter", lambda t: t["bytes"], len(tasks))
     stage1 = [_done(work / "stage1" / f"{t['shard']}.done.json") for t in tasks]
 
     summary_path = work / "stage2.done.json"
@@ -486,7 +494,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -
 
     todo = [t for t in tasks if _done(work / "stage3" / f"{t['shard']}.done.json") is None]
     units_run += len(todo)
-    _run_tasks(run_write, todo, config, "curate: write", lambda t: _stage1_docs(work, t).stat().st_size)
+    _run_tasks(run_write, todo, config, "curate: write", lambda t: _stage1_docs(work, t).stat().st_size, len(tasks))
     stage3 = [_done(work / "stage3" / f"{t['shard']}.done.json") for t in tasks]
 
     manifest = {

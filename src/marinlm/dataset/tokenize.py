@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -297,8 +298,16 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     cores = os.cpu_count() or 1
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
+    if records and progress:  # a rerun says how much an earlier run did, rather than show a bar of nothing
+        left = f"resuming with the other {len(tasks)}" if tasks else "nothing left to do"
+        print(
+            f"tokenize: {len(records)} of {len(records) + len(tasks)} part(s) done by an earlier run of this job; "
+            f"{left}",
+            file=sys.stderr,
+            flush=True,
+        )
     total_bytes = sum(_unit_bytes(t["stamp"]) for t in tasks)
-    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not (progress and tasks))
     new_tokens = 0
     try:
         if config.executor == "ray":  # a task per CPU, so tokenizers' own thread pool gets one thread
