@@ -41,7 +41,7 @@ from marinlm.data.readers import Document, input_parts, read_documents, whole_fi
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
-from marinlm.utils.progress import progress_bar
+from marinlm.utils.progress import progress_bar, resumed_line
 
 PARAGRAPH = re.compile(r"\n{2,}")
 
@@ -388,9 +388,7 @@ def _run_tasks(fn, tasks: list[dict], config: PipelineConfig, desc: str, size_of
     """
     results = []
     if len(tasks) < units:
-        done = units - len(tasks)
-        left = f"resuming with the other {len(tasks)}" if tasks else "nothing left to do"
-        _say(config, f"{desc}: {done} of {units} part(s) done by an earlier run of this job; {left}")
+        _say(config, resumed_line(desc, units - len(tasks), len(tasks)))
     if not tasks:
         return results
     sizes = {task["shard"]: size_of(task) for task in tasks}

@@ -26,7 +26,7 @@ from marinlm.data.readers import input_parts
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, copy_folder_atomic, job_output, named, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
-from marinlm.utils.progress import progress_bar
+from marinlm.utils.progress import progress_bar, resumed_line
 
 REJECTED_IN_MANIFEST = 100  # examples of rejected input records kept in manifest.json
 
@@ -299,13 +299,7 @@ def _tokenize(config: TokenizeConfig, progress: bool, tok, paths: list[Path]) ->
     workers = min(config.workers or cores, max(1, len(tasks)))
     start = time.perf_counter()
     if records and progress:  # a rerun says how much an earlier run did, rather than show a bar of nothing
-        left = f"resuming with the other {len(tasks)}" if tasks else "nothing left to do"
-        print(
-            f"tokenize: {len(records)} of {len(records) + len(tasks)} part(s) done by an earlier run of this job; "
-            f"{left}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(resumed_line("tokenize", len(records), len(tasks)), file=sys.stderr, flush=True)
     total_bytes = sum(_unit_bytes(t["stamp"]) for t in tasks)
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not (progress and tasks))
     new_tokens = 0

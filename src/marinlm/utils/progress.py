@@ -70,3 +70,9 @@ def progress_bar(*, file=None, **kwargs) -> tqdm:
     # ncols: a log has no width to fit; a fixed one keeps the bar itself short.
     kwargs.setdefault("ncols", 100)
     return tqdm(file=_Lines(stream), mininterval=interval, maxinterval=max(interval, 10.0), **kwargs)
+
+
+def resumed_line(desc: str, done: int, todo: int) -> str:
+    """What a rerun of a resumable job says in place of a bar over only the work left (or none)."""
+    left = f"resuming with the other {todo}" if todo else "nothing left to do"
+    return f"{desc}: {done} of {done + todo} part(s) done by an earlier run of this job; {left}"
