@@ -689,7 +689,7 @@ def test_validation_on_max_rows_covers_many_documents(tmp_path, monkeypatch):
 
 def test_a_folder_that_is_not_token_shards_says_what_it_is_and_what_to_give(dataset, tok_dir, tmp_path):
     """Each used to read `FOLDER/manifest.json: no manifest` or `missing key 'tokenizer'`."""
-    from marinlm.utils.io import JOB_FILE
+    from marinlm.utils.io import JOB_FILE, LOCK_FILE
 
     root, _, _ = dataset
     curation = tmp_path / "curated"
@@ -697,8 +697,11 @@ def test_a_folder_that_is_not_token_shards_says_what_it_is_and_what_to_give(data
     (curation / "shards" / "00000.jsonl.zst").write_bytes(b"")
     (curation / "manifest.json").write_text(json.dumps({"shards": [{"path": "shards/00000.jsonl.zst"}]}))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / LOCK_FILE).touch()  # as every run folder has
     (tmp_path / "unfinished").mkdir()
     (tmp_path / "unfinished" / JOB_FILE).write_text(json.dumps({"job": "tokenize"}))
+    (tmp_path / "curating" / "shards").mkdir(parents=True)
+    (tmp_path / "curating" / JOB_FILE).write_text(json.dumps({"job": "curate"}))
     (tmp_path / "file.jsonl").write_text("{}\n")
     tokenize_hint = r"tokenize it first: marinlm tokenize \S+ --inputs='\[{}\]' --tokenizer=TOKENIZER"
     cases = {
@@ -710,6 +713,7 @@ def test_a_folder_that_is_not_token_shards_says_what_it_is_and_what_to_give(data
         tok_dir: "holds a tokenizer, not token shards",
         root: f"holds no token shards itself; the token folders inside it: {root / 'tokens'}$",
         tmp_path / "unfinished": r"holds an unfinished `marinlm tokenize` \(no manifest.json yet\): rerun it",
+        tmp_path / "curating": r"holds an unfinished curation \(no manifest.json yet\): rerun its `marinlm data run`",
     }
     for folder, message in cases.items():
         with pytest.raises(ShardError, match=f"^{folder}: {message}"):

@@ -47,31 +47,39 @@ def _kind(path: Path) -> str:
     return path.suffix or "(no suffix)"
 
 
-def _marinlm_output(folder: Path) -> str | None:
-    """Why `folder`, which holds outputs other than a finished curation (a marinlm job's, or a
-    tokenizer), is no text input (how the message goes on after its name); None if it holds none."""
+def output_kind(folder: Path) -> str | None:
+    """Which marinlm output `folder` holds: `tokenizer`, `run`, `curate` or `tokenize` (by the job
+    record; a curation may have finished), `job` (another job's, or only its lock); None if none."""
     record = folder / JOB_FILE
     if not record.is_file():
         if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
-            return "holds a tokenizer (tokenizer.json), not text"
+            return "tokenizer"
         if not (folder / LOCK_FILE).is_file():
             return None
-        if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
-            return "is a training run's folder (checkpoints, metrics, reports), not text"
-        return f"holds the outputs of a marinlm job (it has {LOCK_FILE}), not text"
+        return "run" if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir() else "job"
     try:
         job = json.loads(record.read_text()).get("job")
     except (OSError, ValueError, AttributeError):
         job = None
-    if job == "curate":
-        return (
+    return job if job in ("curate", "tokenize") else "job"
+
+
+def _marinlm_output(folder: Path) -> str | None:
+    """Why `folder`, which holds outputs other than a finished curation (a marinlm job's, or a
+    tokenizer), is no text input (how the message goes on after its name); None if it holds none."""
+    marker = JOB_FILE if (folder / JOB_FILE).is_file() else LOCK_FILE
+    return {
+        None: None,
+        "tokenizer": "holds a tokenizer (tokenizer.json), not text",
+        "run": "is a training run's folder (checkpoints, metrics, reports), not text",
+        "curate": (
             "is a curation that has not finished (it has no manifest.json yet), so its report, dropped/ and "
             "rejected/ files would be read as documents beside its shards: rerun its `marinlm data run` to "
             "finish it, then give the folder again"
-        )
-    if job == "tokenize":
-        return "holds token shards written by `marinlm tokenize`, not text: give the text it was made from"
-    return f"holds the outputs of a marinlm job ({record.name}), not text"
+        ),
+        "tokenize": "holds token shards written by `marinlm tokenize`, not text: give the text it was made from",
+        "job": f"holds the outputs of a marinlm job (it has {marker}), not text",
+    }[output_kind(folder)]
 
 
 def input_note(message: str, quiet: bool = False, notes: list[str] | None = None) -> None:

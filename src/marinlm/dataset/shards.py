@@ -37,9 +37,8 @@ class EmptySplitError(ShardError):
 def not_token_shards(folder: Path) -> str:
     """Why `folder`, which has no usable token manifest, is not a `marinlm tokenize` output, and what
     to give instead (the error's text after the folder's name)."""
-    from marinlm.data.inputs import curated_shards
+    from marinlm.data.inputs import curated_shards, output_kind
     from marinlm.data.readers import SUFFIXES
-    from marinlm.utils.io import JOB_FILE
 
     tokenize = "marinlm tokenize configs/tokenize/default.yaml --inputs='[{}]' --tokenizer=TOKENIZER --output_dir=DIR"
     if not folder.exists():
@@ -47,20 +46,19 @@ def not_token_shards(folder: Path) -> str:
     if not folder.is_dir():
         return "is a file, not a folder of token shards (the folder `marinlm tokenize` wrote)"
     try:
-        job = json.loads((folder / JOB_FILE).read_text()).get("job")
-    except (OSError, ValueError, AttributeError):
-        job = None
-    if job == "tokenize":
-        return "holds an unfinished `marinlm tokenize` (no manifest.json yet): rerun it to finish"
-    try:
         curated = curated_shards(folder) is not None
     except OSError:
         curated = False
     if curated:
         return f"is a curation (`marinlm data run`), not token shards; tokenize it first: {tokenize.format(folder)}"
-    if (folder / "run_info.json").is_file() or (folder / "checkpoints").is_dir():
+    kind = output_kind(folder)
+    if kind == "tokenize" and not (folder / "manifest.json").exists():
+        return "holds an unfinished `marinlm tokenize` (no manifest.json yet): rerun it to finish"
+    if kind == "curate":
+        return "holds an unfinished curation (no manifest.json yet): rerun its `marinlm data run`, then tokenize it"
+    if kind == "run":
         return f"is a training run's folder, not token shards (its own data sources are in {folder / 'config.yaml'})"
-    if (folder / "tokenizer.json").is_file():
+    if kind == "tokenizer":
         return "holds a tokenizer, not token shards"
     inside = sorted(str(m.parent) for m in [*folder.glob("*/manifest.json"), *folder.glob("*/*/manifest.json")])
     inside = [f for f in inside if (Path(f) / "train").is_dir() or (Path(f) / "val").is_dir()]
@@ -152,7 +150,10 @@ class TokenDataset:
             self.split = split
             self.shards = [self._open(entry, verify) for entry in m["splits"][split] if entry["num_docs"] > 0]
         except (KeyError, TypeError, IndexError) as e:  # hand-edited, or not written by `marinlm tokenize`
-            if not str(m.get("format", "") if isinstance(m, dict) else "").startswith("marinlm-tokens"):
+            from marinlm.data.inputs import output_kind
+
+            tokens = str(m.get("format", "") if isinstance(m, dict) else "").startswith("marinlm-tokens")
+            if not tokens and output_kind(self.folder) != "tokenize":  # another folder's manifest
                 raise ShardError(f"{self.folder}: {not_token_shards(self.folder)}") from None
             what = f"missing key {e}" if isinstance(e, KeyError) else f"malformed ({e})"
             raise ShardError(f"{manifest_path}: {what}; is this a finished `marinlm tokenize` output?") from None
