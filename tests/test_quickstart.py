@@ -186,6 +186,14 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     assert interrupted_training(root / "train", fresh) is None
 
 
+def test_a_missing_corpus_fails_before_anything_is_written(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for corpus, why in (("nope.jsonl", "input path does not exist"), ("empty", "input directory has no")):
+        with pytest.raises(FileNotFoundError, match=f"--corpus: {why}"):
+            run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / corpus)], minutes=1)
+        assert not (tmp_path / "run").exists()
+
+
 def test_too_little_text_stops_with_what_is_missing(tmp_path):
     (tmp_path / "one.txt").write_text("hello world. this is text\n")
     with pytest.raises(ValueError, match=r"curation kept none of the 1 documents .* needs more \(or longer\) text"):

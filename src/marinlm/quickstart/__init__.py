@@ -140,6 +140,7 @@ def run_quickstart(
     `text_field` is the JSON field holding a user corpus's text (a list of strings is joined by
     lines); `languages` replaces the curation's allowed languages (default: English and code).
     """
+    from marinlm.data.inputs import expand_inputs
     from marinlm.data.pipeline import PipelineConfig, SourceSpec, run_pipeline
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
     from marinlm.model import SamplingConfig
@@ -154,6 +155,8 @@ def run_quickstart(
     tune_cpu_allocator()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     root = Path(run_dir)
+    if corpus:  # a missing or unreadable --corpus fails here, before the run folder is made
+        expand_inputs(corpus, key="--corpus", quiet=True)
     claim_run_dir(root)
     began = time.perf_counter()
     stages: list[Stage] = []
