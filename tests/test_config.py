@@ -117,6 +117,27 @@ def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):
         load_config(MarinConfig, bad)
 
 
+def test_a_config_given_to_the_wrong_command_says_what_it_is(tmp_path):
+    from marinlm.data.pipeline import PipelineConfig
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(
+        ConfigError, match=r"that file is a data curation config \(for `marinlm data run`\), not a Train"
+    ):
+        load_config(TrainConfig, CONFIGS / "data" / "quickstart.yaml")
+    with pytest.raises(
+        ConfigError, match=r"that file is a training config \(for `marinlm train`\), not a PipelineConfig"
+    ):
+        load_config(PipelineConfig, CONFIGS / "train" / "tiny.yaml")
+    with pytest.raises(ConfigError, match=r"that file is a model config"):
+        load_config(TrainConfig, CONFIGS / "model" / "tiny.yaml")
+    # A typo in a file of the right kind is only the unknown key, with no guess at another kind.
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((CONFIGS / "model" / "tiny.yaml").read_text() + "d_modle: 64\n")
+    with pytest.raises(ConfigError, match=r"^d_modle: unknown key for MarinConfig; .*typo.yaml\)$"):
+        load_config(MarinConfig, typo)
+
+
 def test_choice_round_trip_keeps_variant():
     config = tiny_config(moe={"router": {"type": "qb", "weight_sum": 1.5}})
     data = to_dict(config)

@@ -259,9 +259,37 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             where = " (set on the command line)"
         elif path is not None:
             where = f" (in {path}" + (", with the command-line overrides)" if over else ")")
+            if e.key in data and e.key not in _field_names(cls) and (kind := _config_kind(data)):
+                where += f"; that file is {kind}, not a {cls.__name__}"
         else:
             where = ""
         raise ConfigError(e.key, e.reason + where) from None
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _config_kind(data: dict[str, Any]) -> str | None:
+    """What a config file whose top-level keys are all another command's is: a hint for a file
+    given to the wrong command (a curation config to `marinlm train`)."""
+    from marinlm.data.pipeline import PipelineConfig
+    from marinlm.dataset.tokenize import TokenizeConfig
+    from marinlm.model.config import MarinConfig
+    from marinlm.tokenizer import TokenizerTrainConfig
+    from marinlm.train.config import TrainConfig
+
+    kinds = (
+        (TrainConfig, "a training config (for `marinlm train`)"),
+        (MarinConfig, "a model config (for `marinlm model summary`, or `model:` in a training config)"),
+        (PipelineConfig, "a data curation config (for `marinlm data run`)"),
+        (TokenizeConfig, "a tokenize config (for `marinlm tokenize`)"),
+        (TokenizerTrainConfig, "a tokenizer training config (for `marinlm tokenizer train`)"),
+    )
+    for cls, kind in kinds:
+        if data and set(data) <= _field_names(cls):
+            return kind
+    return None
 
 
 def _overridden(tree: dict[str, Any], key: str) -> bool:
