@@ -11,6 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from marinlm.model.cpu_attention import short_attention
 from marinlm.utils.perf import CATEGORIES, time_breakdown
 
 from conftest import ROOT
@@ -61,6 +62,7 @@ def test_time_breakdown_sorts_each_ops_time_and_counts_gemm_flops_by_shape():
     a, b, w_expert = torch.randn(64, 48), torch.randn(48, 32), torch.randn(48, 24)
     x, y = torch.randn(2, 64, 48), torch.randn(2, 48, 32)
     q = torch.randn(1, 2, 16, 8)
+    q_grad = q.clone().requires_grad_()
     p = torch.nn.Parameter(torch.randn(1000))
     p.grad = torch.randn(1000)
     opt = torch.optim.AdamW([p], fused=True)
@@ -71,6 +73,8 @@ def test_time_breakdown_sorts_each_ops_time_and_counts_gemm_flops_by_shape():
         torch.bmm(x, y)
         a @ w_expert  # the one product of expert width 24
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        # Ours is batched GEMMs around a softmax: all of it, forward and backward, is attention.
+        short_attention(q_grad, q_grad, q_grad, is_causal=True).sum().backward()
         opt.step()
         torch.index_select(a, 0, torch.tensor([3, 1]))
         torch.relu(a)

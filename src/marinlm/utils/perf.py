@@ -65,7 +65,14 @@ def tune_cpu_allocator() -> bool:
 # Leaf ops by what they are, for `time_breakdown`. Anything not named here counts as "elementwise
 # and other" (norms, activations, softmax, reductions, the loss's exp/log, small index ops).
 _GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
-_ATTENTION = ("aten::_scaled_dot_product_flash_attention", "aten::_flash_attention", "aten::_efficient_attention")
+# torch's fused attention ops, and model/cpu_attention.py's kernel (its forward and backward ranges):
+# every op under one of these, its GEMMs too, is attention, as the fused kernels' own products are.
+_ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_flash_attention",
+    "aten::_efficient_attention",
+    "_ShortAttention",
+)
 _OPTIMIZER = ("aten::_fused_adam", "aten::_foreach_", "Optimizer.")  # the last: its Python, as a range
 _MOVES = {
     "aten::index_select", "aten::index", "aten::index_add_", "aten::index_put_", "aten::gather",
@@ -94,9 +101,12 @@ def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dic
     """Where the CPU time of `fn()` goes: {category: (seconds per call, GEMM FLOPs per call)}.
 
     Each op's self time is counted once, under its own category (CATEGORIES), so the categories
-    add up to the profiled total. GEMMs are split into the experts' and the rest by shape: a
-    product with one of `expert_dims` among its sizes is an expert's (pass the expert width, and
-    twice it where gate and up are one product, only where no other width of the model is equal).
+    add up to the profiled total. An op inside an attention kernel is attention, whatever it is:
+    torch's fused kernels hide their products, and ours (model/cpu_attention.py) is made of
+    visible ones, so both sides of a comparison count alike. The other GEMMs are split into the
+    experts' and the rest by shape: a product with one of `expert_dims` among its sizes is an
+    expert's (pass the expert width, and twice it where gate and up are one product, only where no
+    other width of the model is equal).
     `fn` should be warm; it is run `steps` times under the profiler.
     """
     from torch.profiler import ProfilerActivity, profile
@@ -106,14 +116,14 @@ def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dic
             fn()
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     flops = dict.fromkeys(CATEGORIES, 0.0)
-    for event in prof.key_averages(group_by_input_shape=True):
-        name, spent = event.key, event.self_cpu_time_total / 1e6
-        if name in _GEMMS:
+    for event in prof.events():
+        name, spent = event.name, event.self_cpu_time_total / 1e6
+        if _inside(event, _ATTENTION):
+            category = "attention kernel"
+        elif name in _GEMMS:
             a, b = gemm_operands(name, event.input_shapes)
             category = "expert GEMMs" if set(expert_dims) & {*a, *b} else "other GEMMs"
-            flops[category] += 2 * math.prod(a) * b[-1] * event.count  # 2·M·K·N per product
-        elif name.startswith(_ATTENTION):
-            category = "attention kernel"
+            flops[category] += 2 * math.prod(a) * b[-1]  # 2·M·K·N
         elif name.startswith(_OPTIMIZER):
             category = "optimizer"
         elif name in _MOVES:
@@ -122,3 +132,12 @@ def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dic
             category = "elementwise and other"
         seconds[category] += spent
     return {c: (seconds[c] / steps, flops[c] / steps) for c in CATEGORIES}
+
+
+def _inside(event, prefixes: tuple[str, ...]) -> bool:
+    """Whether a profiled op, or one of the ops or ranges it was called from, is named by `prefixes`."""
+    while event is not None:
+        if event.name.startswith(prefixes):
+            return True
+        event = event.cpu_parent
+    return False
