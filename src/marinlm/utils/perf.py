@@ -59,7 +59,8 @@ def tune_cpu_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 31))
+    # mallopt takes a C int: 2**31 would wrap to a negative number.
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
 # Leaf ops by what they are, for `time_breakdown`. Anything not named here counts as "elementwise
