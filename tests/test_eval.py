@@ -61,6 +61,31 @@ def test_loglikelihood_matches_brute_force(loaded, batch_size, share):
     assert scorer.loglikelihood([]) == [] and scorer.loglikelihood_rolling([]) == []
 
 
+def test_a_continuation_longer_than_the_window_is_scored_in_windows(loaded):
+    """PIQA has solutions longer than a 256-token model's window: `marinlm eval` stopped there with
+    an error, after scoring the tasks before it. Such a continuation is scored as rolling windows
+    score a text: each window predicts the next run of up to L tokens from the L tokens before it."""
+    L = 16
+    scorer = Scorer(loaded.model, loaded.tokenizer, max_length=L, batch_size=4)
+    long = Request("The quick brown fox", " " + " ".join(SAMPLE_TEXTS)[:200])
+    requests = [REQUESTS[0], long, REQUESTS[1]]
+    ctx, cont = scorer.encode_pair(long.context, long.continuation)
+    assert len(cont) > 2 * L and ctx[0] == loaded.tokenizer.bos_id  # three windows, all the context kept
+    stream, expected, greedy = ctx + cont, 0.0, True
+    with torch.no_grad():
+        for start in range(len(ctx), len(stream), L):
+            end = min(len(stream), start + L)
+            inp = stream[max(0, end - 1 - L) : end - 1]
+            logp = torch.log_softmax(loaded.model(torch.tensor([inp])).logits[0].float(), -1)[-(end - start) :]
+            target = torch.tensor(stream[start:end])
+            expected += float(logp.gather(-1, target.unsqueeze(-1)).sum())
+            greedy = greedy and bool((logp.argmax(-1) == target).all())
+    got = scorer.loglikelihood(requests)
+    assert got[1][0] == pytest.approx(expected, rel=1e-5) and got[1][1] == greedy
+    for req, (ll, _) in zip((requests[0], requests[2]), (got[0], got[2])):  # the others batched as before
+        assert ll == pytest.approx(reference_loglikelihood(loaded, scorer, req.context, req.continuation)[0], abs=2e-3)
+
+
 def test_a_contexts_forward_computes_the_first_continuation_tokens_logits_only(loaded):
     """Each context is run once for the logits of its last position; the continuation's own
     forward gives the rest. Never the [B, T, V] logits of the contexts ("x" * 300 is one)."""

@@ -4,7 +4,8 @@
   every continuation token is the greedy (argmax) choice. Tokenisation follows the harness: trailing
   spaces of the context move to the continuation, the pair is encoded whole and the continuation is
   the tokens past the context's own encoding. Over-long inputs keep the continuation and the end of
-  the context. A BOS token starts every context (the model was trained that way).
+  the context; a continuation that fills the window by itself is scored in windows, as
+  `loglikelihood_rolling` scores a text. A BOS token starts every context (the model was trained that way).
 - `loglikelihood_rolling(text)`: the log-likelihood of a whole text, in disjoint windows of at most
   `max_length` predicted tokens (the harness's rolling windows); `leading_windows(text, n)` the start
   of a text that fills about n of them (eval's --limit on a text file).
@@ -76,16 +77,21 @@ class Scorer:
             ctx, cont = ctx, self.tok.encode(continuation)
         ctx = [self.start_id, *ctx]
         keep = self.max_length - len(cont)
-        if keep < 1:
-            raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
+        if keep < 1:  # the continuation alone fills the window: all of the context, for `_score_long`
+            return ctx, cont
         return ctx[-keep:], cont
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[Request], desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         encoded = [self.encode_pair(r.context, r.continuation) for r in requests]
+        # A continuation as long as the window (PIQA's longest solutions against a 256-token model)
+        # is scored on its own, in windows; every rank scores all of them, so that every rank runs
+        # the same forwards. They are rare: the context and the others are batched.
+        long = [i for i, (ctx, cont) in enumerate(encoded) if len(ctx) + len(cont) > self.max_length]
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i, (ctx, _) in enumerate(encoded):
-            groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
+        for i, (ctx, cont) in enumerate(encoded):
+            if len(ctx) + len(cont) <= self.max_length:
+                groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
         batches: list[list[tuple[int, ...]]] = []
         rows = 0
@@ -97,8 +103,11 @@ class Scorer:
             rows += len(groups[key])
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         mine = batches[self.rank :: self.world]
-        total = sum(len(groups[k]) for batch in mine for k in batch)
+        total = sum(len(groups[k]) for batch in mine for k in batch) + len(long)
         with progress_bar(total=total, desc=desc, unit="req", disable=not self.progress) as bar:
+            for i in long:
+                results[i] = self._score_long(*encoded[i])
+                bar.update(1)
             for i in range(-(-len(batches) // self.world)):
                 if i < len(mine):
                     self._score_batch(mine[i], groups, encoded, results)
@@ -116,6 +125,22 @@ class Scorer:
             for i, r in part.items():
                 merged[i] = r
         return merged
+
+    def _score_long(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+        """A continuation of `max_length` tokens or more, in windows of at most `max_length` inputs:
+        each predicts the next disjoint run of up to `max_length` continuation tokens from as much of
+        what precedes it as fits, as `loglikelihood_rolling`'s windows do."""
+        L, stream = self.max_length, ctx + cont
+        total, greedy = 0.0, True
+        for start in range(len(ctx), len(stream), L):
+            end = min(len(stream), start + L)
+            inputs = torch.tensor([stream[max(0, end - 1 - L) : end - 1]], device=self.device)
+            n = end - start  # the last n inputs predict stream[start:end]
+            logp_NV = torch.log_softmax(self.model(inputs, logits_to_keep=n).logits[0].float(), dim=-1)
+            target_N = torch.tensor(stream[start:end], device=self.device)
+            total += float(logp_NV.gather(1, target_N[:, None]).sum())
+            greedy = greedy and bool((logp_NV.argmax(-1) == target_N).all())
+        return total, greedy
 
     def _score_batch(self, keys, groups, encoded, results) -> None:
         contexts = [encoded[groups[k][0]][0] for k in keys]
