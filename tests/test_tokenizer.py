@@ -146,6 +146,12 @@ def test_train_tokenizer_reports_rejects_and_refuses_to_train_on_nothing(tmp_pat
     with pytest.raises(ValueError, match=r"no document to train on .* 3 record\(s\) rejected \(first: .*:1: "):
         train_tokenizer(wrong)
     assert not (tmp_path / "tok2").exists()
+    # Empty files are documents without text: no tokenizer either.
+    (tmp_path / "empty.txt").write_text("")
+    empty = TokenizerTrainConfig(inputs=[str(tmp_path / "empty.txt")], output_dir=str(tmp_path / "tok3"))
+    with pytest.raises(ValueError, match=r"no text \(1 empty document\(s\)\) to train on"):
+        train_tokenizer(empty)
+    assert not (tmp_path / "tok3").exists()
 
 
 def test_the_command_line_trains_in_a_child_with_a_clean_log(tmp_path):

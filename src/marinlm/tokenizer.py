@@ -288,11 +288,10 @@ def train_tokenizer(
     start = time.perf_counter()
     trained_json, counted, rejected, sample = call_in_child(_train_job, config) if in_child else _train_job(config)
     trained = Tokenizer.from_str(trained_json)
-    if counted["docs"] == 0:  # e.g. a wrong text_field: a bytes-only tokenizer is no result
+    if counted["bytes"] == 0:  # a wrong text_field, empty files: a bytes-only tokenizer is no result
         first = f" (first: {rejected[0].location}: {rejected[0].reason})" if rejected else ""
-        raise ValueError(
-            f"inputs: no document to train on in {config.inputs}; {len(rejected)} record(s) rejected{first}"
-        )
+        what = "no document" if counted["docs"] == 0 else f"no text ({counted['docs']} empty document(s))"
+        raise ValueError(f"inputs: {what} to train on in {config.inputs}; {len(rejected)} record(s) rejected{first}")
     tok = MarinTokenizer(trained)
     tok.save(config.output_dir)
     report = {
