@@ -34,6 +34,7 @@ def dataset(tmp_path_factory, tok_dir):
     texts = write_corpus(root / "corpus", num_docs=300, num_files=3)
     with open(root / "corpus" / "part-bad.jsonl", "w") as f:
         f.write('{"id": "ok1", "text": "fine document"}\n{not json\n{"id": "x", "body": "no text field"}\n')
+        f.write('{"id": "e", "text": ""}\n')  # nothing to tokenize
     manifest = tokenize(corpus_config(root, tok_dir, root / "tokens"), progress=False)
     return root, texts, manifest
 
@@ -50,9 +51,11 @@ def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
     assert manifest["tokenizer"]["hash"] == tok.hash
     assert MarinTokenizer.load(root / "tokens" / "tokenizer").hash == tok.hash  # the tokens carry their tokenizer
     assert manifest["train_docs"] + manifest["val_docs"] == 301  # 300 + the one good line of the bad file
-    assert len(manifest["rejected"]) == 2
-    assert {r["reason"].split(":")[0] for r in manifest["rejected"]} == {"malformed JSON", "missing field 'text'"}
+    assert len(manifest["rejected"]) == 3
+    reasons = {r["reason"].split(":")[0] for r in manifest["rejected"]}
+    assert reasons == {"malformed JSON", "missing field 'text'", "empty document"}
     assert all("part-bad.jsonl:" in r["location"] for r in manifest["rejected"])
+    assert manifest["rejected"][-1]["location"].endswith("part-bad.jsonl:4")
     decoded = set()
     for split in ("train", "val"):
         data = TokenDataset(root / "tokens", split, verify="full")
@@ -204,6 +207,10 @@ def test_tokenize_with_nothing_readable_is_an_error(tok_dir, tmp_path):
         tokenize(config, progress=False)
     assert len(json.loads((tmp_path / "t" / "manifest.json").read_text())["rejected"]) == 2  # kept for a look
     assert len((tmp_path / "t" / "rejected.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "empty.txt").write_text("")  # a document, but no text: nothing to train on either
+    config.inputs, config.output_dir = [str(tmp_path / "empty.txt")], str(tmp_path / "t2")
+    with pytest.raises(ValueError, match=r"no document was tokenized .* \(first: .*empty.txt: empty document\)"):
+        tokenize(config, progress=False)
 
 
 def test_the_manifest_keeps_examples_of_rejected_records_and_rejected_jsonl_all(tok_dir, tmp_path):
@@ -575,7 +582,7 @@ def test_tokenize_on_ray_writes_what_local_processes_write(dataset, tok_dir, tmp
     for split in ("train", "val"):
         files = [(e["tokens_sha256"], e["docs_sha256"]) for e in local["splits"][split]]
         assert [(e["tokens_sha256"], e["docs_sha256"]) for e in on_ray["splits"][split]] == files
-    assert on_ray["rejected_count"] == local["rejected_count"] == 2
+    assert on_ray["rejected_count"] == local["rejected_count"] == 3
 
 
 def test_a_full_disk_while_storing_an_epoch_is_an_error_naming_the_file(dataset, tmp_path, monkeypatch):

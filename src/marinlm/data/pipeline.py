@@ -37,7 +37,7 @@ from marinlm.data.inputs import expand_inputs, input_note
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, LanguageId, Normalize, NormalizeConfig
 from marinlm.data.pii import MaskPII, PIIConfig
-from marinlm.data.readers import Document, input_parts, read_documents, whole_file_reason
+from marinlm.data.readers import Document, document_location, input_parts, read_documents, whole_file_reason
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -198,8 +198,7 @@ def _read(task: dict, config: PipelineConfig, ctx: ShardContext, rejected_file):
                 stats.bytes_out[source] += size
                 yield item
                 continue
-            location = f"{item.metadata.get('file')}:{item.metadata.get('line', item.metadata.get('row', ''))}"
-            record = {"location": location, "reason": reason, "id": item.id}
+            record = {"location": document_location(item), "reason": reason, "id": item.id}
         else:
             record = {"location": item.location, "reason": item.reason, "raw": item.raw}
         stats.dropped[source]["rejected: " + record["reason"].split(" (")[0].split(":")[0]] += 1

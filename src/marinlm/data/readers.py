@@ -58,6 +58,16 @@ class Document:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def document_location(doc: Document) -> str:
+    """Where a document was read, as a rejected record's location says it: "path:line" (JSON
+    lines), "path:index" (a JSON array), "path:row" (Parquet), or the path of a whole text file."""
+    meta = doc.metadata
+    for key in ("line", "index", "row"):
+        if key in meta:
+            return f"{meta.get('file')}:{meta[key]}"
+    return str(meta.get("file", doc.id))
+
+
 @dataclass
 class Rejected:
     """Input that could not become a document, with where it came from and why."""

@@ -140,7 +140,7 @@ class _SplitWriter:
 
 def tokenize_file(task: dict) -> dict:
     """Worker: tokenize one input file into train/val shards; return its completion record."""
-    from marinlm.data.readers import Document, read_documents
+    from marinlm.data.readers import Document, document_location, read_documents
     from marinlm.tokenizer import MarinTokenizer
 
     tok = MarinTokenizer.load(task["tokenizer"])
@@ -161,7 +161,9 @@ def tokenize_file(task: dict) -> dict:
             batch.clear()
 
         for item in read_documents(Path(task["path"]), task["text_field"], task["id_field"], part=task["part"]):
-            if isinstance(item, Document):
+            if isinstance(item, Document) and not item.text:  # no token to train on: listed, as curation lists it
+                rejected.append({"location": document_location(item), "reason": "empty document", "id": item.id})
+            elif isinstance(item, Document):
                 docs += 1
                 batch.append(item)
                 if len(batch) >= task["batch_docs"]:
