@@ -84,13 +84,13 @@ class Scorer:
     @torch.no_grad()
     def loglikelihood(self, requests: list[Request], desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         encoded = [self.encode_pair(r.context, r.continuation) for r in requests]
-        # A continuation as long as the window (PIQA's longest solutions against a 256-token model)
-        # is scored on its own, in windows; every rank scores all of them, so that every rank runs
-        # the same forwards. They are rare: the context and the others are batched.
-        long = [i for i, (ctx, cont) in enumerate(encoded) if len(ctx) + len(cont) > self.max_length]
+        # A continuation that fills the window by itself (PIQA's longest solutions against a
+        # 256-token model) is rare: it is scored on its own, in windows, by every rank, so that every
+        # rank runs the same forwards. The others are batched.
+        long = {i for i, (ctx, cont) in enumerate(encoded) if len(ctx) + len(cont) > self.max_length}
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i, (ctx, cont) in enumerate(encoded):
-            if len(ctx) + len(cont) <= self.max_length:
+        for i, (ctx, _) in enumerate(encoded):
+            if i not in long:
                 groups[tuple(ctx) if self.share_context else (i, *ctx)].append(i)
         order = sorted(groups, key=lambda k: -(len(k) + max(len(encoded[i][1]) for i in groups[k])))
         batches: list[list[tuple[int, ...]]] = []
@@ -105,7 +105,7 @@ class Scorer:
         mine = batches[self.rank :: self.world]
         total = sum(len(groups[k]) for batch in mine for k in batch) + len(long)
         with progress_bar(total=total, desc=desc, unit="req", disable=not self.progress) as bar:
-            for i in long:
+            for i in sorted(long):
                 results[i] = self._score_long(*encoded[i])
                 bar.update(1)
             for i in range(-(-len(batches) // self.world)):
