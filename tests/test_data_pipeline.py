@@ -915,3 +915,10 @@ def test_a_folder_holding_marinlm_outputs_reads_a_curation_as_its_shards_and_ski
     assert f"- Note: {report['input_notes'][0]}" in (tmp_path / "again" / "report.md").read_text()
     with pytest.raises(ValueError, match=rf"^inputs: {root / 'run'} is a training run's folder"):
         expand_inputs([str(root / "run")])  # given itself, as a curation or token folder is refused
+    # A quickstart's folder holds its corpus and its curation of it: read whole, each text came twice.
+    (root / "qs" / "raw").mkdir(parents=True)
+    (root / "qs" / ".marinlm-quickstart").touch()
+    with pytest.raises(
+        ValueError, match=rf"^inputs: {root / 'qs'} is a quickstart's folder, .* e.g. {root}/qs/curated"
+    ):
+        expand_inputs([str(root / "qs")])

@@ -146,6 +146,13 @@ def test_train_tokenizer_reports_rejects_and_refuses_to_train_on_nothing(tmp_pat
     with pytest.raises(ValueError, match=r"no document to train on .* 3 record\(s\) rejected \(first: .*:1: "):
         train_tokenizer(wrong)
     assert not (tmp_path / "tok2").exists()
+    # Into a folder that holds another kind of output (token shards, a curation, a run): refused.
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / ".marinlm-job.json").write_text('{"job": "tokenize"}')
+    into_shards = TokenizerTrainConfig(inputs=[str(corpus)], output_dir=str(tmp_path / "shards"), vocab_size=600)
+    with pytest.raises(OutputInUseError, match=r"shards: holds token shards; writing a tokenizer there would mix"):
+        train_tokenizer(into_shards)
+    assert [p.name for p in (tmp_path / "shards").iterdir()] == [".marinlm-job.json"]
     # Empty files are documents without text: no tokenizer either.
     (tmp_path / "empty.txt").write_text("")
     empty = TokenizerTrainConfig(inputs=[str(tmp_path / "empty.txt")], output_dir=str(tmp_path / "tok3"))

@@ -204,6 +204,22 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):
     assert steps == sorted(set(steps)) and 99.0 not in losses(attempt).values() and 7 not in losses(attempt)
 
 
+def test_a_run_folder_that_holds_another_kind_of_output_is_refused(token_data, tmp_path):
+    """Checkpoints, metrics and config.yaml written among token shards (or a tokenizer, a curation,
+    a quickstart's stages) would mix the two, and the run's resume would find the other's files."""
+    from marinlm.quickstart import MARKER
+    from marinlm.utils.io import OutputInUseError
+
+    before = sorted(p.name for p in token_data.iterdir())
+    with pytest.raises(OutputInUseError, match=r"holds token shards; writing a training run there would mix"):
+        Trainer(train_config(token_data, token_data, train={"steps": 1}), resume="auto")
+    assert sorted(p.name for p in token_data.iterdir()) == before  # nothing written, nothing removed
+    (tmp_path / "qs").mkdir()
+    (tmp_path / "qs" / MARKER).touch()
+    with pytest.raises(OutputInUseError, match=r"qs: holds a quickstart's stages"):
+        Trainer(train_config(token_data, tmp_path / "qs", train={"steps": 1}), resume="auto")
+
+
 def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path, capsys):
     """DCP loads only what the target asks for: a model with a layer fewer used to resume in silence."""
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))

@@ -279,6 +279,9 @@ def train_tokenizer(
     """
     if not config.inputs:
         raise ValueError("inputs: give at least one file, folder or glob to train on")
+    from marinlm.data.inputs import refuse_other_output
+
+    refuse_other_output(Path(config.output_dir), "tokenizer")
     existing = Path(config.output_dir) / "tokenizer.json"
     if existing.is_file() and not replace:
         raise OutputInUseError(

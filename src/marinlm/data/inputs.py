@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from marinlm.data.readers import SUFFIXES
-from marinlm.utils.io import JOB_FILE, LOCK_FILE
+from marinlm.utils.io import JOB_FILE, LOCK_FILE, QUICKSTART_FILE, OutputInUseError
 
 
 def curated_shards(folder: Path) -> list[Path] | None:
@@ -48,9 +48,12 @@ def _kind(path: Path) -> str:
 
 
 def output_kind(folder: Path) -> str | None:
-    """Which marinlm output `folder` holds: `tokenizer`, `run`, `curate` or `tokenize` (by the job
-    record; a curation may have finished), `job` (another job's, or only its lock); None if none."""
+    """Which marinlm output `folder` holds: `quickstart` (the folder of its stages), `tokenizer`,
+    `run`, `curate` or `tokenize` (by the job record; a curation may have finished), `job` (another
+    job's, or only its lock); None if none."""
     record = folder / JOB_FILE
+    if (folder / QUICKSTART_FILE).is_file():
+        return "quickstart"
     if not record.is_file():
         if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
             return "tokenizer"
@@ -62,6 +65,27 @@ def output_kind(folder: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         job = None
     return job if job in ("curate", "tokenize") else "job"
+
+
+_KINDS = {
+    "tokenizer": "a tokenizer",
+    "run": "a training run",
+    "curate": "a data curation's output",
+    "tokenize": "token shards",
+    "job": "another marinlm job's outputs",
+    "quickstart": "a quickstart's stages (each in its own folder inside it)",
+}
+
+
+def refuse_other_output(folder: Path, kind: str) -> None:
+    """Before a job writes its `kind` of output (see `output_kind`) into `folder`: an OutputInUseError
+    if the folder holds another kind (a tokenizer trained into a curation, a run into token shards),
+    whose files the job's own would mix with."""
+    found = output_kind(folder) if folder.is_dir() else None
+    if found not in (None, kind):
+        raise OutputInUseError(
+            f"{folder}: holds {_KINDS[found]}; writing {_KINDS[kind]} there would mix the two. Give another folder"
+        )
 
 
 def _marinlm_output(folder: Path) -> str | None:
@@ -79,6 +103,10 @@ def _marinlm_output(folder: Path) -> str | None:
         ),
         "tokenize": "holds token shards written by `marinlm tokenize`, not text: give the text it was made from",
         "job": f"holds the outputs of a marinlm job (it has {marker}), not text",
+        "quickstart": (
+            f"is a quickstart's folder, which holds each of its stages, not text: give one, e.g. {folder / 'curated'} "
+            f"(its curated text) or {folder / 'raw'} (its corpus)"
+        ),
     }[output_kind(folder)]
 
 

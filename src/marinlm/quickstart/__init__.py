@@ -24,12 +24,12 @@ from marinlm.config import load_config, save_config
 from marinlm.presets import preset
 from marinlm.quickstart.plan import Replan, calibrate_step_seconds, interrupted_training
 from marinlm.quickstart.report import Stage, unigram_baseline, write_report
-from marinlm.utils.io import write_text_atomic
+from marinlm.utils.io import QUICKSTART_FILE, write_text_atomic
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
 
 
-MARKER = ".marinlm-quickstart"
+MARKER = QUICKSTART_FILE
 
 
 def claim_run_dir(root: Path) -> None:

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, to_dict
+from marinlm.data.inputs import refuse_other_output
 from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
 from marinlm.model.cpu_bf16 import emulated_bf16, gemm_dtype
 from marinlm.model.summary import summarize
@@ -79,6 +80,7 @@ class Trainer(ResumeMixin):
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
+        refuse_other_output(self.run_dir, "run")
         new_folder = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._locked = False

@@ -148,6 +148,7 @@ def remove_stale_temporaries(root: str | Path) -> int:
 
 JOB_FILE = ".marinlm-job.json"
 LOCK_FILE = ".marinlm.lock"
+QUICKSTART_FILE = ".marinlm-quickstart"  # marks a folder the quickstart owns (its stages' outputs)
 _HELD: dict[str, list] = {}  # resolved folder -> [open lock file, holders in this process]
 
 
