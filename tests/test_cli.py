@@ -53,6 +53,23 @@ def test_model_summary_of_a_training_config_uses_its_model_and_seq_len(capsys):
     assert capsys.readouterr().out != out
 
 
+def test_model_summary_of_a_run_folder_reads_its_config_and_other_commands_name_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    from marinlm.config import load_config, save_config
+    from marinlm.train.config import TrainConfig
+
+    save_config(load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml"), run / "config.yaml")  # as a run saves it
+    assert main(["model", "summary", str(CONFIGS / "train" / "tiny.yaml")]) == 0
+    expected = capsys.readouterr().out
+    assert main(["model", "summary", str(run)]) == 0 and capsys.readouterr().out == expected
+    # A folder given where a config file goes: the folder is named, and its config.yaml if it has one.
+    assert main(["train", str(run), "--print-config"]) == 2
+    assert f"{run} is a folder, not a config file; its config file is {run / 'config.yaml'}" in capsys.readouterr().err
+    assert main(["tokenize", str(tmp_path), "--print-config"]) == 2
+    assert f"{tmp_path} is a folder, not a config file\n" in capsys.readouterr().err
+
+
 def test_the_hero_training_config_is_the_runs_recipe(capsys):
     """configs/train/marin-535b-a23b.yaml against ../shared/docs/marin-535b-a23b.md: shape, optimizer,
     schedule, batch, length, precision and checkpoints; its summary gives the run's 18.0T tokens

@@ -219,6 +219,8 @@ def _model_summary(args, overrides) -> int:
     from marinlm.train.config import TrainConfig
 
     seq_len, train = args.seq_len, None
+    if (Path(args.config) / "config.yaml").is_file():  # a run or checkpoint folder: the model it trains
+        args.config = str(Path(args.config) / "config.yaml")
     if "model" in read_yaml(find_config(args.config)):  # a training config (or a run's config.yaml): its model
         train = load_config(TrainConfig, args.config, overrides)
         config, seq_len = train.model, seq_len or train.data.seq_len
@@ -298,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
     summary.add_argument(
-        "config", help="model YAML (e.g. configs/model/marin-535b-a23b.yaml), or a training config or run config.yaml"
+        "config",
+        help="model YAML (e.g. configs/model/marin-535b-a23b.yaml), a training config, or a run or checkpoint "
+        "folder (its config.yaml)",
     )
     summary.add_argument(
         "--seq-len", type=_positive(int, "an integer"), default=None, help="sequence length for attention FLOPs"

@@ -138,6 +138,9 @@ for _tag, _construct in (
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping with `safe_load`, resolving `include:` (a path or list, relative to the file)."""
     path = Path(path)
+    if path.is_dir():  # a run or checkpoint folder, say: its config.yaml is the file meant
+        inside = f"; its config file is {path / 'config.yaml'}" if (path / "config.yaml").is_file() else ""
+        raise ConfigError("", f"{path} is a folder, not a config file{inside}")
     if not path.is_file():
         from marinlm.presets import shipped_configs
 
