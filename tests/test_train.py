@@ -199,6 +199,7 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(token_data, tmp_path):
     attempt = tmp_path / "attempt"
     attempt.mkdir()
     (attempt / "metrics.jsonl").write_text('{"step": 1, "train/loss": 99.0}\n{"step": 7, "train/loss": 98.0}\n')
+    (attempt / ".marinlm.lock").write_text("pid 1 on a host\n")  # and its lock: no other job's outputs
     run_training(train_config(token_data, attempt, train={"steps": 2}), resume="auto")
     steps = [r["step"] for r in read_metrics(attempt) if "train/loss" in r]
     assert steps == sorted(set(steps)) and 99.0 not in losses(attempt).values() and 7 not in losses(attempt)
@@ -218,6 +219,20 @@ def test_a_run_folder_that_holds_another_kind_of_output_is_refused(token_data, t
     (tmp_path / "qs" / MARKER).touch()
     with pytest.raises(OutputInUseError, match=r"qs: holds a quickstart's stages"):
         Trainer(train_config(token_data, tmp_path / "qs", train={"steps": 1}), resume="auto")
+
+
+def test_resuming_with_a_length_before_the_checkpoint_is_refused_and_rewrites_nothing(token_data, tmp_path):
+    """train.steps below the resumed step trained nothing, said "the run had already finished", and
+    rewrote the run's config.yaml with the shorter length."""
+    from marinlm.config import ConfigError
+
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}))
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(
+        ConfigError, match=r"^train.steps: 2 is before step 4, which the run resumes from .*step-00000004"
+    ):
+        Trainer(train_config(token_data, tmp_path / "run", train={"steps": 2}), resume="auto")
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved
 
 
 def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path, capsys):

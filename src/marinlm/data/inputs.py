@@ -72,7 +72,6 @@ _KINDS = {
     "run": "a training run",
     "curate": "a data curation's output",
     "tokenize": "token shards",
-    "job": "another marinlm job's outputs",
     "quickstart": "a quickstart's stages (each in its own folder inside it)",
 }
 
@@ -80,9 +79,10 @@ _KINDS = {
 def refuse_other_output(folder: Path, kind: str) -> None:
     """Before a job writes its `kind` of output (see `output_kind`) into `folder`: an OutputInUseError
     if the folder holds another kind (a tokenizer trained into a curation, a run into token shards),
-    whose files the job's own would mix with."""
+    whose files the job's own would mix with. A bare lock (`job`: a job that stopped before it wrote
+    anything, or one just starting there) is no other kind."""
     found = output_kind(folder) if folder.is_dir() else None
-    if found not in (None, kind):
+    if found not in (None, "job", kind):
         raise OutputInUseError(
             f"{folder}: holds {_KINDS[found]}; writing {_KINDS[kind]} there would mix the two. Give another folder"
         )

@@ -80,7 +80,8 @@ class Trainer(ResumeMixin):
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
-        refuse_other_output(self.run_dir, "run")
+        if self.info.is_main:  # before it takes the folder; the other ranks would see its lock
+            refuse_other_output(self.run_dir, "run")
         new_folder = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._locked = False
@@ -171,6 +172,12 @@ class Trainer(ResumeMixin):
         self.peak_flops = matmul_peak_flops(gemm_dtype(dtype, self.device), self.device.type)
         self.initialized_from: str | None = None
         resumed_from = self._resume(resume)
+        if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
+            raise ConfigError(
+                "train.steps",
+                f"{c.train.steps} is before step {self.step}, which the run resumes from ({resumed_from}): nothing "
+                f"would train; give train.steps past {self.step}, or start a new run_dir",
+            )
         if c.checkpoint.space_check:
             estimate = estimate_local_bytes(self.model, self.optimizer)
             self.checkpoints.check_room_for_run(
