@@ -301,6 +301,9 @@ def test_a_corrupt_validation_split_is_an_error_and_a_missing_one_a_warning(toke
     with pytest.raises(ShardError, match=r"data\.sources\[0\]\.path: .*nowhere: no such folder"):
         Trainer(train_config(tmp_path / "nowhere", tmp_path / "run"), resume="none")
     assert not (tmp_path / "run").exists()  # a start that fails leaves no run folder (it held only a lock file)
+    with pytest.raises(ShardError, match=r"nowhere: no such folder \(token shards are made by `marinlm tokenize`"):
+        Trainer(train_config(tmp_path / "nowhere", tmp_path / "runs" / "tiny"), resume="none")
+    assert not (tmp_path / "runs").exists()  # nor the parent folders it made for it
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "notes.txt").write_text("mine")
     with pytest.raises(ShardError, match="no such folder"):

@@ -42,7 +42,7 @@ def not_token_shards(folder: Path) -> str:
 
     tokenize = "marinlm tokenize configs/tokenize/default.yaml --inputs='[{}]' --tokenizer=TOKENIZER --output_dir=DIR"
     if not folder.exists():
-        return "no such folder"
+        return "no such folder (token shards are made by `marinlm tokenize`, or by `marinlm quickstart`)"
     if not folder.is_dir():
         return "is a file, not a folder of token shards (the folder `marinlm tokenize` wrote)"
     try:

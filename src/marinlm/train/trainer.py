@@ -82,7 +82,8 @@ class Trainer(ResumeMixin):
         self.run_dir = Path(c.run_dir)
         if self.info.is_main:  # before it takes the folder; the other ranks would see its lock
             refuse_other_output(self.run_dir, "run")
-        new_folder = not self.run_dir.exists()
+        # The outermost folder this run makes (runs/ of runs/tiny, where neither exists): removed if it fails.
+        made = next((p for p in reversed([self.run_dir, *self.run_dir.parents]) if not p.exists()), None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._locked = False
         if self.info.is_main:  # one job at a time writes a run folder (a second `train` would interleave)
@@ -92,8 +93,8 @@ class Trainer(ResumeMixin):
             self._set_up(resume)
         except BaseException:  # bad data, no memory, Ctrl-C: leave no half-made run folder behind
             self.close()
-            if new_folder and self.info.is_main:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            if made is not None and self.info.is_main:
+                shutil.rmtree(made, ignore_errors=True)
             raise
 
     def _set_up(self, resume: str) -> None:
