@@ -24,7 +24,7 @@ from torch import nn
 from marinlm.model.config import AttentionConfig
 from marinlm.model.cpu_attention import scaled_dot_product_attention
 from marinlm.model.cpu_bf16 import Linear
-from marinlm.model.layers import ConvState, SConv, apply_rope, rms_normalize, rope_cos_sin, trunc_normal_
+from marinlm.model.layers import ConvState, SConv, qk_transform, rope_cos_sin, trunc_normal_
 
 
 def attention_mask(
@@ -238,18 +238,15 @@ class Attention(nn.Module):
         # Global layers read the first K of the stored KV heads (Marin: 6 of 12).
         k_BTKD = k_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
         v_BTKD = v_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
-        if self.config.qk_norm:
-            q_BTHD = rms_normalize(q_BTHD)
-            k_BTKD = rms_normalize(k_BTKD)
-            if self.q_norm_weight is not None:
-                q_BTHD = q_BTHD * self.q_norm_weight.to(q_BTHD.dtype)
-                k_BTKD = k_BTKD * self.k_norm_weight.to(k_BTKD.dtype)
+        # QK-norm (with Qwen3's gains where configured), RoPE and qk_mult, each one fused node.
+        cos = sin = None
         if self.use_rope:
             cos, sin = rope_cos_sin(pos_BT, self.config.rope_dim, self.config.rope_theta)
-            q_BTHD = apply_rope(q_BTHD, cos, sin)
-            k_BTKD = apply_rope(k_BTKD, cos, sin)
-        if self.config.qk_mult != 1.0:
-            q_BTHD = q_BTHD * self.config.qk_mult
+        norm = self.config.qk_norm
+        q_BTHD = qk_transform(
+            q_BTHD, normalize=norm, gain=self.q_norm_weight, cos_BTR=cos, sin_BTR=sin, mult=self.config.qk_mult
+        )
+        k_BTKD = qk_transform(k_BTKD, normalize=norm, gain=self.k_norm_weight, cos_BTR=cos, sin_BTR=sin)
         q_BHTD = q_BTHD.transpose(1, 2)
         k_BKTD = k_BTKD.transpose(1, 2)
         v_BKTD = v_BTKD.transpose(1, 2)
