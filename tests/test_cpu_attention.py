@@ -100,3 +100,25 @@ def test_taken_for_short_native_bf16_rows_only(monkeypatch):
     assert not take(q, k, attn_mask=torch.zeros(8, 8))  # an additive float mask goes to SDPA
     monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
     assert not take(q, k)  # emulated bf16 GEMMs: model/cpu_bf16.py's fp32 path
+
+
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_autocast_does_not_lower_its_fp32_products(backward_under_autocast):
+    """The model calls it inside `torch.autocast("cpu", bfloat16)`, where a plain torch.bmm of
+    fp32 operands would run in bf16 and round the scores (and, with the backward inside the
+    autocast region too, dP): it must compute the same numbers as outside autocast."""
+    case, B = CASES["causal, grouped heads"], 2
+    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.bfloat16, seed=5, spread=3.0)
+    g = torch.randn(B, case["H"], case["T"], 16, generator=torch.Generator().manual_seed(6)).bfloat16()
+
+    def attend(q, k, v):
+        return cpu_attention.short_attention(q, k, v, None, is_causal=True)
+
+    plain = outputs_and_grads(attend, q, k, v, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q, k, v)
+        grads = torch.autograd.grad(y, (q, k, v), g) if backward_under_autocast else None
+    if grads is None:
+        grads = torch.autograd.grad(y, (q, k, v), g)
+    for what, a, b in zip(("y", "dq", "dk", "dv"), [y, *grads], plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=what)

@@ -9,6 +9,8 @@ The scores are fp32 (fp32 operands), the softmax is fp32 and kept in fp32 for th
 the probabilities are rounded to the input dtype only as operands of the products with V and
 dY. The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
 dQ = dS·K, dK = dSᵀ·Q), with dP in fp32 and dS rounded to the input dtype for its two GEMMs.
+Both passes run with autocast off: inside the model's `torch.autocast("cpu", bfloat16)` the fp32
+products would otherwise run in bf16 and round the scores (as they did before 2026-12-02).
 
 torch's CPU flash kernel works through queries and keys in blocks, which pays at long rows where
 [T, S] scores would not fit in cache, and costs at short ones. At the bench/train_step.py shape
@@ -70,6 +72,18 @@ def _probabilities(q_XMD, k_XSD, bias_B11TS, G, scale):
 class _ShortAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale):
+        # Autocast would run the fp32 products below in bf16 (the model calls this inside it, and
+        # the backward may run inside it too): the dtypes here are chosen by hand.
+        with torch.autocast(q_BHTD.device.type, enabled=False):
+            return _ShortAttention._forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale)
+
+    @staticmethod
+    def backward(ctx, dy_BHTD):
+        with torch.autocast(dy_BHTD.device.type, enabled=False):
+            return _ShortAttention._backward(ctx, dy_BHTD)
+
+    @staticmethod
+    def _forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale):
         B, H, T, Dh = q_BHTD.shape
         K, S = k_BKSD.shape[1], k_BKSD.shape[2]
         G = H // K
@@ -84,7 +98,7 @@ class _ShortAttention(torch.autograd.Function):
         return y_XMD.view(B, H, T, Dh)
 
     @staticmethod
-    def backward(ctx, dy_BHTD):
+    def _backward(ctx, dy_BHTD):
         q_XMD, k_XSD, v_XSD, p_XMS, p_low_XMS, y_XMD = ctx.saved_tensors
         q_shape, k_shape = ctx.shapes
         dtype = y_XMD.dtype
