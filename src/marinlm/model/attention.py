@@ -238,7 +238,8 @@ class Attention(nn.Module):
         # Global layers read the first K of the stored KV heads (Marin: 6 of 12).
         k_BTKD = k_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
         v_BTKD = v_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
-        # QK-norm (with Qwen3's gains where configured), RoPE and qk_mult, each one fused node.
+        # QK-norm (with Qwen3's gains where configured), RoPE and qk_mult: one fused node for the
+        # queries and one for the keys.
         cos = sin = None
         if self.use_rope:
             cos, sin = rope_cos_sin(pos_BT, self.config.rope_dim, self.config.rope_theta)
