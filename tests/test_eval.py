@@ -914,6 +914,27 @@ def test_without_data_dir_tasks_come_from_the_env_or_an_error_says_how(tmp_path,
         prepare(EvalOptions(tasks=["arc_easy"], data_dir=str(tmp_path / "elsewhere")))  # no hint: it was given
 
 
+def test_an_unreachable_hub_for_hf_task_files_is_an_error_not_a_traceback(tmp_path, loaded, monkeypatch, capsys):
+    """`--hf FILE=NAME:SPLIT` on a machine without the Hub: HF datasets retries, then raises
+    ConnectionError, which `marinlm eval` printed as a traceback."""
+    import datasets
+
+    import marinlm.train.inference as inference
+    from marinlm.cli import main
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/hellaswag' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(inference, "load_model", lambda run_arg, device: loaded)
+    argv = ["eval", "run", "--tasks", "hellaswag", "--hf", "hellaswag_val.jsonl=org/hellaswag:validation"]
+    assert main([*argv, "--output", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hf source for hellaswag_val.jsonl (org/hellaswag:validation): Couldn't reach")
+    assert "--data-dir" in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_cli_results_outlive_checkpoint_retention_and_never_overwrite(tmp_path, loaded, monkeypatch):
     """`marinlm eval RUN` wrote CHECKPOINT/eval.json: while training went on, retention
     (checkpoint.keep_last) deleted that checkpoint folder and the results with it, and a second

@@ -66,10 +66,17 @@ def _hf_rows(spec: str, name: str) -> list[dict]:
     if len(parts) not in (2, 3):
         raise TaskDataError(f"hf source for {name}: expected NAME[:CONFIG]:SPLIT, got {spec!r}")
     dataset, config, split = parts if len(parts) == 3 else (parts[0], None, parts[1])
-    if dataset in ("json", "csv", "parquet"):
-        ds = datasets.load_dataset(dataset, data_files=config, split=split)
-    else:
-        ds = datasets.load_dataset(dataset, config, split=split)
+    try:
+        if dataset in ("json", "csv", "parquet"):
+            ds = datasets.load_dataset(dataset, data_files=config, split=split)
+        else:
+            ds = datasets.load_dataset(dataset, config, split=split)
+    except ConnectionError as e:  # offline, or the Hub unreachable: a message, not a traceback
+        raise TaskDataError(
+            f"hf source for {name} ({spec}): {e}; this machine cannot reach the Hugging Face Hub. "
+            f"Put {name} in a folder given by --data-dir instead, or read it from a local HF cache "
+            "(HF_DATASETS_OFFLINE=1)"
+        ) from None
     return [dict(row) for row in ds]
 
 
