@@ -548,6 +548,28 @@ def test_ray_executor_without_ray_is_a_config_error(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()  # refused before any output folder is made
 
 
+def test_ray_address_is_checked_before_ray_waits_for_a_missing_head(tmp_path, monkeypatch):
+    """`ray_address` naming a host:port where no Ray head runs left `ray.init` retrying for
+    minutes with GCS warnings; a malformed one reached Ray."""
+    import socket
+
+    from marinlm.utils.pool import ray_map
+
+    with pytest.raises(ConfigError, match=r"ray_address: must be '' \(Ray on this machine\), 'auto', HOST:PORT"):
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path)]}], ray_address="headnode")
+    for address in ("", "auto", "10.0.0.5:6379", "ray://head:10001", "[::1]:6379"):
+        bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path)]}], ray_address=address)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `marinlm data run`
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"ray_address: no Ray head answers at 127.0.0.1:{port} .*ray start --head"):
+        next(ray_map(str, [1], address=f"127.0.0.1:{port}"))
+    assert time.monotonic() - start < 10
+
+
 @pytest.mark.slow
 def test_ray_executor_matches_local(tmp_path):
     pytest.importorskip("ray")

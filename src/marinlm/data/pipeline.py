@@ -103,7 +103,7 @@ class PipelineConfig:
     progress: bool = True
 
     def __post_init__(self):
-        check_executor(self.executor)
+        check_executor(self.executor, self.ray_address)
         check(bool(self.output_dir.strip()), "output_dir", "must name a folder")
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         check(self.split_bytes >= 0, "split_bytes", f"must be >= 0 (0 = a task per file), got {self.split_bytes}")

@@ -57,7 +57,7 @@ class TokenizeConfig:
         check(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
         check(self.batch_docs > 0, "batch_docs", f"must be positive, got {self.batch_docs}")
         check(self.split_bytes >= 0, "split_bytes", f"must be >= 0 (0 = a unit per file), got {self.split_bytes}")
-        check_executor(self.executor)
+        check_executor(self.executor, self.ray_address)
 
 
 def split_key(doc_id: str, seed: int) -> float:

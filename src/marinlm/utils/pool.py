@@ -15,8 +15,9 @@ from concurrent.futures.process import BrokenProcessPool
 EXECUTORS = ("local", "ray")
 
 
-def check_executor(executor: str) -> None:
-    """A config's `executor` is known and, for Ray, installed (a ConfigError naming the key)."""
+def check_executor(executor: str, ray_address: str = "") -> None:
+    """A config's `executor` is known and, for Ray, installed, and its `ray_address` has a form Ray
+    takes (a ConfigError naming the key)."""
     from marinlm.config import check
 
     check(executor in EXECUTORS, "executor", f"must be local or ray, got {executor!r}")
@@ -25,6 +26,39 @@ def check_executor(executor: str) -> None:
         "executor",
         "'ray' needs Ray installed: `pip install 'marinlm[ray]'`, or use 'local'",
     )
+    check(
+        ray_address in ("", "auto", "local") or _ray_head(ray_address) is not None,
+        "ray_address",
+        f"must be '' (Ray on this machine), 'auto', HOST:PORT or ray://HOST:PORT, got {ray_address!r}",
+    )
+
+
+def _ray_head(address: str) -> tuple[str, int] | None:
+    """(host, port) of a HOST:PORT or ray://HOST:PORT address; None for any other form."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    return (host, int(port)) if sep and host and port.isdigit() else None
+
+
+def check_ray_head_reachable(address: str, timeout: float = 5.0) -> None:
+    """Raise a ConfigError naming `ray_address` where a HOST:PORT head does not accept a TCP
+    connection within `timeout` seconds. Without this, `ray.init` against a head that is not
+    running retries for minutes, printing only GCS connection warnings."""
+    import socket
+
+    from marinlm.config import ConfigError
+
+    head = _ray_head(address)
+    if head is None:
+        return
+    try:
+        socket.create_connection(head, timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(
+            "ray_address",
+            f"no Ray head answers at {head[0]}:{head[1]} ({e.strerror or e}); start one there with "
+            f"`ray start --head --port {head[1]}`, or leave ray_address empty to run Ray on this machine",
+        ) from None
 
 
 class WorkerDied(RuntimeError):
@@ -127,6 +161,7 @@ def ray_map(fn: Callable, tasks: Iterable, address: str = "", num_cpus: int | No
     import ray
 
     if not ray.is_initialized():
+        check_ray_head_reachable(address)
         ray.init(
             address=address or None,
             include_dashboard=False,
