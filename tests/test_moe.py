@@ -31,7 +31,8 @@ def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-3", "bmm", "loop"])
 def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
     if impl == "chunked-of-3":  # experts span several chunks, the last one part padding
-        monkeypatch.setattr(experts_module, "chunk_rows", lambda assignments, experts: 3)
+        monkeypatch.setattr(experts_module, "CHUNK_ROWS", (3,))
+        monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
         impl = "chunked"
     torch.manual_seed(0)
     module = RoutedExperts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
@@ -66,7 +67,8 @@ def test_no_tokens_give_an_empty_output(impl):
 @pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
 def test_capacity_drops_later_tokens_and_counts_them(impl, full, monkeypatch):
     if impl == "chunked-of-4":
-        monkeypatch.setattr(experts_module, "chunk_rows", lambda assignments, experts: 4)
+        monkeypatch.setattr(experts_module, "CHUNK_ROWS", (4,))
+        monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
         impl = "chunked"
     torch.manual_seed(2)
     module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
@@ -142,28 +144,50 @@ def test_auto_kernel_is_chunked_only_for_native_cpu_bf16():
     assert resolve_impl("auto", cpu, (6, 4), torch.float32) == "bmm"  # unaligned for grouped_mm
 
 
-def test_chunk_rows_follow_the_mean_load():
-    chunk_rows = experts_module.chunk_rows
-    assert chunk_rows(4096, 32) == 64  # mean 128: the smallest chunk
-    assert chunk_rows(32768, 32) == 256  # mean 1,024: a quarter of it
-    assert chunk_rows(1 << 20, 8) == 512  # capped
-    assert chunk_rows(10, 0) == 64
-
-
-def test_chunk_plan_pads_the_least():
+def test_chunk_plan_weighs_padding_against_gathered_chunks():
     plan = experts_module._chunk_plan
-    # Near balance (mean 100, largest 110): one chunk per expert, 128 rows wide (32-row steps),
-    # no more rows than 64-row chunks take (4,096).
-    balanced = torch.tensor([100, 110, 90, 100] * 8)
-    rows, chunks = plan(balanced, int(balanced.sum()))
-    assert rows == 128 and chunks.tolist() == [1] * 32
-    # Largest load 150: one chunk each would be 160 wide (5,120 rows); 64-row chunks take 4,608.
-    rows, chunks = plan(torch.tensor([128, 150, 106, 128] * 8), 4096)
-    assert rows == 64 and chunks.tolist() == [2, 3, 2, 2] * 8
-    # Skewed as at initialisation (one expert with 4x the mean): 64-row chunks.
-    skewed = torch.tensor([512] + [113] * 31)
-    rows, chunks = plan(skewed, int(skewed.sum()))
-    assert rows == 64 and chunks.tolist() == [8] + [2] * 31
+    # Near balance (mean 128, largest 149): one chunk per expert, 160 rows wide (32-row steps),
+    # no matrices gathered, though 64-row chunks would pad less (79 chunks, 5,056 rows).
+    balanced = torch.tensor([112, 149, 120, 131] * 8)
+    rows, chunks, gathered = plan(balanced)
+    assert (rows, chunks.tolist(), gathered) == (160, [1] * 32, False)
+    # Skewed as at initialisation (largest 297): 128-row chunks, gathered.
+    skewed = torch.tensor([297, 55] + [128] * 30)
+    rows, chunks, gathered = plan(skewed)
+    assert (rows, chunks.tolist(), gathered) == (128, [3, 1] + [1] * 30, True)
+    # Loads of 700 and one of 2,000: 256-row chunks (25,600 rows, 100 chunks) over 512-row (33,280,
+    # 65) and 128-row (25,472, 199).
+    rows, chunks, gathered = plan(torch.tensor([2000, 300] + [700] * 30))
+    assert (rows, chunks.tolist(), gathered) == (256, [8, 2] + [3] * 30, True)
+    # Every expert fits one chunk of some size: that size, nothing gathered.
+    rows, chunks, gathered = plan(torch.tensor([200, 256, 250, 180] * 8))
+    assert (rows, chunks.tolist(), gathered) == (256, [1] * 32, False)
+    # bmm: one chunk per expert, as wide as the capacity.
+    rows, chunks, gathered = plan(skewed, capacity=200, one_per_expert=True)
+    assert (rows, chunks.tolist(), gathered) == (200, [1] * 32, False)
+
+
+def test_as_many_chunks_as_experts_still_gathers_each_chunks_matrices(monkeypatch):
+    """Loads [100, 0, 50, 50] in 64-row chunks: 4 chunks for 4 experts, but the second chunk is
+    expert 0's, not expert 1's. (Until 2026-12-02 the kernel took C == E to mean one chunk per
+    expert, and multiplied it by expert 1's matrices.)"""
+    monkeypatch.setattr(experts_module, "CHUNK_ROWS", (64,))
+    monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
+    torch.manual_seed(0)
+    module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl="chunked")
+    module.reset_parameters()
+    experts = torch.tensor([0] * 100 + [2] * 50 + [3] * 50).view(-1, 1)
+    rows, chunks, gathered = experts_module._chunk_plan(torch.bincount(experts.flatten(), minlength=4))
+    assert (rows, chunks.tolist(), gathered) == (64, [2, 0, 1, 1], True)
+    x = torch.randn(200, 8, requires_grad=True)
+    weights = torch.rand(200, 1)
+    got, _ = module(x, experts, weights)
+    want = naive_experts(module, x, experts, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(got)
+    params = [x, module.gate_proj, module.up_proj, module.down_proj]
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def identity_router(cls, config, num_experts, top_k):

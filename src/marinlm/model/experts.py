@@ -14,11 +14,12 @@ Four interchangeable kernels compute the sorted rows:
 
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
   backward (its own fails on CPU with "Invalid strides/sizes").
-- `chunked`: each expert's rows padded to whole chunks of R rows (`chunk_rows`: 64 to 512), and
-  one batched matmul over the chunks with each chunk's expert matrix gathered beside it. Padding
-  costs less than one chunk per expert, whatever the loads; the weight gradient sums each
-  expert's chunks in fp32. Where loads are near balance and that pads no less, one chunk per
-  expert as wide as the largest load, in 32-row steps (`_chunk_plan`).
+- `chunked`: each expert's rows padded to whole chunks of R rows (64 to 512), and one batched
+  matmul over the chunks with each chunk's expert matrix gathered beside it; the weight gradient
+  sums each expert's chunks in fp32. Padding costs less than one chunk per expert, whatever the
+  loads. Where loads are near balance, one chunk per expert as wide as the largest load, in
+  32-row steps, which gathers and sums nothing. `_chunk_plan` picks, per forward, the plan
+  of fewest rows plus a measured cost per gathered chunk (CHUNK_COST_ROWS).
 - `bmm`: the same layout with one chunk per expert, as wide as the capacity or the largest load;
   batched matmuls over the stacked matrices, paying for the padding of every smaller load.
 - `loop`: one matmul per expert; the reference, and needs a host sync for the counts.
@@ -174,18 +175,20 @@ class _ChunkWeights(torch.autograd.Function):
         return dw_EIO.to(ctx.dtype), None, None
 
 
-def chunk_rows(assignments: int, num_experts: int) -> int:
-    """Rows per chunk of the `chunked` kernel: a quarter of the mean load, as a power of two in
-    [64, 512]. Each expert's rows are padded to whole chunks, so a chunk is at most a quarter of
-    an average expert's rows of padding; larger chunks mean fewer gathered weight copies and
-    larger products. On the 2-core EPYC in bf16, forward and backward at bench/experts.py's
-    shape (8,192 x 4 assignments over 32 experts, mean 1,024; one run each, on a noisy host):
-    64 rows 178-325 ms, 128 rows 176 ms, 256 rows 139 ms, 512 rows 183 ms."""
-    mean = assignments / max(num_experts, 1)
-    rows = 64
-    while rows < 512 and rows * 2 <= mean / 4:
-        rows *= 2
-    return rows
+# Rows per chunk the `chunked` kernel chooses from, and what one chunk with gathered matrices
+# costs, in rows of expert compute: its three fp32 -> bf16 matrix copies in the forward pass, and
+# in the backward its three gradients cast to fp32 and summed per expert. Fitted on the 2-core
+# AVX512-BF16 EPYC in bf16 (2026-12-02, forward and backward, minima of 8-15 interleaved rounds),
+# where the cost per chunk came to 35-50 rows at both shapes below. At 1,024 x 4 assignments over
+# 32 experts, 384 -> 96 (mean load 128), near balance (largest load 149): one chunk per expert
+# (5,120 rows) 10.6 ms, 64-row chunks (79 chunks, 5,056 rows) 14.4, 128-row (47, 6,016) 12.8;
+# largest load 297: 128-row chunks 12.6, 64-row 13.8, 256-row 14.8, one per expert (10,240
+# rows) 16.1; largest 555: 13.9, 14.7, 16.5 and 26.6. At 8,192 x 4 over 32, 192 -> 192 (mean
+# 1,024): near balance, one per expert 55.9 ms against 65.8 for 256-row chunks; largest 2,368:
+# 256-row 63.0, 512-row 63.7, 128-row 69.3, one per expert 102.0; largest 4,407: 65.2, 66.0,
+# 72.8 and 177.6. The plan of least estimated cost was the fastest, or within 2%, in each case.
+CHUNK_ROWS = (64, 128, 256, 512)
+CHUNK_COST_ROWS = 48
 
 
 def compute_dtype(x: torch.Tensor, impl: str = "bmm") -> torch.dtype:
@@ -218,26 +221,33 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
 
 
 def _chunk_plan(
-    counts_E: torch.Tensor, assignments: int, capacity: int | None = None, one_per_expert: bool = False
-) -> tuple[int, torch.Tensor]:
-    """(rows per chunk R, chunks per expert) for the padded kernels.
+    counts_E: torch.Tensor, capacity: int | None = None, one_per_expert: bool = False
+) -> tuple[int, torch.Tensor, bool]:
+    """(rows per chunk R, chunks per expert, whether each chunk needs its expert's matrices
+    gathered) for the padded kernels.
 
     `bmm` (`one_per_expert`): one chunk per expert, as wide as the capacity or the largest load.
-    `chunked`: `chunk_rows` chunks or, where that pads no less (loads near balance), one chunk per
-    expert as wide as the largest load rounded up to 32 rows, which needs no gathered weights and
-    no summed weight gradients.
+    `chunked`: of one chunk per expert as wide as the largest load (in 32-row steps) and the
+    whole chunks of each size in CHUNK_ROWS, the plan with the fewest rows plus CHUNK_COST_ROWS
+    per gathered chunk. Matrices are gathered unless every expert has exactly one chunk.
     """
     E = counts_E.shape[0]
     if one_per_expert:
         widest = capacity if capacity is not None else max(int(counts_E.max()), 1)
-        return widest, torch.ones_like(counts_E)
-    R = chunk_rows(assignments, E)
-    chunks_E = (counts_E + R - 1) // R
+        return widest, torch.ones_like(counts_E), False
+    sizes = torch.tensor(CHUNK_ROWS, device=counts_E.device)
+    chunks_ZE = (counts_E + sizes[:, None] - 1) // sizes[:, None]
+    single_Z = (chunks_ZE == 1).all(1)
     widest = (counts_E.max().clamp_min(1) + 31) // 32 * 32
-    padded, widest = torch.stack([chunks_E.sum() * R, widest]).tolist()  # one host sync
-    if E * widest <= padded:
-        return widest, torch.ones_like(counts_E)
-    return R, chunks_E
+    host = torch.cat([chunks_ZE.sum(1), single_Z.long(), widest.view(1)]).tolist()  # one host sync
+    totals, singles = host[: len(CHUNK_ROWS)], host[len(CHUNK_ROWS) : -1]
+    best = (E * host[-1], host[-1], None, False)  # (cost, R, plan index, gathered)
+    for z, (R, C, single) in enumerate(zip(CHUNK_ROWS, totals, singles)):
+        cost = C * R + (0 if single else CHUNK_COST_ROWS * C)
+        if cost < best[0]:
+            best = (cost, R, z, not single)
+    _, R, z, gathered = best
+    return R, torch.ones_like(counts_E) if z is None else chunks_ZE[z], gathered
 
 
 class RoutedExperts(nn.Module):
@@ -303,9 +313,9 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"unknown expert impl {impl!r}; valid: auto, grouped_mm, chunked, bmm, loop")
         S = N * k
         padded = impl in ("chunked", "bmm")  # each expert's rows padded to whole chunks of R rows
+        gathered = False  # whether each chunk gets its expert's matrices gathered beside it
         if padded:
-            kept = S if keep_A is None else int(counts_E.sum())  # these kernels' plan syncs anyway
-            R, chunks_E = _chunk_plan(counts_E, kept, capacity if impl == "bmm" else None, impl == "bmm")
+            R, chunks_E, gathered = _chunk_plan(counts_E, capacity if impl == "bmm" else None, impl == "bmm")
             row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * R + rank_A
             expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
             P = expert_C.shape[0] * R
@@ -327,7 +337,7 @@ class RoutedExperts(nn.Module):
         # outputs: min 587 against 603 ms and 554 against 569 (10 rounds each); fp32 884 against 889.
         w_P1 = _take(weights_NK.reshape(-1, 1).to(dtype), slot_P, pad=has_padding)  # padding rows: weight 0
         experts = (self.gate_proj, self.up_proj, self.down_proj)
-        if padded and P != E * R:  # several chunks for some expert: each chunk's matrices
+        if gathered:  # not exactly one chunk per expert: each chunk's matrices
             w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
         else:  # otherwise the stacked matrices as they are
             w_gate, w_up, w_down = (w.to(dtype) for w in experts)
