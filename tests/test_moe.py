@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from marinlm.model import AuxFreeRouterConfig, QBRouterConfig, RouterStats, SoftmaxTopKRouterConfig
 from marinlm.model import experts as experts_module
@@ -98,6 +100,61 @@ def test_capacity_drops_later_tokens_and_counts_them(impl, full, monkeypatch):
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def keep_first(experts, capacity, num_experts):
+    """Which assignments survive a capacity: the first `capacity` of each expert in token order."""
+    keep = torch.ones(experts.shape, dtype=torch.bool)
+    if capacity is None:
+        return keep
+    seen = [0] * num_experts
+    for n in range(experts.shape[0]):
+        for j in range(experts.shape[1]):
+            e = experts[n, j].item()
+            keep[n, j] = seen[e] < capacity
+            seen[e] += 1
+    return keep
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    impl=st.sampled_from(["grouped_mm", "chunked", "bmm", "loop"]),
+    tokens=st.integers(1, 40),
+    num_experts=st.integers(1, 7),
+    top_k=st.integers(1, 3),
+    skew=st.floats(0.0, 4.0),
+    capacity=st.one_of(st.none(), st.integers(1, 12)),
+    chunk_rows=st.lists(st.integers(1, 9), min_size=1, max_size=3, unique=True),
+    chunk_cost=st.sampled_from([0, 2, 48]),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_kernels_match_the_naive_loop_for_any_routing(
+    impl, tokens, num_experts, top_k, skew, capacity, chunk_rows, chunk_cost, seed
+):
+    """Any loads (empty experts, one expert taking most, capacity drops) and any chunk plan the
+    `chunked` kernel may choose give the naive loop's output and gradients."""
+    top_k = min(top_k, num_experts)
+    g = torch.Generator().manual_seed(seed)
+    popularity = torch.randn(num_experts, generator=g) * skew
+    scores = torch.rand(tokens, num_experts, generator=g).log().neg().log().neg() + popularity
+    experts = scores.topk(top_k, dim=-1).indices  # distinct experts per token, skewed loads
+    module = RoutedExperts(num_experts=num_experts, dim=8, hidden=12, init_std=0.2, impl=impl)
+    torch.manual_seed(seed)
+    module.reset_parameters()
+    x = torch.randn(tokens, 8, generator=g, requires_grad=True)
+    weights = torch.rand(tokens, top_k, generator=g, requires_grad=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts_module, "CHUNK_ROWS", tuple(sorted(chunk_rows)))
+        mp.setattr(experts_module, "CHUNK_COST_ROWS", chunk_cost)
+        got, dropped = module(x, experts, weights, capacity=capacity)
+    keep = keep_first(experts, capacity, num_experts)
+    assert dropped.item() == (~keep).sum().item()
+    want = naive_experts(module, x, experts, weights, keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    params = [x, weights, module.gate_proj, module.up_proj, module.down_proj]
+    grad = torch.randn(got.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(got, params, grad), torch.autograd.grad(want, params, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_rejects_unaligned_widths_clearly():
