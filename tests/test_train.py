@@ -597,6 +597,37 @@ def test_a_resumed_runs_summary_times_its_own_steps(token_data, tmp_path, capsys
     assert "done: step 8 (4 from step 4) in " in out
 
 
+def test_a_long_runs_mfu_is_against_the_higher_of_the_peaks_measured_at_its_start_and_end(
+    token_data, tmp_path, monkeypatch
+):
+    """A start-up measurement on a busy host understates the peak (and overstates MFU): a run that
+    lasts (here: any run, the threshold set to 0) measures again at its end and keeps the higher."""
+    import marinlm.train.trainer as trainer_module
+
+    peaks = iter([50e9, 200e9])  # the start's, then the end's
+    calls = []
+    monkeypatch.setattr(trainer_module, "matmul_peak_flops", lambda *a, **k: calls.append(a) or next(peaks))
+    monkeypatch.setattr(trainer_module, "REMEASURE_PEAK_AFTER_S", 0.0)
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 3}))
+    summary = trainer.fit()
+    assert len(calls) == 2 and summary["peak_flops"] == 200e9
+    want = trainer.flops_per_token * summary["median_tokens_per_s"] / 200e9
+    assert summary["median_mfu"] == pytest.approx(want)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["median_mfu"] == pytest.approx(want) and saved["peak_flops"] == 200e9
+    # The logged per-step MFU is live, against the start's peak: 4x the summary's here.
+    logged = [r for r in read_metrics(tmp_path / "run") if "perf/mfu" in r]
+    assert logged and all(
+        r["perf/mfu"] == pytest.approx(trainer.flops_per_token * r["perf/tokens_per_s"] / 50e9) for r in logged
+    )
+    # A short run (under REMEASURE_PEAK_AFTER_S) measures once.
+    monkeypatch.setattr(trainer_module, "REMEASURE_PEAK_AFTER_S", 3600.0)
+    calls.clear()
+    peaks = iter([50e9, 200e9])
+    summary = Trainer(train_config(token_data, tmp_path / "short", train={"steps": 2})).fit()
+    assert len(calls) == 1 and summary["peak_flops"] == 50e9
+
+
 @pytest.mark.parametrize("optim", ["marin", "adamw"])
 def test_a_fresh_run_trains_alike_with_resume_auto_or_none(token_data, tmp_path, optim):
     """`--resume auto` with nothing to resume used to call get_state_dict() on the empty optimizer,

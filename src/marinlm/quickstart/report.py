@@ -86,10 +86,10 @@ def write_report(
 
     plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
     # Over the whole run's logged steps: a resumed run's summary times only the steps after the resume.
-    tokens_per_s, mfu = (
-        statistics.median([r[key] for r in metrics if key in r] or [math.nan])
-        for key in ("perf/tokens_per_s", "perf/mfu")
+    tokens_per_s = statistics.median(
+        [r["perf/tokens_per_s"] for r in metrics if "perf/tokens_per_s" in r] or [math.nan]
     )
+    mfu = trainer.mfu(tokens_per_s)  # against the higher of the peaks measured at the start and the end
     resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
     source = trainer.loader.sources[0]
     epochs = trainer.loader.planned_epochs(summary["steps"] * trainer.config.train.global_batch)[0]
