@@ -138,7 +138,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 target_C = torch.where(inside_C, block_BC.gather(0, in_block_1C).squeeze(0), target_C)
                 new_max_C = torch.maximum(max_C, block_BC.amax(0))
                 # The block becomes exp(logits - running max) in place: the backward pass rescales
-                # it to softmax with one multiply instead of a second exp.
+                # it to softmax with one multiply instead of a second exp. (torch's CPU exp is 25-50x
+                # slower where its input is below -87.3, where fp32 underflows: 19.7-37.9 ms against
+                # 0.73 for 2M elements on the AVX512 EPYC, torch 2.13. Not guarded: the trained
+                # quickstart model's logits span 15-24 below each row's max; a clamp costs a pass.)
                 sumexp_C = sumexp_C * torch.exp(max_C - new_max_C) + block_BC.sub_(new_max_C).exp_().sum(0)
                 max_C = new_max_C
                 done.append((s, e, max_C, inside_C, in_block_1C))
