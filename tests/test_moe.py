@@ -203,9 +203,9 @@ def test_auto_kernel_is_chunked_only_for_native_cpu_bf16():
 
 def test_chunk_plan_weighs_padding_against_gathered_chunks():
     plan = experts_module._chunk_plan
-    # Near balance (mean 128, largest 149): one chunk per expert, 160 rows wide (32-row steps),
-    # no matrices gathered, though 64-row chunks would pad less (79 chunks, 5,056 rows).
-    balanced = torch.tensor([112, 149, 120, 131] * 8)
+    # Near balance (largest 149): one chunk per expert, 160 rows wide (32-row steps; 5,120 rows),
+    # no matrices gathered, though 64-row chunks would pad less (72 chunks, 4,608 rows).
+    balanced = torch.tensor([112, 149, 120, 128] * 8)
     rows, chunks, gathered = plan(balanced)
     assert (rows, chunks.tolist(), gathered) == (160, [1] * 32, False)
     # Skewed as at initialisation (largest 297): 128-row chunks, gathered.
