@@ -86,14 +86,7 @@ def test_capacity_drops_later_tokens_and_counts_them(impl, full, monkeypatch):
     counts = torch.bincount(experts.reshape(-1), minlength=4)
     assert dropped.item() == (counts - capacity).clamp_min(0).sum().item()
     # Within each expert, assignments keep token order and the first `capacity` survive.
-    keep = torch.zeros(N, k, dtype=torch.bool)
-    seen = [0] * 4
-    for n in range(N):
-        for j in range(k):
-            e = experts[n, j].item()
-            keep[n, j] = seen[e] < capacity
-            seen[e] += 1
-    want = naive_experts(module, x, experts, weights, keep)
+    want = naive_experts(module, x, experts, weights, keep_first(experts, capacity, 4))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Dropped assignments get no gradient; kept ones the naive loop's.
     params = [x, weights, module.gate_proj, module.up_proj, module.down_proj]
