@@ -2,7 +2,8 @@
 
 Each configuration trains for a few steps through `marinlm train` (or torchrun) on the same token
 shards and global batch; the report takes the median tokens/s and MFU of the steps after the first
-(MFU against the fp32 matmul peak each run measures at start-up, times the number of processes),
+(MFU against the matmul peak each run measures in its precision, times the number of processes;
+`train.precision: auto` trains in bf16 on a CPU with bf16 units, fp32 on one without),
 and the peak RSS of the largest process.
 
     python bench/train_throughput.py [--tokens runs/quickstart/tokens] [--steps 12]

@@ -126,8 +126,10 @@ def train_config(token_dir: Path, run_dir: Path, **overrides):
         "run_dir": str(run_dir),
         "model": to_dict(tiny_config(num_layers=2, max_seq_len=64, attention={"sliding_window": 16})),
         "data": {"sources": [{"path": str(token_dir)}], "seq_len": 64},
-        "optim": {"type": "marin", "lr": 0.02, "adam_lr": 0.003},
-        "train": {"steps": 8, "global_batch": 4, "grad_clip": 1.0},
+        # fp32 on every host: `auto` picks bf16 on a CPU with bf16 units (model/cpu_bf16.native_bf16),
+        # and these tests compare runs at fp32 tolerances.
+        "optim": {"type": "marin", "lr": 0.02, "adam_lr": 0.003, "ns_dtype": "float32"},
+        "train": {"steps": 8, "global_batch": 4, "grad_clip": 1.0, "precision": "fp32"},
         "checkpoint": {"every_steps": 4, "keep_last": 3},
         "logging": {"every_steps": 1, "progress": False, "tensorboard": True},
         "validation": {"every_steps": 4, "max_rows": 8, "batch_size": 4},

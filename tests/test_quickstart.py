@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from marinlm.config import load_config
+from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.optim import ScheduleConfig
 from marinlm.presets import preset
 from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
@@ -152,9 +153,13 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     assert f"resuming the training that was stopped at step 40 of {planned}" in out, out[-2000:]
     assert "replacing the earlier training run" not in out and "s/step measured" not in out
     text = report.read_text()
-    passes, tokens = re.search(
-        rf"Training: {planned} steps, resumed at step 40, ([\d.]+) passes over the ([\d,]+) ", text
+    precision, passes, tokens = re.search(
+        rf"Training \((.+?)\): {planned} steps, resumed at step 40, ([\d.]+) passes over the ([\d,]+) ", text
     ).groups()
+    # auto: bf16 on a CPU with bf16 units, with MFU against the bf16 peak; fp32 elsewhere
+    want = "bf16" if native_bf16("cpu") else "fp32"
+    assert precision == {"bf16": "bf16 autocast, fp32 master weights", "fp32": "fp32"}[want]
+    assert f"against this machine's measured {want} matmul peak" in text
     batch, seq = map(int, re.search(rf"\| training \| [\d.]+ \| {planned} steps x (\d+) x (\d+) tokens", text).groups())
     assert float(passes) * int(tokens.replace(",", "")) == pytest.approx(planned * batch * seq, rel=0.05)
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))

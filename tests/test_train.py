@@ -615,6 +615,7 @@ def test_a_long_runs_mfu_is_against_the_higher_of_the_peaks_measured_at_its_star
     assert summary["median_mfu"] == pytest.approx(want)
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["median_mfu"] == pytest.approx(want) and saved["peak_flops"] == 200e9
+    assert saved["peak_dtype"] == "fp32" and calls[0][0] == torch.float32  # an fp32 run's peak
     # The logged per-step MFU is live, against the start's peak: 4x the summary's here.
     logged = [r for r in read_metrics(tmp_path / "run") if "perf/mfu" in r]
     assert logged and all(
@@ -1241,3 +1242,43 @@ def test_checkpoint_save_then_load_is_bitwise(tmp_path_factory, tensors, trainer
             assert torch.equal(bits(a), bits(b))  # bitwise: NaN payloads too
         else:
             assert a == b
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_auto_precision_is_bf16_only_where_matmuls_have_bf16_units(bf16_units, token_data, tmp_path, monkeypatch):
+    """`train.precision: auto` and the Marin optimizer's `ns_dtype: auto` pick bf16 on a CPU with
+    AVX512-BF16 or AMX (and on GPUs), fp32 on one without; the quickstart's step-time calibration
+    runs in the precision its training will use."""
+    from marinlm.model import cpu_bf16
+    from marinlm.quickstart import plan
+
+    monkeypatch.setattr(cpu_bf16, "_CPU_BF16_UNITS", bf16_units)
+    want = "bf16" if bf16_units else "fp32"
+    config = train_config(token_data, tmp_path / "run", train={"precision": "auto"}, optim={"ns_dtype": "auto"})
+    trainer = Trainer(config, resume="none")
+    assert trainer.precision == want
+    # MFU is against the bf16 peak, or fp32's where this CPU's bf16 GEMMs are emulated as fp32 ones
+    assert trainer.peak_dtype == (cpu_bf16.gemm_dtype(torch.bfloat16, "cpu") if bf16_units else torch.float32)
+    assert {g["ns_dtype"] for g in trainer.optimizer.param_groups} == {torch.bfloat16 if bf16_units else torch.float32}
+    trainer.close()
+
+    calibrated = []
+
+    def one_step(step):
+        step()
+        return 1.0
+
+    def recording(device, precision):
+        calibrated.append(precision)
+        return real_autocast(device, precision)
+
+    from marinlm.train import step as step_module
+
+    real_autocast = step_module.autocast_context
+    monkeypatch.setattr(step_module, "autocast_context", recording)
+    monkeypatch.setattr(plan, "median_step_seconds", one_step)
+    plan.calibrate_step_seconds(config)
+    assert calibrated == [want]
+    for explicit in ("fp32", "bf16"):  # a precision that is named is kept
+        assert step_module.resolve_precision(explicit, torch.device("cpu")) == explicit
+    assert step_module.resolve_precision("auto", torch.device("cuda")) == "bf16"

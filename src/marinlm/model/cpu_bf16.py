@@ -43,6 +43,29 @@ def _cpu_has_bf16_gemm() -> bool:
     return _CPU_BF16_GEMM
 
 
+def _probe_bf16_units() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # the checks moved: assume no bf16 unit, as fp32 is never the slow choice
+        return False
+
+
+_CPU_BF16_UNITS = _probe_bf16_units()
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """True where bf16 matmuls run on bf16 hardware, several times faster than fp32: GPUs, and
+    CPUs with AVX512-BF16 or AMX. What `train.precision: auto` and the Marin optimizer's
+    `ns_dtype: auto` pick bf16 on; other CPUs keep fp32 (where bf16 is emulated it is far slower,
+    above). On the 2-core AVX512-BF16 EPYC, torch 2.13: bf16
+    matmuls at 750-899 GFLOP/s against 180-209 in fp32; the quickstart's training step (`tiny`,
+    8 x 256 tokens, MuonH) in 175 against 269 ms, best of 15 interleaved."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _CPU_BF16_UNITS
+    return device.type != "meta"
+
+
 def emulated_bf16(device: torch.device | str) -> bool:
     """True on a CPU whose bf16 matmuls would be torch's reference loops."""
     return torch.device(device).type == "cpu" and not _cpu_has_bf16_gemm()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from marinlm.config import Choice, check
+from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz, newton_schulz_many
 
 __all__ = [
@@ -65,7 +66,9 @@ class MarinOptimizerConfig(OptimizerConfig):
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
-    ns_dtype: str = "auto"  # bfloat16 on GPU (as Marin), float32 on CPU where bf16 is emulated
+    # auto: bfloat16 (as Marin) where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or
+    # AMX), float32 elsewhere
+    ns_dtype: str = "auto"
 
     def __post_init__(self):
         _check_adam(self)
@@ -90,7 +93,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type
     if isinstance(config, MarinOptimizerConfig):
         ns_dtype = config.ns_dtype
         if ns_dtype == "auto":
-            ns_dtype = "bfloat16" if device_type == "cuda" else "float32"
+            ns_dtype = "bfloat16" if native_bf16(device_type) else "float32"
         kinds = marin_param_kinds(model)
         groups = [
             {"params": [p for _, p in params], "kind": kind, "names": [n for n, _ in params]}

@@ -40,19 +40,29 @@ def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_
 
 
 def calibrate_step_seconds(train_config) -> float:
-    """Seconds per optimizer step of this config on this machine (`median_step_seconds`)."""
+    """Seconds per optimizer step of this config on this machine (`median_step_seconds`), in the
+    precision the run will train in."""
     from marinlm.model import MarinForCausalLM
     from marinlm.optim import build_optimizer
+    from marinlm.train.step import autocast_context, resolve_precision
+    from marinlm.utils.device import resolve_device
 
-    model = MarinForCausalLM(train_config.model)
+    device = resolve_device(train_config.train.device)
+    model = MarinForCausalLM(train_config.model).to(device)
     model.init_weights(seed=0)
-    optimizer = build_optimizer(model, train_config.optim)
-    ids = torch.randint(0, train_config.model.vocab_size, (train_config.train.global_batch, train_config.data.seq_len))
+    optimizer = build_optimizer(model, train_config.optim, device.type)
+    shape = (train_config.train.global_batch, train_config.data.seq_len)
+    ids = torch.randint(0, train_config.model.vocab_size, shape, device=device)
+    precision = resolve_precision(train_config.train.precision, device)
 
     def step():
-        model(ids, labels=ids).loss.backward()
+        with autocast_context(device, precision):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     return median_step_seconds(step)
 

@@ -16,7 +16,9 @@ class LoopConfig:
     steps: int = 100
     global_batch: int = 8  # sequences per optimizer step, all ranks together
     micro_batch: int = 0  # sequences per forward on one rank; 0 = global_batch / world_size
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16 (autocast, fp32 master weights)
+    # auto: bf16 where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or AMX), else fp32;
+    # fp32; bf16 (autocast, fp32 master weights)
+    precision: str = "auto"
     grad_clip: float | None = 1.0  # global-norm clipping; null = off (the hero run used none)
     seed: int = 0
     deterministic: bool = True  # torch.use_deterministic_algorithms: bitwise-exact resume on CPU

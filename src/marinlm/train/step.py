@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.model.router import RouterStats
 from marinlm.parallel.distributed import all_reduce_
 
@@ -30,6 +31,14 @@ class StepResult:
     loss_tokens: int
     skipped: bool  # NaN/Inf: the update was not applied
     router_stats: list[RouterStats]
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`train.precision` as a run computes: `auto` is bf16 where matmuls have bf16 hardware
+    (`native_bf16`: GPUs, CPUs with AVX512-BF16 or AMX), fp32 elsewhere."""
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    return precision
 
 
 def autocast_context(device: torch.device, precision: str):

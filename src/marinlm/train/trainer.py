@@ -46,7 +46,7 @@ from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_m
 from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import catch_stop_signals
-from marinlm.train.step import StepResult, param_norm, train_step, validate_sources
+from marinlm.train.step import StepResult, param_norm, resolve_precision, train_step, validate_sources
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
@@ -72,14 +72,12 @@ class Trainer(ResumeMixin):
                 "keeps everything in host memory, set it false"
             )
         tune_cpu_allocator()
-        self.precision = c.train.precision
-        if self.precision == "auto":
-            self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.precision = resolve_precision(c.train.precision, self.device)
         if self.precision == "bf16" and emulated_bf16(self.device) and self.info.is_main:
             print(
                 "note: this CPU has no bf16 matrix unit (AVX512-BF16 or AMX), so bf16 autocast runs its products "
                 "as fp32 GEMMs with bf16 rounding (model/cpu_bf16.py): no faster than fp32, usually slower. "
-                "train.precision auto (fp32 on a CPU) is the faster choice here",
+                "train.precision auto (fp32 on a CPU without bf16 units) is the faster choice here",
                 flush=True,
             )
         torch.manual_seed(c.train.seed + self.info.rank)
@@ -176,8 +174,8 @@ class Trainer(ResumeMixin):
         self.flops_per_token = self.model_summary.flops_per_token
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        self._peak_dtype = gemm_dtype(dtype, self.device)
-        self.peak_flops = matmul_peak_flops(self._peak_dtype, self.device.type)
+        self.peak_dtype = gemm_dtype(dtype, self.device)
+        self.peak_flops = matmul_peak_flops(self.peak_dtype, self.device.type)
         self.initialized_from: str | None = None
         resumed_from = self._resume(resume)
         if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
@@ -494,7 +492,7 @@ class Trainer(ResumeMixin):
             if self.sinks is not None:
                 self.sinks.close()
         if not self._signal and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
-            self.peak_flops = max(self.peak_flops, matmul_peak_flops(self._peak_dtype, self.device.type))
+            self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
         summary = {
             "steps": self.step,
             "first_step": first_step,  # where this call started: a resumed run's earlier steps were timed elsewhere
@@ -510,6 +508,7 @@ class Trainer(ResumeMixin):
             rates = [r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r and r["step"] > first_step]
             summary["median_tokens_per_s"] = statistics.median(rates) if rates else None
             summary["peak_flops"] = self.peak_flops
+            summary["peak_dtype"] = "bf16" if self.peak_dtype == torch.bfloat16 else "fp32"
             summary["median_mfu"] = self.mfu(summary["median_tokens_per_s"]) if rates else None
             if records:
                 summary["loss_plot"] = str(plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}"))
