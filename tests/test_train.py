@@ -1292,3 +1292,26 @@ def test_auto_precision_is_bf16_only_where_matmuls_have_bf16_units(bf16_units, t
     for explicit in ("fp32", "bf16"):  # a precision that is named is kept
         assert step_module.resolve_precision(explicit, torch.device("cpu")) == explicit
     assert step_module.resolve_precision("auto", torch.device("cuda")) == "bf16"
+
+
+def test_a_run_resumed_where_auto_means_another_precision_says_so(token_data, tmp_path, capsys, monkeypatch):
+    """`train.precision: auto` started in fp32 (a CPU without bf16 units) and resumed where it means
+    bf16: the config is unchanged, so only the checkpoint's own record can tell."""
+    from marinlm.model import cpu_bf16
+
+    config = train_config(token_data, tmp_path / "run", train={"steps": 4, "precision": "auto"})
+    monkeypatch.setattr(cpu_bf16, "_CPU_BF16_UNITS", False)
+    run_training(config, resume="none")
+    capsys.readouterr()
+    monkeypatch.setattr(cpu_bf16, "_CPU_BF16_UNITS", True)
+    trainer = Trainer(
+        train_config(token_data, tmp_path / "run", train={"steps": 6, "precision": "auto"}), resume="auto"
+    )
+    assert trainer.step == 4 and trainer.precision == "bf16"
+    out = capsys.readouterr().out
+    assert "note: " in out and "step-00000004 trained in fp32, this run goes on in bf16 (train.precision auto)" in out
+    assert "set train.precision=fp32 to keep the precision it started with" in out
+    trainer.close()
+    monkeypatch.setattr(cpu_bf16, "_CPU_BF16_UNITS", False)  # the same precision as the checkpoint: no note
+    Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6, "precision": "auto"}), resume="auto").close()
+    assert "trained in" not in capsys.readouterr().out

@@ -158,6 +158,14 @@ class ResumeMixin:
             regrid = f" (saved by {saved_world} processes, resharded onto {self.world})"
             regrid = regrid if saved_world != self.world else ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
+            saved_precision = state.get("precision", self.precision)
+            if saved_precision != self.precision:  # e.g. `auto` on another machine
+                print(
+                    f"note: {folder} trained in {saved_precision}, this run goes on in {self.precision} "
+                    f"(train.precision {self.config.train.precision}); set train.precision={saved_precision} "
+                    "to keep the precision it started with",
+                    flush=True,
+                )
         return folder
 
     def _rollback(self) -> None:

@@ -268,6 +268,7 @@ class Trainer(ResumeMixin):
             "loader": self.loader.state_dict(),
             "tokenizer_hash": self.tokenizer_hash,
             "world_size": self.world,
+            "precision": self.precision,
         }
 
     def save_checkpoint(self) -> Path:
