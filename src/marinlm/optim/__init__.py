@@ -67,7 +67,8 @@ class MarinOptimizerConfig(OptimizerConfig):
     nesterov: bool = True
     ns_steps: int = 5
     # auto: bfloat16 (as Marin) where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or
-    # AMX), float32 elsewhere
+    # AMX), float32 elsewhere. The whole optimizer step on the 2-core AVX512-BF16 EPYC, torch 2.13,
+    # best of 8 / 3: `tiny` 22.8 against 41.4 ms, `small` 429 against 1,291 ms.
     ns_dtype: str = "auto"
 
     def __post_init__(self):
