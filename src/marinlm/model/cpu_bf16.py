@@ -57,9 +57,9 @@ def native_bf16(device: torch.device | str) -> bool:
     """True where bf16 matmuls run on bf16 hardware, several times faster than fp32: GPUs, and
     CPUs with AVX512-BF16 or AMX. What `train.precision: auto` and the Marin optimizer's
     `ns_dtype: auto` pick bf16 on; other CPUs keep fp32 (where bf16 is emulated it is far slower,
-    above). On the 2-core AVX512-BF16 EPYC, torch 2.13: bf16
-    matmuls at 750-899 GFLOP/s against 180-209 in fp32; the quickstart's training step (`tiny`,
-    8 x 256 tokens, MuonH) in 175 against 269 ms, best of 15 interleaved."""
+    above). On the 2-core AVX512-BF16 EPYC, torch 2.13: bf16 matmuls at 750-899 GFLOP/s against
+    180-209 in fp32; the quickstart's training step (`tiny`, 8 x 256 tokens, MuonH) in 175 against
+    269 ms, best of 15 interleaved."""
     device = torch.device(device)
     if device.type == "cpu":
         return _CPU_BF16_UNITS

@@ -9,13 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from marinlm.utils.io import write_text_atomic
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16 autocast, fp32 master weights"}
-# The GEMMs a run's MFU is against: where bf16 is emulated on a CPU, bf16 runs fp32 GEMMs.
-_PEAK = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclass
@@ -129,7 +126,7 @@ def write_report(
         "",
         f"Training ({_PRECISION[trainer.precision]}): {summary['steps']} steps{resumed}, {_passes(epochs)} passes "
         f"over the {train_tokens:,} training tokens, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
-        f"against this machine's measured {_PEAK[trainer.peak_dtype]} matmul peak "
+        f"against this machine's measured {summary['peak_dtype']} matmul peak "
         f"({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
         "",
         "![loss](loss.png)",
