@@ -25,17 +25,20 @@ pass until the backward pass reaches the head.
 
 `python bench/lm_loss.py` measures it against F.linear + F.cross_entropy (+ logsumexp) on the
 2-core dev CPU, chunks of 1,024 tokens: 3.1-7.9x less peak memory at every shape, and mostly
-faster, most where the vocabulary is large against the width (3.5-3.7x at 4,096 x 128 x 65,536:
-one logsumexp serves both losses, and no [N, V] buffer is written and read back). Where the
-GEMMs dominate it is level to a little faster, within this host's noise: two runs on
-2026-12-01 gave 1.08-1.49x at the tiny and qwen3-moe-style shapes and 0.97x and 1.48x at
-2,048 x 512 x 128,256. Blocking the vocabulary took the qwen3-moe-style shape
-(1,024 x 384 x 16,384) from 332 to 259 ms against 3 x 72 ms for its three GEMMs at this CPU's
-measured peak; keeping the first pass's exponentials, rather than computing them again in the
-second, took it from 240.5 to 230.6 ms in fp32 and from 141.5 to 130.4 ms under bf16 autocast
-(best of 10, interleaved). On an H200 in bf16 (`bench/lm_loss.py --device cuda`) it used
-2.7-6.1x less peak memory; at the large-vocabulary shapes it was also faster (1.24-1.35x), and
-at the small ones, which take 1-2 ms and are bound by kernel launches, slower (0.54-0.66x).
+faster, most where the vocabulary is large against the width (3.5-3.7x at 4,096 x 128 x 65,536: one
+logsumexp serves both losses, and no [N, V] buffer is written and read back). Where the GEMMs
+dominate it is level to a little faster, within this host's noise: two runs on 2026-12-01 gave
+1.08-1.49x at the tiny and qwen3-moe-style shapes and 0.97x and 1.48x at 2,048 x 512 x 128,256.
+Blocking the vocabulary took the qwen3-moe-style shape (1,024 x 384 x 16,384) from 332 to 259 ms
+against 3 x 72 ms for its three GEMMs at this CPU's measured peak; keeping the first pass's
+exponentials, rather than computing them again in the second, took it from 240.5 to 230.6 ms in
+fp32 and from 141.5 to 130.4 ms under bf16 autocast (best of 10, interleaved). Holding the blocks
+in bf16 under bf16 autocast (half the bytes of a buffer that outgrows the cache, with the target
+entries recomputed from the fp32 target logits) was no faster at that shape, in two versions: 66.6
+against 62.7 ms and 81.5 against 76.0 ms, best of 30 interleaved each (2026-12-02). On an H200 in
+bf16 (`bench/lm_loss.py --device cuda`) it used 2.7-6.1x less peak memory; at the large-vocabulary
+shapes it was also faster (1.24-1.35x), and at the small ones, which take 1-2 ms and are bound by
+kernel launches, slower (0.54-0.66x).
 
 The forward pass does the backward's matmuls, so the fused path is only taken when a backward
 pass will follow (grad enabled); under `no_grad` the chunks compute the loss alone. The fused
