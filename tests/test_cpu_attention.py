@@ -8,9 +8,9 @@ from marinlm.model import cpu_attention, cpu_bf16
 from marinlm.model.attention import attention_mask
 
 
-def qkv(B, H, K, T, S, dtype, seed=0, spread=1.0):
+def qkv(B, H, K, T, S, dtype, seed=0, spread=1.0, head_dim=16):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, n, L, 16, generator=g) for n, L in ((H, T), (K, S), (K, S)))
+    q, k, v = (torch.randn(B, n, L, head_dim, generator=g) for n, L in ((H, T), (K, S), (K, S)))
     q, k, v = (spread * q).to(dtype), (spread * k).to(dtype), v.to(dtype)
     return [t.requires_grad_() for t in (q, k, v)]
 
@@ -32,6 +32,8 @@ CASES = {
     "packed documents and a window": dict(H=4, K=4, T=12, S=12, mask="packed"),
     "decoding against a longer cache": dict(H=4, K=2, T=3, S=12, mask="cache"),
 }
+# 16: the scale 1/4 goes on the queries and dY; 24: 1/√24 is not exact on bf16, it goes on the scores.
+HEAD_DIMS = [16, 24]
 
 
 def case_mask(case, B):
@@ -43,13 +45,14 @@ def case_mask(case, B):
     return None
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("name", CASES)
-def test_matches_sdpa_in_fp32_with_gradients(name):
+def test_matches_sdpa_in_fp32_with_gradients(name, head_dim):
     """In fp32 nothing is rounded: forward and the written-out backward equal SDPA's."""
     case, B = CASES[name], 2
-    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.float32)
+    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.float32, head_dim=head_dim)
     mask = case_mask(case, B)
-    g = torch.randn(B, case["H"], case["T"], 16, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(B, case["H"], case["T"], head_dim, generator=torch.Generator().manual_seed(1))
 
     def ours(q, k, v):
         return cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None)
@@ -61,8 +64,9 @@ def test_matches_sdpa_in_fp32_with_gradients(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("name", CASES)
-def test_bf16_error_is_close_to_torch_bf16_kernel(name):
+def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim):
     """bf16 inputs: against an fp64 reference on the same (exact) values, our output and
     gradients are within 2x the error of torch's CPU bf16 SDPA, plus half a rounding step.
 
@@ -70,9 +74,9 @@ def test_bf16_error_is_close_to_torch_bf16_kernel(name):
     second GEMMs, where GPU FlashAttention rounds them too, which costs up to ~1.9x its error
     here. Scores spread over about ±12 make bf16-rounded scores fail this (5.7x on y)."""
     case, B = CASES[name], 2
-    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.bfloat16, seed=3, spread=3.0)
+    q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.bfloat16, seed=3, spread=3.0, head_dim=head_dim)
     mask = case_mask(case, B)
-    g = torch.randn(B, case["H"], case["T"], 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+    g = torch.randn(B, case["H"], case["T"], head_dim, generator=torch.Generator().manual_seed(4)).bfloat16()
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -122,3 +126,59 @@ def test_autocast_does_not_lower_its_fp32_products(backward_under_autocast):
         grads = torch.autograd.grad(y, (q, k, v), g)
     for what, a, b in zip(("y", "dq", "dk", "dv"), [y, *grads], plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=what)
+
+
+def test_scale_goes_on_the_operand_only_where_it_is_exact_on_bf16():
+    """A power of two times a bf16 value is a bf16 value (the fpmath-mode product rounds nothing);
+    1/√24 times one generally is not, so that scale must go on the fp32 scores instead."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(7)).bfloat16().float()
+    for head_dim in (16, 64, 128, 24, 32, 96):
+        scale = head_dim**-0.5
+        on_operand, on_result = cpu_attention._split_scale(scale)
+        assert on_operand * on_result == scale
+        scaled = x * on_operand
+        assert torch.equal(scaled.bfloat16().float(), scaled) or on_operand == 1.0, head_dim
+    assert cpu_attention._split_scale(64**-0.5) == (0.125, 1.0)
+    assert cpu_attention._split_scale(32**-0.5) == (1.0, 32**-0.5)
+
+
+def test_bf16_fpmath_mode_only_for_bf16_inputs_and_restored(monkeypatch):
+    """The process-wide oneDNN setting is switched on around the two fp32-result products of bf16
+    inputs only, and is back to what it was afterwards, also when the block raises."""
+    seen = []
+    real = cpu_bf16.bf16_operand_products
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    assert before != "bf16"
+
+    def recording(enabled=True):
+        seen.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(cpu_attention, "bf16_operand_products", recording)
+    for dtype in (torch.bfloat16, torch.float32):
+        seen.clear()
+        q, k, v = qkv(1, 4, 2, 8, 8, dtype)
+        cpu_attention.short_attention(q, k, v, None, is_causal=True).sum().backward()
+        assert seen == [dtype == torch.bfloat16] * 2, dtype
+        assert torch.backends.mkldnn.matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), real():
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        raise RuntimeError
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_compiles_without_a_graph_break_for_the_fpmath_mode():
+    """Setting oneDNN's mode is a graph break; under torch.compile the products stay plain fp32."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    q, k, v = qkv(1, 4, 2, 8, 8, torch.bfloat16)
+
+    def attend(q, k, v):
+        return cpu_attention.short_attention(q, k, v, None, is_causal=True)
+
+    compiled = torch.compile(attend, backend=backend)
+    y = compiled(q, k, v)
+    torch.testing.assert_close(y, attend(q, k, v), rtol=0, atol=0)
+    assert backend.frame_count == 1

@@ -5,9 +5,15 @@ length, S key length, Dh head dim, X = B*K batched products.
 
 Each KV head's G query heads are stacked into one [G*T, Dh] operand, so grouped-query attention
 runs without repeating keys or values, and the scores of all heads come from one batched GEMM.
-The scores are fp32 (fp32 operands), the softmax is fp32 and kept in fp32 for the backward, and
-the probabilities are rounded to the input dtype only as operands of the products with V and
-dY. The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
+The scores are fp32, the softmax is fp32 and kept in fp32 for the backward, and the probabilities
+are rounded to the input dtype only as operands of the products with V and dY. For bf16 inputs
+the two fp32-result products (scores Q·Kᵀ and dP = dY·Vᵀ) have operands that hold bf16 values;
+they run in oneDNN's bf16 fpmath mode (cpu_bf16.bf16_operand_products), which rounds nothing
+such operands hold and returns fp32. At [8, 768, 64] x [8, 64, 256] on the 2-core EPYC, torch
+2.13, best of 20: 0.44-0.49 against 1.04-1.26 ms as plain fp32 bmm, with the same error against
+fp64 (1.50e-5 on random fp32 operands; the oneDNN kernel keeps fp32 accuracy here). A scale that
+is not a power of two would not be exact on bf16 queries, so it then multiplies the scores.
+The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
 dQ = dS·K, dK = dSᵀ·Q), with dP in fp32 and dS rounded to the input dtype for its two GEMMs.
 Both passes run with autocast off: inside the model's `torch.autocast("cpu", bfloat16)` the fp32
 products would otherwise run in bf16 and round the scores (as they did before 2026-12-02).
@@ -17,12 +23,18 @@ torch's CPU flash kernel works through queries and keys in blocks, which pays at
 (4 x 256 tokens, 6 query and 2 KV heads of 64, causal), forward and backward together, on the
 2-core AVX512-BF16 EPYC with torch 2.13: bf16 8.0 ms here against 10.9 ms for flash; in a whole
 bench/train_step.py step under bf16 autocast, 334 against 374 ms (best of 12 interleaved,
-2026-12-02, with the scores in fp32 as described here; median 354 against 381 ms).
+2026-12-02, with the scores in fp32 as described here; median 354 against 381 ms). The bf16
+fpmath products took it (best of 60 interleaved, 2026-12-03) from 5.04 to 3.53 ms against 8.73 ms
+for flash, and at the quickstart's tiny shape (8 x 256 tokens, 4 and 2 heads of 32, where the scale
+1/√32 goes on the scores) from 4.59 to 3.79 ms against 8.15; the whole bench step under bf16
+autocast, four runs of 16-20 interleaved rounds, min: 317.2 / 319.3 / 298.5 against 329.3 / 339.8
+/ 311.0 ms, and in the first run 347.4 against 339.1 (medians 344.2 / 358.7 / 317.1 / 375.1
+against 355.3 / 366.4 / 323.4 / 367.6).
 torch's CPU kernel rounds only its outputs, so its error is lower: tests/test_cpu_attention.py
 holds ours within 2x of it.
 
-The mask enters as an additive fp32 bias broadcast over the heads, and the scale as a factor on
-the queries (forward) and on dY (backward), never as a pass over the [G*T, S] scores; P is
+The mask enters as an additive fp32 bias broadcast over the heads, and a power-of-two scale as a
+factor on the queries (forward) and on dY (backward), never as a pass over the [G*T, S] scores; P is
 rounded once in the forward and kept for dV. Against the boolean masked fill, the scaled scores
 and P rounded twice (2026-12-02, same shape, minimum of 200 interleaved rounds on a noisy host,
 /tmp scratch timing of `short_attention` forward and backward): 5.8 against 6.3 ms; in rounds
@@ -31,9 +43,11 @@ that also ran flash, 6.2-9.0 against 10.7-11.3 ms, flash 9.2-9.5 ms.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from marinlm.model.cpu_bf16 import emulated_bf16
+from marinlm.model.cpu_bf16 import bf16_operand_products, emulated_bf16
 from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
 
 # Where this path is taken: bf16 (in fp32 it ran no faster than flash: 15.9 against 16.0 ms at
@@ -58,13 +72,29 @@ def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=No
     )
 
 
+def _split_scale(scale: float) -> tuple[float, float]:
+    """(factor for the Dh-wide operand, factor for the S-wide result). A power of two scales a
+    bf16 operand exactly, so it goes on the queries (or dY) and the product stays a bf16 GEMM
+    with nothing rounded; any other scale goes on the fp32 result, one pass over it."""
+    return (scale, 1.0) if math.frexp(scale)[0] == 0.5 else (1.0, scale)
+
+
+def _scaled_fp32(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x.float() if factor == 1.0 else x.to(torch.float32, copy=True).mul_(factor)
+
+
 def _probabilities(q_XMD, k_XSD, bias_B11TS, G, scale):
     """Softmax probabilities [X, G*T, S] in fp32. `bias` is 0 where a query may attend and -inf
     elsewhere, [B or 1, 1, 1, T, S]: added by broadcasting over each KV head and its G query heads
     (faster than a masked fill through a broadcast boolean mask: 1.8 against 2.7 ms for scores and
-    softmax at the shape above). The scale multiplies the [X, G*T, Dh] queries, not the scores."""
+    softmax at the shape above). The scale multiplies the [X, G*T, Dh] queries where that is exact
+    (`_split_scale`), not the scores."""
     X, M, _ = q_XMD.shape
-    s_XMS = torch.bmm(q_XMD.to(torch.float32, copy=True).mul_(scale), k_XSD.float().transpose(1, 2))
+    on_q, on_s = _split_scale(scale)
+    with bf16_operand_products(q_XMD.dtype == torch.bfloat16):
+        s_XMS = torch.bmm(_scaled_fp32(q_XMD, on_q), k_XSD.float().transpose(1, 2))
+    if on_s != 1.0:
+        s_XMS.mul_(on_s)
     B = bias_B11TS.shape[0]
     s_XMS.view(B, X // B, G, M // G, -1).add_(bias_B11TS)
     return torch.softmax(s_XMS, dim=-1)
@@ -105,11 +135,17 @@ class _ShortAttention(torch.autograd.Function):
         dtype = y_XMD.dtype
         dy_XMD = dy_BHTD.reshape(y_XMD.shape).to(dtype)
         dv_XSD = torch.bmm(p_low_XMS.transpose(1, 2), dy_XMD)
-        # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free.
-        dy_scaled_XMD = dy_XMD.to(torch.float32, copy=True).mul_(ctx.scale)
-        dp_XMS = torch.bmm(dy_scaled_XMD, v_XSD.float().transpose(1, 2))
+        # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free
+        # where the scale is exact on bf16 values (`_split_scale`).
+        on_dy, on_ds = _split_scale(ctx.scale)
+        dy_scaled_XMD = _scaled_fp32(dy_XMD, on_dy)
+        with bf16_operand_products(dtype == torch.bfloat16):
+            dp_XMS = torch.bmm(dy_scaled_XMD, v_XSD.float().transpose(1, 2))
         delta_XM1 = (dy_scaled_XMD * y_XMD.float()).sum(-1, keepdim=True)
-        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).to(dtype)
+        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS)
+        if on_ds != 1.0:
+            ds_XMS.mul_(on_ds)
+        ds_XMS = ds_XMS.to(dtype)
         dq_XMD = torch.bmm(ds_XMS, k_XSD)
         dk_XSD = torch.bmm(ds_XMS.transpose(1, 2), q_XMD)
         return dq_XMD.view(q_shape), dk_XSD.view(k_shape), dv_XSD.view(k_shape), None, None

@@ -20,6 +20,8 @@ Nothing changes on GPUs, on CPUs with a bf16 GEMM, or in fp32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +77,28 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype to run a GEMM of `dtype` operands in: fp32 for bf16 where bf16 is emulated (the
     caller rounds operands and results to bf16), otherwise `dtype` itself."""
     return torch.float32 if dtype == BF16 and emulated_bf16(device) else dtype
+
+
+@contextlib.contextmanager
+def bf16_operand_products(enabled: bool = True):
+    """fp32 matmuls inside run as bf16 GEMMs with fp32 results (oneDNN's bf16 fpmath mode,
+    `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): the operands are rounded to bf16,
+    the products summed in fp32 and the result kept in fp32. For operands that already hold bf16
+    values nothing is rounded, so this is the bf16-in, fp32-out GEMM that torch's CPU `mm`/`bmm`
+    lack (their `out_dtype` has no CPU kernel). Only for CPUs with bf16 units; the setting is
+    process-wide, so keep the block to the products that want it. `enabled=False` changes nothing,
+    and neither does tracing by torch.compile (setting the mode is a graph break: a compiled bf16
+    tiny model went from 14 to 34 graphs), where the products run as plain fp32 GEMMs."""
+    if not enabled or torch.compiler.is_compiling():
+        yield
+        return
+    backend = torch.backends.mkldnn.matmul
+    before = backend.fp32_precision
+    backend.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        backend.fp32_precision = before
 
 
 class _Bf16Linear(torch.autograd.Function):
