@@ -32,7 +32,7 @@ CASES = {
     "packed documents and a window": dict(H=4, K=4, T=12, S=12, mask="packed"),
     "decoding against a longer cache": dict(H=4, K=2, T=3, S=12, mask="cache"),
 }
-# 16: the scale 1/4 goes on the queries and dY; 24: 1/√24 is not exact on bf16, it goes on the scores.
+# 16: the scale 1/4 is exact on bf16 (fpmath-mode products); 24: 1/√24 is not (plain fp32 products).
 HEAD_DIMS = [16, 24]
 
 
@@ -128,23 +128,23 @@ def test_autocast_does_not_lower_its_fp32_products(backward_under_autocast):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=what)
 
 
-def test_scale_goes_on_the_operand_only_where_it_is_exact_on_bf16():
-    """A power of two times a bf16 value is a bf16 value (the fpmath-mode product rounds nothing);
-    1/√24 times one generally is not, so that scale must go on the fp32 scores instead."""
-    x = torch.randn(4096, generator=torch.Generator().manual_seed(7)).bfloat16().float()
-    for head_dim in (16, 64, 128, 24, 32, 96):
+def test_fpmath_mode_only_where_the_scaled_operand_still_holds_bf16_values():
+    """A power of two times a bf16 value is a bf16 value, so the fpmath-mode product rounds
+    nothing; 1/√24 or 1/√32 times one generally is not, and those products stay plain fp32."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(7)).bfloat16()
+    for head_dim in (16, 64, 256, 24, 32, 128):
         scale = head_dim**-0.5
-        on_operand, on_result = cpu_attention._split_scale(scale)
-        assert on_operand * on_result == scale
-        scaled = x * on_operand
-        assert torch.equal(scaled.bfloat16().float(), scaled) or on_operand == 1.0, head_dim
-    assert cpu_attention._split_scale(64**-0.5) == (0.125, 1.0)
-    assert cpu_attention._split_scale(32**-0.5) == (1.0, 32**-0.5)
+        taken = cpu_attention._bf16_products(x, scale)
+        scaled = x.float() * scale
+        assert taken == torch.equal(scaled.bfloat16().float(), scaled), head_dim
+        assert not cpu_attention._bf16_products(x.float(), scale)  # fp32 inputs: never
+    assert cpu_attention._bf16_products(x, 64**-0.5) and not cpu_attention._bf16_products(x, 32**-0.5)
 
 
 def test_bf16_fpmath_mode_only_for_bf16_inputs_and_restored(monkeypatch):
     """The process-wide oneDNN setting is switched on around the two fp32-result products of bf16
-    inputs only, and is back to what it was afterwards, also when the block raises."""
+    inputs with a power-of-two scale only, and is back to what it was afterwards, also when the
+    block raises."""
     seen = []
     real = cpu_bf16.bf16_operand_products
     before = torch.backends.mkldnn.matmul.fp32_precision
@@ -155,11 +155,11 @@ def test_bf16_fpmath_mode_only_for_bf16_inputs_and_restored(monkeypatch):
         return real(enabled)
 
     monkeypatch.setattr(cpu_attention, "bf16_operand_products", recording)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, head_dim in ((torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 24)):
         seen.clear()
-        q, k, v = qkv(1, 4, 2, 8, 8, dtype)
+        q, k, v = qkv(1, 4, 2, 8, 8, dtype, head_dim=head_dim)
         cpu_attention.short_attention(q, k, v, None, is_causal=True).sum().backward()
-        assert seen == [dtype == torch.bfloat16] * 2, dtype
+        assert seen == [dtype == torch.bfloat16 and head_dim == 16] * 2, (dtype, head_dim)
         assert torch.backends.mkldnn.matmul.fp32_precision == before
     with pytest.raises(RuntimeError), real():
         assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"

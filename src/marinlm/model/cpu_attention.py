@@ -11,8 +11,13 @@ the two fp32-result products (scores Q·Kᵀ and dP = dY·Vᵀ) have operands th
 they run in oneDNN's bf16 fpmath mode (cpu_bf16.bf16_operand_products), which rounds nothing
 such operands hold and returns fp32. At [8, 768, 64] x [8, 64, 256] on the 2-core EPYC, torch
 2.13, best of 20: 0.44-0.49 against 1.04-1.26 ms as plain fp32 bmm, with the same error against
-fp64 (1.50e-5 on random fp32 operands; the oneDNN kernel keeps fp32 accuracy here). A scale that
-is not a power of two would not be exact on bf16 queries, so it then multiplies the scores.
+fp64 (1.50e-5 on random fp32 operands; the oneDNN kernel keeps fp32 accuracy here). This needs
+the scale, which multiplies the queries and dY, to be a power of two (1/√Dh for Dh = 16, 64,
+256...), so that the scaled operands still hold bf16 values; with any other scale the products
+stay plain fp32 GEMMs, as before. (Moving such a scale onto the scores instead, to keep the mode,
+bought nothing at the tiny preset's head dim of 32: a whole training step took 120.6 against
+120.2 ms and 136.3 against 139.8 ms, best of 30 interleaved, and 600-step quickstart trainings
+came out bitwise equal with the mode and without it.)
 The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
 dQ = dS·K, dK = dSᵀ·Q), with dP in fp32 and dS rounded to the input dtype for its two GEMMs.
 Both passes run with autocast off: inside the model's `torch.autocast("cpu", bfloat16)` the fp32
@@ -25,16 +30,14 @@ torch's CPU flash kernel works through queries and keys in blocks, which pays at
 bench/train_step.py step under bf16 autocast, 334 against 374 ms (best of 12 interleaved,
 2026-12-02, with the scores in fp32 as described here; median 354 against 381 ms). The bf16
 fpmath products took it (best of 60 interleaved, 2026-12-03) from 5.04 to 3.53 ms against 8.73 ms
-for flash, and at the quickstart's tiny shape (8 x 256 tokens, 4 and 2 heads of 32, where the scale
-1/√32 goes on the scores) from 4.59 to 3.79 ms against 8.15; the whole bench step under bf16
-autocast, four runs of 16-20 interleaved rounds, min: 317.2 / 319.3 / 298.5 against 329.3 / 339.8
-/ 311.0 ms, and in the first run 347.4 against 339.1 (medians 344.2 / 358.7 / 317.1 / 375.1
-against 355.3 / 366.4 / 323.4 / 367.6).
+for flash; the whole bench step under bf16 autocast, four runs of 16-20 interleaved rounds, min:
+317.2 / 319.3 / 298.5 against 329.3 / 339.8 / 311.0 ms, and in the first run 347.4 against 339.1
+(medians 344.2 / 358.7 / 317.1 / 375.1 against 355.3 / 366.4 / 323.4 / 367.6).
 torch's CPU kernel rounds only its outputs, so its error is lower: tests/test_cpu_attention.py
 holds ours within 2x of it.
 
-The mask enters as an additive fp32 bias broadcast over the heads, and a power-of-two scale as a
-factor on the queries (forward) and on dY (backward), never as a pass over the [G*T, S] scores; P is
+The mask enters as an additive fp32 bias broadcast over the heads, and the scale as a factor on
+the queries (forward) and on dY (backward), never as a pass over the [G*T, S] scores; P is
 rounded once in the forward and kept for dV. Against the boolean masked fill, the scaled scores
 and P rounded twice (2026-12-02, same shape, minimum of 200 interleaved rounds on a noisy host,
 /tmp scratch timing of `short_attention` forward and backward): 5.8 against 6.3 ms; in rounds
@@ -72,29 +75,21 @@ def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=No
     )
 
 
-def _split_scale(scale: float) -> tuple[float, float]:
-    """(factor for the Dh-wide operand, factor for the S-wide result). A power of two scales a
-    bf16 operand exactly, so it goes on the queries (or dY) and the product stays a bf16 GEMM
-    with nothing rounded; any other scale goes on the fp32 result, one pass over it."""
-    return (scale, 1.0) if math.frexp(scale)[0] == 0.5 else (1.0, scale)
-
-
-def _scaled_fp32(x: torch.Tensor, factor: float) -> torch.Tensor:
-    return x.float() if factor == 1.0 else x.to(torch.float32, copy=True).mul_(factor)
+def _bf16_products(operand: torch.Tensor, scale: float) -> bool:
+    """Whether the fp32 products of `operand` (queries or dY) scaled by `scale` may run in bf16
+    fpmath mode: the operand is bf16 and the scale a power of two, so the scaled fp32 operand
+    still holds bf16 values and nothing is rounded. Other scales keep plain fp32 products."""
+    return operand.dtype == torch.bfloat16 and math.frexp(scale)[0] == 0.5
 
 
 def _probabilities(q_XMD, k_XSD, bias_B11TS, G, scale):
     """Softmax probabilities [X, G*T, S] in fp32. `bias` is 0 where a query may attend and -inf
     elsewhere, [B or 1, 1, 1, T, S]: added by broadcasting over each KV head and its G query heads
     (faster than a masked fill through a broadcast boolean mask: 1.8 against 2.7 ms for scores and
-    softmax at the shape above). The scale multiplies the [X, G*T, Dh] queries where that is exact
-    (`_split_scale`), not the scores."""
+    softmax at the shape above). The scale multiplies the [X, G*T, Dh] queries, not the scores."""
     X, M, _ = q_XMD.shape
-    on_q, on_s = _split_scale(scale)
-    with bf16_operand_products(q_XMD.dtype == torch.bfloat16):
-        s_XMS = torch.bmm(_scaled_fp32(q_XMD, on_q), k_XSD.float().transpose(1, 2))
-    if on_s != 1.0:
-        s_XMS.mul_(on_s)
+    with bf16_operand_products(_bf16_products(q_XMD, scale)):
+        s_XMS = torch.bmm(q_XMD.to(torch.float32, copy=True).mul_(scale), k_XSD.float().transpose(1, 2))
     B = bias_B11TS.shape[0]
     s_XMS.view(B, X // B, G, M // G, -1).add_(bias_B11TS)
     return torch.softmax(s_XMS, dim=-1)
@@ -135,17 +130,12 @@ class _ShortAttention(torch.autograd.Function):
         dtype = y_XMD.dtype
         dy_XMD = dy_BHTD.reshape(y_XMD.shape).to(dtype)
         dv_XSD = torch.bmm(p_low_XMS.transpose(1, 2), dy_XMD)
-        # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free
-        # where the scale is exact on bf16 values (`_split_scale`).
-        on_dy, on_ds = _split_scale(ctx.scale)
-        dy_scaled_XMD = _scaled_fp32(dy_XMD, on_dy)
-        with bf16_operand_products(dtype == torch.bfloat16):
+        # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free.
+        dy_scaled_XMD = dy_XMD.to(torch.float32, copy=True).mul_(ctx.scale)
+        with bf16_operand_products(_bf16_products(dy_XMD, ctx.scale)):
             dp_XMS = torch.bmm(dy_scaled_XMD, v_XSD.float().transpose(1, 2))
         delta_XM1 = (dy_scaled_XMD * y_XMD.float()).sum(-1, keepdim=True)
-        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS)
-        if on_ds != 1.0:
-            ds_XMS.mul_(on_ds)
-        ds_XMS = ds_XMS.to(dtype)
+        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).to(dtype)
         dq_XMD = torch.bmm(ds_XMS, k_XSD)
         dk_XSD = torch.bmm(ds_XMS.transpose(1, 2), q_XMD)
         return dq_XMD.view(q_shape), dk_XSD.view(k_shape), dv_XSD.view(k_shape), None, None
