@@ -1,4 +1,4 @@
-"""The short-row CPU attention (model/cpu_attention.py) against torch's SDPA."""
+"""The bf16 CPU attention (model/cpu_attention.py) against torch's SDPA."""
 
 import pytest
 import torch
@@ -31,6 +31,7 @@ CASES = {
     "causal, grouped heads": dict(H=6, K=2, T=12, S=12, mask=None),
     "packed documents and a window": dict(H=4, K=4, T=12, S=12, mask="packed"),
     "decoding against a longer cache": dict(H=4, K=2, T=3, S=12, mask="cache"),
+    "a mask that is not causal": dict(H=4, K=2, T=12, S=12, mask="random"),
 }
 # 16: the scale 1/4 is exact on bf16 (fpmath-mode products); 24: 1/√24 is not (plain fp32 products).
 HEAD_DIMS = [16, 24]
@@ -39,23 +40,48 @@ HEAD_DIMS = [16, 24]
 def case_mask(case, B):
     if case["mask"] == "packed":
         return packed_mask(B, case["T"], window=5)
+    if case["mask"] == "random":  # each query sees itself and about half the other keys, later ones too
+        T, S = case["T"], case["S"]
+        return (torch.rand(B, 1, T, S, generator=torch.Generator().manual_seed(2)) < 0.5) | torch.eye(
+            T, S, dtype=torch.bool
+        )
     if case["mask"] == "cache":  # the last 3 of 12 positions attend to everything up to themselves
         T, S = case["T"], case["S"]
         return (torch.arange(S) <= torch.arange(S - T, S).unsqueeze(1)).expand(B, 1, T, S)
     return None
 
 
+def blocks(case, mask, block):
+    """The query blocks of a case: one (None), or blocks of `block` rows."""
+    if block is None:
+        return [(0, case["T"], case["S"])]
+    spans = cpu_attention.query_blocks(case["T"], case["S"], mask, is_causal=mask is None, block=block)
+    assert len(spans) > 1
+    return spans
+
+
+# Rows of 12 queries in blocks of 5 (the last one short); the 3 decoding queries in blocks of 2.
+BLOCKS = {"one block": None, "query blocks": 5}
+
+
+def block_rows(name, blocking):
+    return None if BLOCKS[blocking] is None else min(BLOCKS[blocking], CASES[name]["T"] - 1)
+
+
+@pytest.mark.parametrize("blocking", BLOCKS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("name", CASES)
-def test_matches_sdpa_in_fp32_with_gradients(name, head_dim):
-    """In fp32 nothing is rounded: forward and the written-out backward equal SDPA's."""
+def test_matches_sdpa_in_fp32_with_gradients(name, head_dim, blocking):
+    """In fp32 nothing is rounded: forward and the written-out backward equal SDPA's, in one
+    block of queries or several."""
     case, B = CASES[name], 2
     q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.float32, head_dim=head_dim)
     mask = case_mask(case, B)
     g = torch.randn(B, case["H"], case["T"], head_dim, generator=torch.Generator().manual_seed(1))
+    spans = blocks(case, mask, block_rows(name, blocking))
 
     def ours(q, k, v):
-        return cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None)
+        return cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None, spans=spans)
 
     def ref(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -64,18 +90,21 @@ def test_matches_sdpa_in_fp32_with_gradients(name, head_dim):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocking", BLOCKS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("name", CASES)
-def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim):
+def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim, blocking):
     """bf16 inputs: against an fp64 reference on the same (exact) values, our output and
     gradients are within 2x the error of torch's CPU bf16 SDPA, plus half a rounding step.
 
     torch's CPU kernel rounds only its outputs; ours rounds P and dS to bf16 as operands of the
     second GEMMs, where GPU FlashAttention rounds them too, which costs up to ~1.9x its error
-    here. Scores spread over about ±12 make bf16-rounded scores fail this (5.7x on y)."""
+    here. Scores spread over about ±12 make bf16-rounded scores fail this (5.7x on y). In query
+    blocks, dK and dV add up bf16 products of the blocks (in fp32)."""
     case, B = CASES[name], 2
     q, k, v = qkv(B, case["H"], case["K"], case["T"], case["S"], torch.bfloat16, seed=3, spread=3.0, head_dim=head_dim)
     mask = case_mask(case, B)
+    spans = blocks(case, mask, block_rows(name, blocking))
     g = torch.randn(B, case["H"], case["T"], head_dim, generator=torch.Generator().manual_seed(4)).bfloat16()
 
     def sdpa(q, k, v):
@@ -83,7 +112,7 @@ def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim):
 
     exact = outputs_and_grads(sdpa, *(t.detach().double().requires_grad_() for t in (q, k, v)), g.double())
     ours = outputs_and_grads(
-        lambda q, k, v: cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None), q, k, v, g
+        lambda q, k, v: cpu_attention.short_attention(q, k, v, mask, is_causal=mask is None, spans=spans), q, k, v, g
     )
     torch_bf16 = outputs_and_grads(sdpa, q, k, v, g)
     for what, a, b, want in zip(("y", "dq", "dk", "dv"), ours, torch_bf16, exact):
@@ -93,17 +122,77 @@ def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim):
         assert ours_err <= 2 * torch_err + 2**-9 * want.abs().max().item(), (what, ours_err, torch_err)
 
 
-def test_taken_for_short_native_bf16_rows_only(monkeypatch):
+def test_taken_for_native_bf16_within_the_kept_scores_only(monkeypatch):
     q, k, _ = qkv(1, 4, 2, 8, 8, torch.bfloat16)
     take = cpu_attention.use_short_attention
     native = not cpu_bf16.emulated_bf16("cpu")
     assert take(q, k) == native
     assert not take(q.float(), k.float())  # fp32: flash is as fast
-    long_k = torch.zeros(1, 2, cpu_attention.MAX_KEYS + 1, 16, dtype=torch.bfloat16)
-    assert not take(q, long_k)
     assert not take(q, k, attn_mask=torch.zeros(8, 8))  # an additive float mask goes to SDPA
+    if native:  # 1 x 4 heads x 8 queries x 8 keys = 256 probabilities, 144 in causal blocks of 2
+        causal = cpu_attention.query_blocks(8, 8, is_causal=True, block=2)
+        assert cpu_attention.saved_scores(1, 4, causal) == 4 * 2 * (2 + 4 + 6 + 8)
+        monkeypatch.setattr(cpu_attention, "MAX_SCORES", 255)
+        assert not take(q, k) and take(q, k, spans=causal)
     monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
     assert not take(q, k)  # emulated bf16 GEMMs: model/cpu_bf16.py's fp32 path
+
+
+def test_query_blocks_skip_the_keys_no_query_of_the_block_sees():
+    qb = cpu_attention.query_blocks
+    rows = cpu_attention.LONG_ROWS
+    assert qb(rows, rows, is_causal=True) == [(0, rows, rows)]  # short rows: one block
+    step = cpu_attention.BLOCK_ROWS
+    long = qb(rows + 1, rows + 1, is_causal=True)
+    assert long == [(s, min(s + step, rows + 1), min(s + step, rows + 1)) for s in range(0, rows + 1, step)]
+    assert qb(10, 10, is_causal=False, block=4) == [(0, 4, 10), (4, 8, 10), (8, 10, 10)]  # no mask: all keys
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    assert qb(10, 10, causal, block=4) == [(0, 4, 4), (4, 8, 8), (8, 10, 10)]
+    later = causal.clone()
+    later[5, 9] = True  # a query of the second block may see a later key: that block takes them all
+    assert qb(10, 10, later.expand(2, 1, 10, 10), block=4) == [(0, 4, 4), (4, 8, 10), (8, 10, 10)]
+    # Decoding 4 queries against 10 keys: aligned to the bottom right, as a KV cache is.
+    cache = torch.arange(10) <= torch.arange(6, 10).unsqueeze(1)
+    assert qb(4, 10, cache, block=2) == [(0, 2, 8), (2, 4, 10)]
+
+
+def test_long_rows_are_attended_in_query_blocks(monkeypatch):
+    """The model's kernel cuts rows longer than LONG_ROWS into blocks of queries and gives what
+    SDPA gives, with packed documents too; past MAX_SCORES kept probabilities it leaves them to SDPA."""
+    if cpu_bf16.emulated_bf16("cpu"):
+        pytest.skip("needs a CPU with bf16 GEMMs")
+    T = cpu_attention.LONG_ROWS + 20
+    q, k, v = qkv(2, 4, 2, T, T, torch.bfloat16, seed=8, head_dim=16)
+    g = torch.randn(2, 4, T, 16, generator=torch.Generator().manual_seed(9)).bfloat16()
+    taken = []
+    real = cpu_attention.short_attention
+
+    def recording(*args, spans=None, **kwargs):
+        taken.append(spans)
+        return real(*args, spans=spans, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "short_attention", recording)
+    causal = cpu_attention.query_blocks(T, T, is_causal=True)
+    # Room for the probabilities of the causal blocks only, not for all T x T of them.
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", cpu_attention.saved_scores(2, 4, causal))
+    for mask in (None, packed_mask(2, T, window=None)):
+
+        def model_kernel(q, k, v, mask=mask):
+            return cpu_attention.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None, enable_gqa=True)
+
+        def sdpa(q, k, v, mask=mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+        exact = outputs_and_grads(sdpa, *(t.detach().double().requires_grad_() for t in (q, k, v)), g.double())
+        ours = outputs_and_grads(model_kernel, q, k, v, g)
+        assert taken.pop() == causal
+        for what, a, want in zip(("y", "dq", "dk", "dv"), ours, exact):
+            torch.testing.assert_close(a.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item(), msg=what)
+    everything = torch.ones(2, 1, T, T, dtype=torch.bool)  # not causal: every block needs all keys
+    cpu_attention.scaled_dot_product_attention(q, k, v, everything, enable_gqa=True)
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", cpu_attention.saved_scores(2, 4, causal) - 1)
+    cpu_attention.scaled_dot_product_attention(q, k, v, None, is_causal=True, enable_gqa=True)
+    assert not taken  # SDPA both times
 
 
 @pytest.mark.parametrize("backward_under_autocast", [False, True])

@@ -1,7 +1,13 @@
-"""Attention for short rows on CPU: two batched GEMMs around an fp32 softmax.
+"""bf16 attention on CPU: two batched GEMMs around an fp32 softmax, in blocks of queries.
 
 Shape legend: B batch, H query heads, K KV heads, G = H / K query heads per KV head, T query
 length, S key length, Dh head dim, X = B*K batched products.
+
+Rows of up to 256 queries are one block; longer ones are worked through in blocks of 128 queries,
+each against only the keys its queries may see (`query_blocks`): a causal row computes about half
+its scores, and each block's scores stay in cache. The kernel keeps its fp32 probabilities for the
+backward pass, so it is taken up to MAX_SCORES of them; beyond that (and in fp32) torch's flash
+kernel, which recomputes them.
 
 Each KV head's G query heads are stacked into one [G*T, Dh] operand, so grouped-query attention
 runs without repeating keys or values, and the scores of all heads come from one batched GEMM.
@@ -53,16 +59,70 @@ import torch
 from marinlm.model.cpu_bf16 import bf16_operand_products, emulated_bf16
 from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
 
-# Where this path is taken: bf16 (in fp32 it ran no faster than flash: 15.9 against 16.0 ms at
-# the shape above), keys up to 512 (at 2 x 512 tokens 15.7 against 18.4 ms; at 1 x 1,024, where
-# flash's causal block skipping pays, 51.5 against 22.3 ms), and at most 32 MB of fp32 scores.
-MAX_KEYS = 512
+# Where this path is taken: bf16 only (in fp32 it ran no faster than flash: 15.9 against 16.0 ms
+# at the shape above; at 1 x 1,024 in query blocks 21.5-22.4 against 23.4 ms), and where the
+# fp32 probabilities it keeps for the backward pass, summed over the query blocks, come to at most
+# MAX_SCORES (32 MB; flash keeps none and recomputes them).
 MAX_SCORES = 1 << 23
+# Rows longer than LONG_ROWS are cut into blocks of BLOCK_ROWS queries; see `query_blocks`.
+LONG_ROWS = 256
+BLOCK_ROWS = 128
 
 
-def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None) -> bool:
-    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask or none, and
-    short rows (MAX_KEYS, MAX_SCORES)."""
+def query_blocks(
+    T: int, S: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False, block: int | None = None
+) -> list[tuple[int, int, int]]:
+    """(start, end, keys) for each block of queries: rows [start, end) attend to at most the first
+    `keys` of the S keys.
+
+    A causal row sees no key after its own, so the block of queries [s, e) needs only the first e
+    keys (the first S - T + e for a boolean mask, aligned to the bottom right as a KV cache's is;
+    checked on the mask, and all S keys where a later one is allowed). About half the T x S scores
+    are never computed, and each block's scores are small enough to stay in cache. Rows of at most
+    LONG_ROWS queries are one block, by default; longer ones are cut into blocks of BLOCK_ROWS.
+
+    Measured on the 2-core AVX512-BF16 EPYC, torch 2.13, bf16, 6 query and 2 KV heads of 64
+    (2026-12-03): forward and backward of one layer's attention at 1 x 1,024 tokens in blocks of
+    128 / 256 / 512 rows 11.9 / 10.0 / 16.1 ms against 26.6 in one block and 17.2 for torch's
+    flash kernel; at 2 x 512 9.2 / 6.8 against 12.2 and 15.9; at 1 x 4,096 192 / 241 / 284
+    against flash's 209. Whole bench/train_step.py steps (qwen3-moe-style, bf16 autocast) with
+    blocks of 128 / 256 rows were within 1-6% of each other at 2 x 512, 1 x 1,024, 4 x 1,024 and
+    1 x 2,048 tokens, and at 4 x 256 blocks of 128 bought nothing (298.4 against 297.4 ms), hence
+    one block up to LONG_ROWS. This kernel against the one before it (one block up to 512 keys,
+    flash beyond), whole steps, minimum (median) of 6-12 interleaved rounds: 1 x 1,024 tokens
+    377.4 (382.8) against 427.5 (437.8) ms; 2 x 1,024 615.8 (631.0) against 752.8 (765.4); 2 x 512
+    309.2 (315.2) against 320.6 (332.0); the hero-shaped `small` preset (two global layers of
+    eight) at 1 x 1,024 421.9 (449.6) against 431.2 (456.2). Decoding one token against 1,024 /
+    4,096 cached keys, forward only: 0.12 / 0.22 ms against flash's 0.28 / 1.30. The price is
+    memory: the step's peak resident memory rose from 1,354 to 1,503 MB at 1 x 1,024 tokens and
+    from 1,641 to 2,016 MB at 2 x 1,024 (the kept probabilities, 6 bytes each; MAX_SCORES bounds
+    them per layer as before, at 50 MB).
+    """
+    if block is None:
+        block = T if T <= LONG_ROWS else BLOCK_ROWS
+    if block >= T:
+        return [(0, T, S)]
+    spans = []
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        if attn_mask is None:
+            n = min(e, S) if is_causal else S
+        else:
+            n = max(0, min(S, S - T + e))
+            if n < S and bool(attn_mask[..., s:e, n:].any()):  # a later key is allowed: all of them
+                n = S
+        spans.append((s, e, max(n, 1)))
+    return spans
+
+
+def saved_scores(B: int, H: int, spans: list[tuple[int, int, int]]) -> int:
+    """How many fp32 probabilities `short_attention` keeps for the backward pass."""
+    return sum(B * H * (e - s) * n for s, e, n in spans)
+
+
+def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None, spans=None) -> bool:
+    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask or none, and at
+    most MAX_SCORES probabilities kept over the query blocks `spans` (default one block)."""
     B, H, T, _ = q_BHTD.shape
     S = k_BKSD.shape[2]
     return (
@@ -70,8 +130,7 @@ def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=No
         and q_BHTD.dtype == torch.bfloat16
         and not emulated_bf16(q_BHTD.device)
         and (attn_mask is None or attn_mask.dtype == torch.bool)
-        and S <= MAX_KEYS
-        and B * H * T * S <= MAX_SCORES
+        and saved_scores(B, H, spans or [(0, T, S)]) <= MAX_SCORES
     )
 
 
@@ -82,26 +141,33 @@ def _bf16_products(operand: torch.Tensor, scale: float) -> bool:
     return operand.dtype == torch.bfloat16 and math.frexp(scale)[0] == 0.5
 
 
-def _probabilities(q_XMD, k_XSD, bias_B11TS, G, scale):
-    """Softmax probabilities [X, G*T, S] in fp32. `bias` is 0 where a query may attend and -inf
-    elsewhere, [B or 1, 1, 1, T, S]: added by broadcasting over each KV head and its G query heads
-    (faster than a masked fill through a broadcast boolean mask: 1.8 against 2.7 ms for scores and
-    softmax at the shape above). The scale multiplies the [X, G*T, Dh] queries, not the scores."""
+def _probabilities(q_XMD, k32_XSD, bias_B11TS, G, scale):
+    """Softmax probabilities [X, G*T, S] in fp32, from fp32 keys. `bias` is 0 where a query may
+    attend and -inf elsewhere, [B or 1, 1, 1, T, S]: added by broadcasting over each KV head and
+    its G query heads (faster than a masked fill through a broadcast boolean mask: 1.8 against
+    2.7 ms for scores and softmax at the shape above). The scale multiplies the [X, G*T, Dh]
+    queries, not the scores."""
     X, M, _ = q_XMD.shape
     with bf16_operand_products(_bf16_products(q_XMD, scale)):
-        s_XMS = torch.bmm(q_XMD.to(torch.float32, copy=True).mul_(scale), k_XSD.float().transpose(1, 2))
+        s_XMS = torch.bmm(q_XMD.to(torch.float32, copy=True).mul_(scale), k32_XSD.transpose(1, 2))
     B = bias_B11TS.shape[0]
     s_XMS.view(B, X // B, G, M // G, -1).add_(bias_B11TS)
     return torch.softmax(s_XMS, dim=-1)
 
 
+def _rows(x_XGTD, s, e):
+    """Query rows [s, e) of each of the G heads, as one [X, G*(e-s), Dh] operand."""
+    X, G, _, Dh = x_XGTD.shape
+    return x_XGTD[:, :, s:e].reshape(X, G * (e - s), Dh)
+
+
 class _ShortAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale):
+    def forward(ctx, q_BHTD, k_BKSD, v_BKSD, spans, biases, scale):
         # Autocast would run the fp32 products below in bf16 (the model calls this inside it, and
         # the backward may run inside it too): the dtypes here are chosen by hand.
         with torch.autocast(q_BHTD.device.type, enabled=False):
-            return _ShortAttention._forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale)
+            return _ShortAttention._forward(ctx, q_BHTD, k_BKSD, v_BKSD, spans, biases, scale)
 
     @staticmethod
     def backward(ctx, dy_BHTD):
@@ -109,56 +175,94 @@ class _ShortAttention(torch.autograd.Function):
             return _ShortAttention._backward(ctx, dy_BHTD)
 
     @staticmethod
-    def _forward(ctx, q_BHTD, k_BKSD, v_BKSD, bias_B11TS, scale):
+    def _forward(ctx, q_BHTD, k_BKSD, v_BKSD, spans, biases, scale):
         B, H, T, Dh = q_BHTD.shape
         K, S = k_BKSD.shape[1], k_BKSD.shape[2]
         G = H // K
-        q_XMD = q_BHTD.reshape(B * K, G * T, Dh)
+        q_XGTD = q_BHTD.reshape(B * K, G, T, Dh)
         k_XSD = k_BKSD.reshape(B * K, S, Dh)
         v_XSD = v_BKSD.reshape(B * K, S, Dh)
-        p_XMS = _probabilities(q_XMD, k_XSD, bias_B11TS, G, scale)
-        p_low_XMS = p_XMS.to(q_BHTD.dtype)  # the operand of P·V here and of Pᵀ·dY in the backward
-        y_XMD = torch.bmm(p_low_XMS, v_XSD)
-        ctx.save_for_backward(q_XMD, k_XSD, v_XSD, p_XMS, p_low_XMS, y_XMD)
-        ctx.scale, ctx.shapes = scale, (q_BHTD.shape, k_BKSD.shape)
-        return y_XMD.view(B, H, T, Dh)
+        k32_XSD = k_XSD.float()
+        probabilities = []  # per block: P in fp32 (for dS), and rounded (the operand of P·V and Pᵀ·dY)
+        y_XGTD = q_XGTD.new_empty(q_XGTD.shape) if len(spans) > 1 else None
+        for (s, e, n), bias in zip(spans, biases):
+            p_XMS = _probabilities(_rows(q_XGTD, s, e), k32_XSD[:, :n], bias, G, scale)
+            p_low_XMS = p_XMS.to(q_BHTD.dtype)
+            y_XMD = torch.bmm(p_low_XMS, v_XSD[:, :n])
+            if y_XGTD is None:  # one block: its output is the whole output
+                y_XGTD = y_XMD.view(q_XGTD.shape)
+            else:
+                y_XGTD[:, :, s:e] = y_XMD.view(B * K, G, e - s, Dh)
+            probabilities += [p_XMS, p_low_XMS]
+        ctx.save_for_backward(q_XGTD, k_XSD, v_XSD, y_XGTD, *probabilities)
+        ctx.scale, ctx.spans, ctx.shapes = scale, spans, (q_BHTD.shape, k_BKSD.shape)
+        return y_XGTD.view(B, H, T, Dh)
 
     @staticmethod
     def _backward(ctx, dy_BHTD):
-        q_XMD, k_XSD, v_XSD, p_XMS, p_low_XMS, y_XMD = ctx.saved_tensors
+        q_XGTD, k_XSD, v_XSD, y_XGTD, *probabilities = ctx.saved_tensors
         q_shape, k_shape = ctx.shapes
-        dtype = y_XMD.dtype
-        dy_XMD = dy_BHTD.reshape(y_XMD.shape).to(dtype)
-        dv_XSD = torch.bmm(p_low_XMS.transpose(1, 2), dy_XMD)
-        # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free.
-        dy_scaled_XMD = dy_XMD.to(torch.float32, copy=True).mul_(ctx.scale)
-        with bf16_operand_products(_bf16_products(dy_XMD, ctx.scale)):
-            dp_XMS = torch.bmm(dy_scaled_XMD, v_XSD.float().transpose(1, 2))
-        delta_XM1 = (dy_scaled_XMD * y_XMD.float()).sum(-1, keepdim=True)
-        ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).to(dtype)
-        dq_XMD = torch.bmm(ds_XMS, k_XSD)
-        dk_XSD = torch.bmm(ds_XMS.transpose(1, 2), q_XMD)
-        return dq_XMD.view(q_shape), dk_XSD.view(k_shape), dv_XSD.view(k_shape), None, None
+        dtype = y_XGTD.dtype
+        dy_XGTD = dy_BHTD.reshape(y_XGTD.shape).to(dtype)
+        v32_XSD = v_XSD.float()
+        one = len(ctx.spans) == 1
+        # Several blocks add into dK and dV: their bf16 products are summed in fp32, rounded once.
+        dq_XGTD = None if one else torch.empty_like(q_XGTD)
+        dk_XSD = None if one else torch.zeros(k_XSD.shape, dtype=torch.float32, device=k_XSD.device)
+        dv_XSD = None if one else torch.zeros_like(dk_XSD)
+        for i, (s, e, n) in enumerate(ctx.spans):
+            p_XMS, p_low_XMS = probabilities[2 * i], probabilities[2 * i + 1]
+            dy_XMD = _rows(dy_XGTD, s, e)
+            dv_XnD = torch.bmm(p_low_XMS.transpose(1, 2), dy_XMD)
+            # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free.
+            dy_scaled_XMD = dy_XMD.to(torch.float32, copy=True).mul_(ctx.scale)
+            with bf16_operand_products(_bf16_products(dy_XMD, ctx.scale)):
+                dp_XMS = torch.bmm(dy_scaled_XMD, v32_XSD[:, :n].transpose(1, 2))
+            delta_XM1 = (dy_scaled_XMD * _rows(y_XGTD, s, e).float()).sum(-1, keepdim=True)
+            ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).to(dtype)
+            dq_XMD = torch.bmm(ds_XMS, k_XSD[:, :n])
+            dk_XnD = torch.bmm(ds_XMS.transpose(1, 2), _rows(q_XGTD, s, e))
+            if one:
+                return dq_XMD.view(q_shape), dk_XnD.view(k_shape), dv_XnD.view(k_shape), None, None, None
+            dq_XGTD[:, :, s:e] = dq_XMD.view(dq_XGTD.shape[0], -1, e - s, dq_XGTD.shape[-1])
+            dk_XSD[:, :n] += dk_XnD
+            dv_XSD[:, :n] += dv_XnD
+        return dq_XGTD.view(q_shape), dk_XSD.to(dtype).view(k_shape), dv_XSD.to(dtype).view(k_shape), None, None, None
 
 
-def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, scale=None) -> torch.Tensor:
+def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, scale=None, spans=None) -> torch.Tensor:
     """`F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=..., enable_gqa=True)` for
-    a boolean [B or 1, 1, T, S] mask (True = may attend) or a causal one, on short rows."""
+    a boolean [B or 1, 1, T, S] mask (True = may attend) or a causal one, worked through in the
+    query blocks `spans` (`query_blocks`; by default its own choice)."""
     B, H, T, Dh = q_BHTD.shape
     S = k_BKSD.shape[2]
+    if spans is None:
+        spans = query_blocks(T, S, attn_mask, is_causal)
     if attn_mask is None:
         attn_mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device)
         if is_causal:  # aligned to the top left, as in SDPA
             attn_mask = attn_mask.tril()
     while attn_mask.dim() < 4:  # [T, S] -> [1, 1, T, S]
         attn_mask = attn_mask.unsqueeze(0)
-    bias_B11TS = torch.zeros(attn_mask.shape, device=q_BHTD.device).masked_fill_(~attn_mask, float("-inf"))
-    return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, bias_B11TS.unsqueeze(1), Dh**-0.5 if scale is None else scale)
+    biases = []
+    for s, e, n in spans:
+        allowed = attn_mask[..., s:e, :n]
+        biases.append(
+            torch.zeros(allowed.shape, device=q_BHTD.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+        )
+    scale = Dh**-0.5 if scale is None else scale
+    return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, spans, biases, scale)
 
 
 def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, enable_gqa=False):
-    """The model's attention kernel: `short_attention` where `use_short_attention` holds, else
-    `F.scaled_dot_product_attention` (through model/cpu_bf16.py where bf16 is emulated)."""
-    if use_short_attention(q_BHTD, k_BKSD, attn_mask):
-        return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal)
+    """The model's attention kernel: `short_attention` where `use_short_attention` holds for its
+    query blocks, else `F.scaled_dot_product_attention` (through model/cpu_bf16.py where bf16 is
+    emulated)."""
+    T, S = q_BHTD.shape[2], k_BKSD.shape[2]
+    # First against causal blocks, the fewest scores, which needs no pass over the mask; then
+    # against the blocks the mask allows.
+    if use_short_attention(q_BHTD, k_BKSD, attn_mask, query_blocks(T, S, is_causal=True)):
+        spans = query_blocks(T, S, attn_mask, is_causal)
+        if use_short_attention(q_BHTD, k_BKSD, attn_mask, spans):
+            return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal, spans=spans)
     return _sdpa(q_BHTD, k_BKSD, v_BKSD, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
