@@ -270,4 +270,26 @@ def test_compiles_without_a_graph_break_for_the_fpmath_mode():
     compiled = torch.compile(attend, backend=backend)
     y = compiled(q, k, v)
     torch.testing.assert_close(y, attend(q, k, v), rtol=0, atol=0)
-    assert backend.frame_count == 1
+    assert backend.frame_count == 1 and len(backend.graphs) == 1
+
+
+def test_long_rows_with_a_mask_compile_to_one_graph():
+    """Checking the mask for keys to skip is a graph break: while compiling, blocks take all keys."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    if cpu_bf16.emulated_bf16("cpu"):
+        pytest.skip("needs a CPU with bf16 GEMMs")
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    T = cpu_attention.LONG_ROWS + 20
+    q, k, v = qkv(1, 4, 2, T, T, torch.bfloat16)
+    mask = packed_mask(1, T, window=None)
+
+    def attend(q, k, v, mask):
+        return cpu_attention.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+
+    y = torch.compile(attend, backend=backend)(q, k, v, mask)
+    torch.testing.assert_close(y, attend(q, k, v, mask), rtol=0, atol=0)
+    assert len(backend.graphs) == 1 and not counters["graph_break"], dict(counters["graph_break"])

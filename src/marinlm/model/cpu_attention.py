@@ -77,7 +77,8 @@ def query_blocks(
 
     A causal row sees no key after its own, so the block of queries [s, e) needs only the first e
     keys (the first S - T + e for a boolean mask, aligned to the bottom right as a KV cache's is;
-    checked on the mask, and all S keys where a later one is allowed). About half the T x S scores
+    checked on the mask, and all S keys where a later one is allowed, or while torch.compile traces,
+    where the check would be a graph break). About half the T x S scores
     are never computed, and each block's scores are small enough to stay in cache. Rows of at most
     LONG_ROWS queries are one block, by default; longer ones are cut into blocks of BLOCK_ROWS.
 
@@ -107,6 +108,8 @@ def query_blocks(
         e = min(s + block, T)
         if attn_mask is None:
             n = min(e, S) if is_causal else S
+        elif torch.compiler.is_compiling():  # the check below would be a graph break: all keys
+            n = S
         else:
             n = max(0, min(S, S - T + e))
             if n < S and bool(attn_mask[..., s:e, n:].any()):  # a later key is allowed: all of them
