@@ -196,7 +196,8 @@ class _ShortAttention(torch.autograd.Function):
                 y_XGTD = y_XMD.view(q_XGTD.shape)
             else:
                 y_XGTD[:, :, s:e] = y_XMD.view(B * K, G, e - s, Dh)
-            probabilities += [p_XMS, p_low_XMS]
+            if any(ctx.needs_input_grad[:3]):  # else (evaluation, decoding) each block's go at once
+                probabilities += [p_XMS, p_low_XMS]
         ctx.save_for_backward(q_XGTD, k_XSD, v_XSD, y_XGTD, *probabilities)
         ctx.scale, ctx.spans, ctx.shapes = scale, spans, (q_BHTD.shape, k_BKSD.shape)
         return y_XGTD.view(B, H, T, Dh)
