@@ -1,15 +1,24 @@
-"""Sliding-window attention, forward and backward: ours block by block against torch's SDPA per row.
+"""Attention, forward and backward, against torch's SDPA: local (sliding-window) layers, and on CPU
+the bf16 kernel of global layers.
 
-Peer: `F.scaled_dot_product_attention` with the layer's boolean mask over the whole row (packed
-documents, causal, sliding window), as the model ran local layers before `banded_attention`: it
-computes all T x T scores (a mask stops the flash kernel from skipping blocks). Ours is
-`marinlm.model.attention.banded_attention`, which computes T x (window + block). Every block size
-listed is timed, and `band_block`'s choice is marked; the ratio is the peer's time over ours at
-that choice. Timings are the best of `--repeats` interleaved rounds.
+Local layers. Peer: `F.scaled_dot_product_attention` with the layer's boolean mask over the whole
+row (packed documents, causal, sliding window), as the model ran local layers before
+`banded_attention`: it computes all T x T scores (a mask stops the flash kernel from skipping
+blocks). Ours is `marinlm.model.attention.banded_attention`, which computes T x (window + block).
+Every block size listed is timed, and `band_block`'s choice is marked; the ratio is the peer's
+time over ours at that choice.
+
+Global layers, bf16 on a CPU with bf16 GEMMs. Peer: `F.scaled_dot_product_attention` (torch's CPU
+flash kernel), causal (`is_causal`, where it skips the blocks above the diagonal) and with a
+packed-documents mask. Ours is the model's kernel, `marinlm.model.cpu_attention.
+scaled_dot_product_attention`: batched GEMMs in blocks of queries, or torch's SDPA itself where its
+kept probabilities would pass MAX_SCORES (printed). Timings are the best of `--repeats`
+interleaved rounds.
 
     python bench/attention.py [--repeats 7] [--device cuda] [--shapes N]
 
-On CUDA both run in bf16 (`band_block` keeps the whole-row SDPA there until this is measured).
+On CUDA the local layers run in bf16 (`band_block` keeps the whole-row SDPA there until this is
+measured), and the global layers' CPU kernel is not timed.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from marinlm.model import cpu_attention
 from marinlm.model.attention import attention_mask, band_block, banded_attention, banded_mask
+from marinlm.model.cpu_bf16 import emulated_bf16
 from marinlm.model.layers import doc_ids_and_positions
 
 # (batch, query heads, kv heads, tokens, head dim, window, what the shape stands for)
@@ -30,6 +41,13 @@ SHAPES = [
     (1, 4, 2, 4096, 64, 2048, "the hero's 4,096 tokens and window of 2,048, 4 heads"),
 ]
 BLOCKS = [16, 32, 64, 128, 256, 512]
+# Global (causal, full-row) layers: (batch, query heads, kv heads, tokens, head dim, what it stands for)
+GLOBAL_SHAPES = [
+    (4, 6, 2, 256, 64, "bench/train_step.py's default rows"),
+    (1, 6, 2, 1024, 64, "the qwen3-moe-style config at its 1,024 tokens"),
+    (2, 6, 2, 1024, 64, "two such rows"),
+    (1, 4, 2, 4096, 64, "the hero's 4,096 tokens, 4 heads"),
+]
 
 
 def sync(device: str) -> None:
@@ -42,8 +60,7 @@ def bench_shape(shape, device: torch.device, dtype: torch.dtype, repeats: int) -
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, n, T, Dh, generator=g).to(device, dtype).requires_grad_() for n in (H, K, K))
     dy = torch.randn(B, H, T, Dh, generator=g).to(device, dtype)
-    seg = torch.cumsum(torch.rand(B, T, generator=g) < 1 / 300, dim=1).to(device)  # ~300-token documents
-    doc, pos = doc_ids_and_positions(seg)
+    doc, pos = (t.to(device) for t in packed_documents(B, T, g))
     whole = attention_mask(doc, pos, doc, pos, window)
     steps = {"torch SDPA, whole row": lambda: F.scaled_dot_product_attention(q, k, v, whole, enable_gqa=True)}
     for block in BLOCKS:
@@ -75,17 +92,63 @@ def bench_shape(shape, device: torch.device, dtype: torch.dtype, repeats: int) -
         print("  band_block keeps the whole-row SDPA at this shape")
 
 
+def packed_documents(B: int, T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Doc ids and positions of rows packed with documents of ~300 tokens."""
+    return doc_ids_and_positions(torch.cumsum(torch.rand(B, T, generator=g) < 1 / 300, dim=1))
+
+
+def bench_global(shape, repeats: int) -> None:
+    B, H, K, T, Dh, what = shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, T, Dh, generator=g).bfloat16().requires_grad_() for n in (H, K, K))
+    dy = torch.randn(B, H, T, Dh, generator=g).bfloat16()
+    doc, pos = packed_documents(B, T, g)
+    print(f"\n{B} x {T} tokens, {H} heads ({K} KV) of {Dh}, global layer, bf16: {what}")
+    for name, mask in (("causal", None), ("packed documents", attention_mask(doc, pos, doc, pos, None))):
+
+        def torch_sdpa(mask=mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+        def ours(mask=mask):
+            return cpu_attention.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None, enable_gqa=True)
+
+        err = (ours().float() - torch_sdpa().float()).abs().max().item()
+        assert err < 2e-2, f"{name}: max error {err}"
+        spans = cpu_attention.query_blocks(T, T, mask, is_causal=mask is None)
+        taken = cpu_attention.use_short_attention(q, k, mask, spans)
+        how = f"{len(spans)} block(s) of queries" if taken else "torch's SDPA: past MAX_SCORES kept probabilities"
+        best = {"torch": float("inf"), "ours": float("inf")}
+        for step in (torch_sdpa, ours):
+            step().backward(dy)  # warm-up
+        for _ in range(repeats):
+            for who, step in (("torch", torch_sdpa), ("ours", ours)):
+                start = time.perf_counter()
+                step().backward(dy)
+                best[who] = min(best[who], time.perf_counter() - start)
+        print(
+            f"  {name:17s} torch SDPA {best['torch'] * 1e3:8.2f} ms, ours {best['ours'] * 1e3:8.2f} ms ({how}); "
+            f"torch / ours: {best['torch'] / best['ours']:.2f}x"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes only")
+    p.add_argument("--shapes", type=int, default=None, help="time the first N shapes of each list only")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}, {dtype}")
     for shape in SHAPES[: args.shapes]:
         bench_shape(shape, device, dtype, args.repeats)
+    if args.device != "cpu":
+        return
+    if emulated_bf16("cpu"):
+        print("\nglobal layers: this CPU has no bf16 GEMMs, so the model runs them through torch's SDPA")
+        return
+    for shape in GLOBAL_SHAPES[: args.shapes]:
+        bench_global(shape, args.repeats)
 
 
 if __name__ == "__main__":

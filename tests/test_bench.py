@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from marinlm.model.cpu_attention import short_attention
+from marinlm.model.cpu_bf16 import emulated_bf16
 from marinlm.utils.perf import CATEGORIES, time_breakdown
 
 from conftest import ROOT
@@ -33,6 +34,8 @@ def test_gpu_check_dry_run_compares_kernels_packed_batches_and_attention(tmp_pat
     assert summary.count("rel. diff to loop 0.0e+00") == 4, summary
     assert "packed tiny batch" in summary and "cpu bf16 loss" in summary
     assert "banded, blocks of 32" in summary and "torch / ours: " in summary  # bench/attention.py ran
+    if not emulated_bf16("cpu"):  # and timed the global layers' bf16 kernel against torch's SDPA
+        assert "1 block(s) of queries" in summary, summary
     assert (tmp_path / "kernels.log").is_file() and (tmp_path / "packed.log").is_file()
 
 
