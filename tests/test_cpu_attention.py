@@ -54,7 +54,7 @@ def case_mask(case, B):
 def blocks(case, mask, block):
     """The query blocks of a case: one (None), or blocks of `block` rows."""
     if block is None:
-        return [(0, case["T"], case["S"])]
+        return [(0, case["T"], 0, case["S"])]
     spans = cpu_attention.query_blocks(case["T"], case["S"], mask, is_causal=mask is None, block=block)
     assert len(spans) > 1
     return spans
@@ -141,19 +141,46 @@ def test_taken_for_native_bf16_within_the_kept_scores_only(monkeypatch):
 def test_query_blocks_skip_the_keys_no_query_of_the_block_sees():
     qb = cpu_attention.query_blocks
     rows = cpu_attention.LONG_ROWS
-    assert qb(rows, rows, is_causal=True) == [(0, rows, rows)]  # short rows: one block
+    assert qb(rows, rows, is_causal=True) == [(0, rows, 0, rows)]  # short rows: one block
     step = cpu_attention.BLOCK_ROWS
     long = qb(rows + 1, rows + 1, is_causal=True)
-    assert long == [(s, min(s + step, rows + 1), min(s + step, rows + 1)) for s in range(0, rows + 1, step)]
-    assert qb(10, 10, is_causal=False, block=4) == [(0, 4, 10), (4, 8, 10), (8, 10, 10)]  # no mask: all keys
+    assert long == [(s, min(s + step, rows + 1), 0, min(s + step, rows + 1)) for s in range(0, rows + 1, step)]
+    assert qb(10, 10, is_causal=False, block=4) == [(0, 4, 0, 10), (4, 8, 0, 10), (8, 10, 0, 10)]  # all keys
     causal = torch.ones(10, 10, dtype=torch.bool).tril()
-    assert qb(10, 10, causal, block=4) == [(0, 4, 4), (4, 8, 8), (8, 10, 10)]
+    assert qb(10, 10, causal, block=4) == [(0, 4, 0, 4), (4, 8, 0, 8), (8, 10, 0, 10)]
     later = causal.clone()
-    later[5, 9] = True  # a query of the second block may see a later key: that block takes them all
-    assert qb(10, 10, later.expand(2, 1, 10, 10), block=4) == [(0, 4, 4), (4, 8, 10), (8, 10, 10)]
+    later[5, 9] = True  # a query of the second block may see a later key: that block reaches it
+    assert qb(10, 10, later.expand(2, 1, 10, 10), block=4) == [(0, 4, 0, 4), (4, 8, 0, 10), (8, 10, 0, 10)]
     # Decoding 4 queries against 10 keys: aligned to the bottom right, as a KV cache is.
     cache = torch.arange(10) <= torch.arange(6, 10).unsqueeze(1)
-    assert qb(4, 10, cache, block=2) == [(0, 2, 8), (2, 4, 10)]
+    assert qb(4, 10, cache, block=2) == [(0, 2, 0, 8), (2, 4, 0, 10)]
+    # Two rows packed with documents: row 0 splits at 3, row 1 at 5. The queries from 5 on see no
+    # key before their document's start in either row, so their blocks skip the first 3 keys.
+    packed = packed_mask(2, 10, window=None)
+    assert qb(10, 10, packed, block=4) == [(0, 4, 0, 4), (4, 8, 0, 8), (8, 10, 3, 10)]
+    assert qb(10, 10, packed, block=2)[-2:] == [(6, 8, 3, 8), (8, 10, 3, 10)]
+
+
+def test_query_blocks_read_a_mask_once_until_it_changes(monkeypatch):
+    """Every global layer of a forward passes the same mask: the blocks are read off it once."""
+    reads = []
+    real_any = torch.Tensor.any
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+
+    def counting_any(self, *args, **kwargs):
+        if self.shape[-2:] == (10, 10):
+            reads.append(1)
+        return real_any(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "any", counting_any)
+    first = cpu_attention.query_blocks(10, 10, mask, block=4)
+    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first and len(reads) == 1
+    assert cpu_attention.query_blocks(10, 10, mask.clone(), block=4) == first and len(reads) == 2
+    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first and len(reads) == 3
+    mask[9, :] = False  # changed in place: read again
+    mask[9, 0] = True
+    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first[:2] + [(8, 10, 0, 9)]
+    assert len(reads) == 4
 
 
 def test_long_rows_are_attended_in_query_blocks(monkeypatch):
@@ -185,12 +212,15 @@ def test_long_rows_are_attended_in_query_blocks(monkeypatch):
 
         exact = outputs_and_grads(sdpa, *(t.detach().double().requires_grad_() for t in (q, k, v)), g.double())
         ours = outputs_and_grads(model_kernel, q, k, v, g)
-        assert taken.pop() == causal
+        # Packed: the second document starts at 3 and 5 in the two rows, so the blocks after the
+        # first skip the first 3 keys.
+        blocks = causal if mask is None else [(s, e, 3 if s else 0, hi) for s, e, _, hi in causal]
+        assert taken.pop() == blocks
         for what, a, want in zip(("y", "dq", "dk", "dv"), ours, exact):
             torch.testing.assert_close(a.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item(), msg=what)
         with torch.no_grad():  # keeps no probabilities: the same output
             torch.testing.assert_close(model_kernel(q, k, v), ours[0], rtol=0, atol=0)
-        assert taken.pop() == causal
+        assert taken.pop() == blocks
     everything = torch.ones(2, 1, T, T, dtype=torch.bool)  # not causal: every block needs all keys
     cpu_attention.scaled_dot_product_attention(q, k, v, everything, enable_gqa=True)
     monkeypatch.setattr(cpu_attention, "MAX_SCORES", cpu_attention.saved_scores(2, 4, causal) - 1)

@@ -53,6 +53,7 @@ that also ran flash, 6.2-9.0 against 10.7-11.3 ms, flash 9.2-9.5 ms.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -71,16 +72,18 @@ BLOCK_ROWS = 128
 
 def query_blocks(
     T: int, S: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False, block: int | None = None
-) -> list[tuple[int, int, int]]:
-    """(start, end, keys) for each block of queries: rows [start, end) attend to at most the first
-    `keys` of the S keys.
+) -> list[tuple[int, int, int, int]]:
+    """(start, end, first key, end key) for each block of queries: rows [start, end) attend to
+    keys [first key, end key) of the S keys at most.
 
     A causal row sees no key after its own, so the block of queries [s, e) needs only the first e
-    keys (the first S - T + e for a boolean mask, aligned to the bottom right as a KV cache's is;
-    checked on the mask, and all S keys where a later one is allowed, or while torch.compile traces,
-    where the check would be a graph break). About half the T x S scores
-    are never computed, and each block's scores are small enough to stay in cache. Rows of at most
-    LONG_ROWS queries are one block, by default; longer ones are cut into blocks of BLOCK_ROWS.
+    keys: about half the T x S scores are never computed, and each block's scores are small enough
+    to stay in cache. With a boolean mask the keys any row of the block may see are read off the
+    mask (one pass over it, kept for the next call with the same mask: every global layer of a
+    forward shares one): for rows packed with documents a block also skips the keys of the
+    documents before its own. While torch.compile traces, reading the mask would be a graph break,
+    and blocks take all keys. Rows of at most LONG_ROWS queries are one block, by default; longer
+    ones are cut into blocks of BLOCK_ROWS.
 
     Measured on the 2-core AVX512-BF16 EPYC, torch 2.13, bf16, 6 query and 2 KV heads of 64
     (2026-12-03): forward and backward of one layer's attention at 1 x 1,024 tokens in blocks of
@@ -97,30 +100,44 @@ def query_blocks(
     4,096 cached keys, forward only: 0.12 / 0.22 ms against flash's 0.28 / 1.30. The price is
     memory: the step's peak resident memory rose from 1,354 to 1,503 MB at 1 x 1,024 tokens and
     from 1,641 to 2,016 MB at 2 x 1,024 (the kept probabilities, 6 bytes each; MAX_SCORES bounds
-    them per layer as before, at 50 MB).
+    them per layer as before, at 50 MB). Skipping the keys of earlier documents, on rows packed
+    with documents of ~300 tokens (bench/attention.py's), forward and backward of one layer, min
+    (median) of 15 interleaved: 1 x 1,024 10.1 (11.5) against 12.9 (15.0) ms, 2 x 1,024 11.4
+    (12.0) against 18.9 (23.7), 4 x 512 10.4 (10.7) against 10.9 (11.3); whole qwen3-moe-style
+    training steps on such rows, bf16: 1 x 1,024 363.0 (389.1) against 373.7 (409.0) ms, 2 x
+    1,024 558.9 (581.6) against 624.6 (644.8).
     """
     if block is None:
         block = T if T <= LONG_ROWS else BLOCK_ROWS
     if block >= T:
-        return [(0, T, S)]
-    spans = []
-    for s in range(0, T, block):
-        e = min(s + block, T)
-        if attn_mask is None:
-            n = min(e, S) if is_causal else S
-        elif torch.compiler.is_compiling():  # the check below would be a graph break: all keys
-            n = S
-        else:
-            n = max(0, min(S, S - T + e))
-            if n < S and bool(attn_mask[..., s:e, n:].any()):  # a later key is allowed: all of them
-                n = S
-        spans.append((s, e, max(n, 1)))
+        return [(0, T, 0, S)]
+    starts = range(0, T, block)
+    if attn_mask is None or torch.compiler.is_compiling():
+        causal = attn_mask is None and is_causal
+        return [(s, min(s + block, T), 0, min(s + block, S) if causal else S) for s in starts]
+    global _LAST_SPANS
+    key = (T, S, block, attn_mask._version)
+    if _LAST_SPANS is not None and _LAST_SPANS[0]() is attn_mask and _LAST_SPANS[1] == key:
+        return _LAST_SPANS[2]
+    seen_TS = attn_mask.reshape(-1, T, S).any(0)
+    pad = -T % block
+    seen_NS = torch.nn.functional.pad(seen_TS, (0, 0, 0, pad)).view(-1, block, S).any(1)  # per block
+    first_N = seen_NS.int().argmax(1)  # 0 where a block's rows see no key
+    end_N = S - seen_NS.flip(1).int().argmax(1)
+    end_N = torch.where(seen_NS.any(1), end_N, first_N + 1)
+    bounds = torch.stack([first_N, end_N], 1).tolist()  # one host sync
+    spans = [(s, min(s + block, T), lo, hi) for s, (lo, hi) in zip(starts, bounds)]
+    _LAST_SPANS = (weakref.ref(attn_mask), key, spans)
     return spans
 
 
-def saved_scores(B: int, H: int, spans: list[tuple[int, int, int]]) -> int:
+# The last mask `query_blocks` read, and its blocks: (weak reference, (T, S, block, version), spans).
+_LAST_SPANS = None
+
+
+def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:
     """How many fp32 probabilities `short_attention` keeps for the backward pass."""
-    return sum(B * H * (e - s) * n for s, e, n in spans)
+    return sum(B * H * (e - s) * (hi - lo) for s, e, lo, hi in spans)
 
 
 def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None, spans=None) -> bool:
@@ -133,7 +150,7 @@ def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=No
         and q_BHTD.dtype == torch.bfloat16
         and not emulated_bf16(q_BHTD.device)
         and (attn_mask is None or attn_mask.dtype == torch.bool)
-        and saved_scores(B, H, spans or [(0, T, S)]) <= MAX_SCORES
+        and saved_scores(B, H, spans or [(0, T, 0, S)]) <= MAX_SCORES
     )
 
 
@@ -188,10 +205,10 @@ class _ShortAttention(torch.autograd.Function):
         k32_XSD = k_XSD.float()
         probabilities = []  # per block: P in fp32 (for dS), and rounded (the operand of P·V and Pᵀ·dY)
         y_XGTD = q_XGTD.new_empty(q_XGTD.shape) if len(spans) > 1 else None
-        for (s, e, n), bias in zip(spans, biases):
-            p_XMS = _probabilities(_rows(q_XGTD, s, e), k32_XSD[:, :n], bias, G, scale)
+        for (s, e, lo, hi), bias in zip(spans, biases):
+            p_XMS = _probabilities(_rows(q_XGTD, s, e), k32_XSD[:, lo:hi], bias, G, scale)
             p_low_XMS = p_XMS.to(q_BHTD.dtype)
-            y_XMD = torch.bmm(p_low_XMS, v_XSD[:, :n])
+            y_XMD = torch.bmm(p_low_XMS, v_XSD[:, lo:hi])
             if y_XGTD is None:  # one block: its output is the whole output
                 y_XGTD = y_XMD.view(q_XGTD.shape)
             else:
@@ -214,23 +231,23 @@ class _ShortAttention(torch.autograd.Function):
         dq_XGTD = None if one else torch.empty_like(q_XGTD)
         dk_XSD = None if one else torch.zeros(k_XSD.shape, dtype=torch.float32, device=k_XSD.device)
         dv_XSD = None if one else torch.zeros_like(dk_XSD)
-        for i, (s, e, n) in enumerate(ctx.spans):
+        for i, (s, e, lo, hi) in enumerate(ctx.spans):
             p_XMS, p_low_XMS = probabilities[2 * i], probabilities[2 * i + 1]
             dy_XMD = _rows(dy_XGTD, s, e)
             dv_XnD = torch.bmm(p_low_XMS.transpose(1, 2), dy_XMD)
             # dP and rowsum(dY·Y) both come from dY: scaling it (Dh wide) scales dS (S wide) for free.
             dy_scaled_XMD = dy_XMD.to(torch.float32, copy=True).mul_(ctx.scale)
             with bf16_operand_products(_bf16_products(dy_XMD, ctx.scale)):
-                dp_XMS = torch.bmm(dy_scaled_XMD, v32_XSD[:, :n].transpose(1, 2))
+                dp_XMS = torch.bmm(dy_scaled_XMD, v32_XSD[:, lo:hi].transpose(1, 2))
             delta_XM1 = (dy_scaled_XMD * _rows(y_XGTD, s, e).float()).sum(-1, keepdim=True)
             ds_XMS = dp_XMS.sub_(delta_XM1).mul_(p_XMS).to(dtype)
-            dq_XMD = torch.bmm(ds_XMS, k_XSD[:, :n])
+            dq_XMD = torch.bmm(ds_XMS, k_XSD[:, lo:hi])
             dk_XnD = torch.bmm(ds_XMS.transpose(1, 2), _rows(q_XGTD, s, e))
             if one:
                 return dq_XMD.view(q_shape), dk_XnD.view(k_shape), dv_XnD.view(k_shape), None, None, None
             dq_XGTD[:, :, s:e] = dq_XMD.view(dq_XGTD.shape[0], -1, e - s, dq_XGTD.shape[-1])
-            dk_XSD[:, :n] += dk_XnD
-            dv_XSD[:, :n] += dv_XnD
+            dk_XSD[:, lo:hi] += dk_XnD
+            dv_XSD[:, lo:hi] += dv_XnD
         return dq_XGTD.view(q_shape), dk_XSD.to(dtype).view(k_shape), dv_XSD.to(dtype).view(k_shape), None, None, None
 
 
@@ -249,8 +266,8 @@ def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, sca
     while attn_mask.dim() < 4:  # [T, S] -> [1, 1, T, S]
         attn_mask = attn_mask.unsqueeze(0)
     biases = []
-    for s, e, n in spans:
-        allowed = attn_mask[..., s:e, :n]
+    for s, e, lo, hi in spans:
+        allowed = attn_mask[..., s:e, lo:hi]
         biases.append(
             torch.zeros(allowed.shape, device=q_BHTD.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
         )
