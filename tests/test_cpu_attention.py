@@ -129,6 +129,8 @@ def test_taken_for_native_bf16_within_the_kept_scores_only(monkeypatch):
     assert take(q, k) == native
     assert not take(q.float(), k.float())  # fp32: flash is as fast
     assert not take(q, k, attn_mask=torch.zeros(8, 8))  # an additive float mask goes to SDPA
+    assert take(q, k, attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)) == native
+    assert not take(q, k, attn_mask=torch.ones(1, 4, 8, 8, dtype=torch.bool))  # one mask per head: SDPA
     if native:  # 1 x 4 heads x 8 queries x 8 keys = 256 probabilities, 144 in causal blocks of 2
         causal = cpu_attention.query_blocks(8, 8, is_causal=True, block=2)
         assert cpu_attention.saved_scores(1, 4, causal) == 4 * 2 * (2 + 4 + 6 + 8)

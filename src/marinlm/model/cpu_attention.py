@@ -141,15 +141,16 @@ def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:
 
 
 def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None, spans=None) -> bool:
-    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask or none, and at
-    most MAX_SCORES probabilities kept over the query blocks `spans` (default one block)."""
+    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask shared by the
+    heads or none, and at most MAX_SCORES probabilities kept over the query blocks `spans`
+    (default one block)."""
     B, H, T, _ = q_BHTD.shape
     S = k_BKSD.shape[2]
     return (
         q_BHTD.device.type == "cpu"
         and q_BHTD.dtype == torch.bfloat16
         and not emulated_bf16(q_BHTD.device)
-        and (attn_mask is None or attn_mask.dtype == torch.bool)
+        and (attn_mask is None or (attn_mask.dtype == torch.bool and (attn_mask.dim() < 4 or attn_mask.shape[1] == 1)))
         and saved_scores(B, H, spans or [(0, T, 0, S)]) <= MAX_SCORES
     )
 
