@@ -280,11 +280,13 @@ def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_caus
     """The model's attention kernel: `short_attention` where `use_short_attention` holds for its
     query blocks, else `F.scaled_dot_product_attention` (through model/cpu_bf16.py where bf16 is
     emulated)."""
-    T, S = q_BHTD.shape[2], k_BKSD.shape[2]
-    # First against causal blocks, the fewest scores, which needs no pass over the mask; then
-    # against the blocks the mask allows.
-    if use_short_attention(q_BHTD, k_BKSD, attn_mask, query_blocks(T, S, is_causal=True)):
-        spans = query_blocks(T, S, attn_mask, is_causal)
-        if use_short_attention(q_BHTD, k_BKSD, attn_mask, spans):
+    B, H, T, _ = q_BHTD.shape
+    S = k_BKSD.shape[2]
+    causal = query_blocks(T, S, is_causal=True)
+    # A first check against causal blocks, which needs no pass over the mask; then the blocks the
+    # mask allows are read off it and counted.
+    if use_short_attention(q_BHTD, k_BKSD, attn_mask, causal):
+        spans = causal if attn_mask is None and is_causal else query_blocks(T, S, attn_mask, is_causal)
+        if saved_scores(B, H, spans) <= MAX_SCORES:
             return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal, spans=spans)
     return _sdpa(q_BHTD, k_BKSD, v_BKSD, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
