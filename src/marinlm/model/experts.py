@@ -7,9 +7,10 @@ hidden width, C chunks, R rows per chunk.
 
 Dispatch sorts the assignments by expert (stable, so token order within an expert), runs the
 experts on the sorted rows with each row's hidden activations scaled by its combine weight,
-puts each row back in its token-major slot and sums each token's k slots. Every assignment
-owns one slot, so neither direction needs an accumulating scatter (slow on CPU,
-non-deterministic on GPU): gradients are bitwise reproducible.
+and sums each token's k rows, found through the inverse permutation (one `embedding_bag`).
+Every assignment owns one row, so neither direction needs an accumulating scatter (slow on
+CPU, non-deterministic on GPU): each sum is over one token's own rows, and gradients are
+bitwise reproducible.
 Four interchangeable kernels compute the sorted rows:
 
 - `grouped_mm`: `torch._grouped_mm` with offsets, registered as a custom op with our own
@@ -111,6 +112,21 @@ def _take(rows_RD: torch.Tensor, index_I: torch.Tensor, pad: bool) -> torch.Tens
     return rows_RD.index_select(0, index_I)
 
 
+def _sum_slots(rows_PD: torch.Tensor, row_S: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
+    """out_ND[n] = sum of rows_PD[row_S[n*k + j]] over j < k, added in fp32 and rounded once to the
+    rows' dtype; row P (a dropped assignment's) counts as zero.
+
+    Without drops this is one `embedding_bag` (sum mode): it reads each token's k rows and writes
+    the sum, where gathering the [S, D] slots and then summing them writes and reads them again.
+    On the 2-core EPYC, 1,024 x 4 rows of 384 in bf16: 0.06 against 0.37 ms, with the same error
+    against fp64 (it too adds in fp32 and rounds once).
+    """
+    if not dropped:
+        return F.embedding_bag(row_S.view(-1, k), rows_PD, mode="sum")
+    rows_SD = _take(rows_PD, row_S, pad=True)
+    return rows_SD.view(-1, k, rows_SD.shape[1]).sum(1, dtype=torch.float32).to(rows_PD.dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     """x_PD = x_ND[slot_P // k] in `dtype`: the token row of each row of the experts' layout.
 
@@ -120,7 +136,8 @@ class _Dispatch(torch.autograd.Function):
     token-major slot (S = N*k) of each row, or S for a padding row. `row_S` inverts it: the layout
     row of each slot, or P where the assignment was dropped. The cast comes before the gather, so
     a bf16 kernel casts N rows, not P. The backward gathers each slot's gradient row and sums each
-    token's k slots in fp32.
+    token's k slots in fp32, unrounded (one `embedding_bag` would round the sums to bf16; it bought
+    nothing measurable in the bench's step).
     """
 
     @staticmethod
@@ -137,19 +154,20 @@ class _Dispatch(torch.autograd.Function):
         return dx_ND.to(ctx.dtype), None, None, None, None, None, None
 
 
-class _Undispatch(torch.autograd.Function):
-    """y_SD = y_PD put back in token-major slot order; a dropped assignment's slot is zero."""
+class _Combine(torch.autograd.Function):
+    """y_ND = the sum of each token's k rows of y_PD (`_sum_slots`); a dropped assignment adds
+    nothing. The backward is the dispatch's gather: each layout row gets its token's gradient."""
 
     @staticmethod
-    def forward(ctx, y_PD, slot_P, row_S, padded, dropped):
+    def forward(ctx, y_PD, slot_P, row_S, k, padded, dropped):
         ctx.save_for_backward(slot_P)
-        ctx.padded = padded
-        return _take(y_PD, row_S, pad=dropped)
+        ctx.k, ctx.padded = k, padded
+        return _sum_slots(y_PD, row_S, k, dropped)
 
     @staticmethod
-    def backward(ctx, dy_SD):
+    def backward(ctx, dy_ND):
         (slot_P,) = ctx.saved_tensors
-        return _take(dy_SD, slot_P, pad=ctx.padded), None, None, None, None
+        return _take(dy_ND.contiguous(), slot_P // ctx.k, pad=ctx.padded), None, None, None, None, None
 
 
 class _ChunkWeights(torch.autograd.Function):
@@ -358,8 +376,7 @@ class RoutedExperts(nn.Module):
                 pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e]) * we) @ w_down[e])
                 start += count
             y_PD = torch.cat([*pieces, w_down.new_zeros(P - start, w_down.shape[2])])
-        y_NKD = _Undispatch.apply(y_PD, slot_P, row_S, has_padding, keep_A is not None).view(N, k, y_PD.shape[1])
-        out_ND = y_NKD.sum(1, dtype=torch.float32).to(dtype)  # fp32 sums, one rounding
+        out_ND = _Combine.apply(y_PD, slot_P, row_S, k, has_padding, keep_A is not None)
         return out_ND, dropped
 
 
