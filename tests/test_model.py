@@ -347,6 +347,31 @@ def test_fused_loss_with_logits_far_apart_across_vocabulary_blocks(monkeypatch):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def test_fused_loss_backward_twice_scaled_and_with_the_weight_used_twice():
+    """The fused loss hands back its kept gradients as they are when the loss itself is
+    differentiated (no pass over dW). A second backward over a retained graph, a scaled loss and a
+    weight used elsewhere too (tied embeddings) must still give the exact gradients: autograd
+    must not accumulate into, or hand out, the kept tensors."""
+    from marinlm.model.loss import chunked_loss
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 8, generator=gen).requires_grad_()
+    w = torch.randn(40, 8, generator=gen).requires_grad_()
+    labels = torch.tensor([0, 5, 17, 39, 21, -100, 2, 31, 11])
+    loss = chunked_loss(h, w, labels, z_weight=1e-4, chunk=4)[0]
+    want = [g.clone() for g in torch.autograd.grad(loss, (h, w), retain_graph=True)]
+    # Twice over the retained graph, and with the weight also used elsewhere.
+    total = loss + (3 * w).sum()
+    total.backward(retain_graph=True)
+    total.backward(retain_graph=True)
+    torch.testing.assert_close(h.grad, 2 * want[0], rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, 2 * (want[1] + 3), rtol=1e-6, atol=1e-6)
+    for got, ref in zip(torch.autograd.grad(0.5 * loss, (h, w), retain_graph=True), want):
+        torch.testing.assert_close(got, 0.5 * ref, rtol=0, atol=0)
+    for got, ref in zip(torch.autograd.grad(loss, (h, w)), want):  # the kept gradients are unchanged
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("chunk", [9, 4])  # one chunk; several, the last one shorter
 def test_fused_loss_never_reads_uninitialised_buffers(bf16, chunk, monkeypatch):
