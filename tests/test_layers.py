@@ -85,6 +85,35 @@ def qk_inputs(rope_dim, dtype, B=2, T=5, H=3, Dh=8, seed=0):
     return x, gain, cos, sin
 
 
+def test_rope_tables_are_computed_once_for_the_same_positions(monkeypatch):
+    """Every layer of a forward passes the same positions: the tables are computed once and
+    handed out again while the tensor is the same object, unchanged, and the sizes match."""
+    calls = []
+    real_cos = torch.Tensor.cos
+    monkeypatch.setattr(torch.Tensor, "cos", lambda self: calls.append(self.dtype) or real_cos(self))
+
+    def want(pos, rope_dim, theta):
+        inv_freq = 1.0 / theta ** (torch.arange(rope_dim // 2, dtype=torch.float64) / (rope_dim // 2))
+        angles = pos.double().unsqueeze(-1) * inv_freq
+        return angles.cos().float(), angles.sin().float()
+
+    pos = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
+    first = rope_cos_sin(pos, 8, 10000.0)
+    for got, ref in zip(first, want(pos, 8, 10000.0)):
+        torch.testing.assert_close(got, ref)
+    assert rope_cos_sin(pos, 8, 10000.0) is first and calls.count(torch.float32) == 1
+    other = pos.clone()
+    for args in ((pos, 4, 10000.0), (pos, 4, 500.0), (other, 4, 500.0)):  # each differs in one thing
+        for got, ref in zip(rope_cos_sin(*args), want(*args)):
+            torch.testing.assert_close(got, ref)
+    assert calls.count(torch.float32) == 4
+    rope_cos_sin(pos, 8, 10000.0)
+    pos[1] += 2  # changed in place: computed again
+    for got, ref in zip(rope_cos_sin(pos, 8, 10000.0), want(pos, 8, 10000.0)):
+        torch.testing.assert_close(got, ref)
+    assert calls.count(torch.float32) == 6
+
+
 @pytest.mark.parametrize("normalize,with_gain,rope_dim,mult", QK_CASES)
 def test_qk_transform_matches_op_by_op_maths_and_passes_gradcheck(normalize, with_gain, rope_dim, mult):
     x, gain, cos, sin = qk_inputs(rope_dim, torch.float64)
