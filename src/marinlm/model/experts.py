@@ -171,12 +171,15 @@ class _Combine(torch.autograd.Function):
 
 
 class _ChunkWeights(torch.autograd.Function):
-    """w_CIO = w_EIO[expert_C].to(dtype): each chunk's expert matrix, in the kernel's dtype.
+    """w_CIO = w_EIO[expert_C].to(dtype): each chunk's expert matrix, in the kernel's dtype;
+    `expert_C` is sorted, so each expert's chunks are consecutive.
 
-    The backward sums each expert's chunk gradients (bf16 GEMM outputs under bf16) in fp32 and
-    returns the sums in the weight's dtype, so fp32 master weights get no rounding beyond the
-    chunks' own. The sum is an index_add_ over chunks: deterministic on CPU, and on CUDA under
-    torch.use_deterministic_algorithms, which the trainer turns on.
+    The backward sums each expert's chunk gradients (bf16 GEMM outputs under bf16) with one
+    `embedding_bag` over the chunks, a bag per expert: it adds in fp32 and rounds the sum once to
+    the chunks' dtype, as one bf16 GEMM over all the expert's rows would (exact for an expert with
+    one chunk, and in fp32). It reads each chunk once; casting every chunk to fp32 and adding it
+    into a zeroed fp32 buffer (index_add_) took 10.7 ms of a bench/train_step.py bf16 step.
+    Deterministic: each sum is over one expert's own chunks, in order.
     """
 
     @staticmethod
@@ -188,15 +191,19 @@ class _ChunkWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dw_CIO):
         (expert_C,) = ctx.saved_tensors
-        dw_EIO = dw_CIO.new_zeros((ctx.num_experts, *dw_CIO.shape[1:]), dtype=torch.float32)
-        dw_EIO.index_add_(0, expert_C, dw_CIO.float())
-        return dw_EIO.to(ctx.dtype), None, None
+        C, E = expert_C.shape[0], ctx.num_experts
+        first_E = torch.searchsorted(expert_C, torch.arange(E, device=expert_C.device))  # an empty bag: 0
+        chunks_C = torch.arange(C, device=expert_C.device)
+        dw_EX = F.embedding_bag(chunks_C, dw_CIO.reshape(C, math.prod(dw_CIO.shape[1:])), first_E, mode="sum")
+        return dw_EX.view(E, *dw_CIO.shape[1:]).to(ctx.dtype), None, None
 
 
 # Rows per chunk the `chunked` kernel chooses from, and what one chunk with gathered matrices
 # costs, in rows of expert compute: its three fp32 -> bf16 matrix copies in the forward pass, and
-# in the backward its three gradients cast to fp32 and summed per expert. Fitted on the 2-core
-# AVX512-BF16 EPYC in bf16 (2026-12-02, forward and backward, minima of 8-15 interleaved rounds),
+# in the backward its three gradients summed per expert. Fitted on the 2-core AVX512-BF16 EPYC in
+# bf16 (2026-12-02, forward and backward, minima of 8-15 interleaved rounds; before that sum became
+# one embedding_bag, which made chunks cheaper: a cost of 32 then gave 277.6 against 281.1 ms for
+# the whole bench step, best of 16, and the same median, so 48 stays),
 # where the cost per chunk came to 35-50 rows at both shapes below. At 1,024 x 4 assignments over
 # 32 experts, 384 -> 96 (mean load 128), near balance (largest load 149): one chunk per expert
 # (5,120 rows) 10.6 ms, 64-row chunks (79 chunks, 5,056 rows) 14.4, 128-row (47, 6,016) 12.8;
