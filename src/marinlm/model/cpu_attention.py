@@ -53,12 +53,12 @@ that also ran flash, 6.2-9.0 against 10.7-11.3 ms, flash 9.2-9.5 ms.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
 from marinlm.model.cpu_bf16 import bf16_operand_products, emulated_bf16
 from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
+from marinlm.model.layers import LastResult
 
 # Where this path is taken: bf16 only (in fp32 it ran no faster than flash: 15.9 against 16.0 ms
 # at the shape above; at 1 x 1,024 in query blocks 21.5-22.4 against 23.4 ms), and where the
@@ -115,24 +115,21 @@ def query_blocks(
     if attn_mask is None or torch.compiler.is_compiling():
         causal = attn_mask is None and is_causal
         return [(s, min(s + block, T), 0, min(s + block, S) if causal else S) for s in starts]
-    global _LAST_SPANS
-    key = (T, S, block, attn_mask._version)
-    if _LAST_SPANS is not None and _LAST_SPANS[0]() is attn_mask and _LAST_SPANS[1] == key:
-        return _LAST_SPANS[2]
-    seen_TS = attn_mask.reshape(-1, T, S).any(0)
-    pad = -T % block
-    seen_NS = torch.nn.functional.pad(seen_TS, (0, 0, 0, pad)).view(-1, block, S).any(1)  # per block
-    first_N = seen_NS.int().argmax(1)  # 0 where a block's rows see no key
-    end_N = S - seen_NS.flip(1).int().argmax(1)
-    end_N = torch.where(seen_NS.any(1), end_N, first_N + 1)
-    bounds = torch.stack([first_N, end_N], 1).tolist()  # one host sync
-    spans = [(s, min(s + block, T), lo, hi) for s, (lo, hi) in zip(starts, bounds)]
-    _LAST_SPANS = (weakref.ref(attn_mask), key, spans)
-    return spans
+
+    def read_mask():
+        seen_TS = attn_mask.reshape(-1, T, S).any(0)
+        pad = -T % block
+        seen_NS = torch.nn.functional.pad(seen_TS, (0, 0, 0, pad)).view(-1, block, S).any(1)  # per block
+        first_N = seen_NS.int().argmax(1)  # 0 where a block's rows see no key
+        end_N = S - seen_NS.flip(1).int().argmax(1)
+        end_N = torch.where(seen_NS.any(1), end_N, first_N + 1)
+        bounds = torch.stack([first_N, end_N], 1).tolist()  # one host sync
+        return [(s, min(s + block, T), lo, hi) for s, (lo, hi) in zip(starts, bounds)]
+
+    return _MASK_SPANS(attn_mask, (T, S, block), read_mask)
 
 
-# The last mask `query_blocks` read, and its blocks: (weak reference, (T, S, block, version), spans).
-_LAST_SPANS = None
+_MASK_SPANS = LastResult()  # the last mask `query_blocks` read, and its blocks
 
 
 def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:

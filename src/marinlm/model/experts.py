@@ -167,7 +167,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_ND):
         (slot_P,) = ctx.saved_tensors
-        return _take(dy_ND.contiguous(), slot_P // ctx.k, pad=ctx.padded), None, None, None, None, None
+        return _take(dy_ND, slot_P // ctx.k, pad=ctx.padded), None, None, None, None, None
 
 
 class _ChunkWeights(torch.autograd.Function):

@@ -199,31 +199,46 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class LastResult:
+    """The result last computed from a tensor, given again while the same tensor object comes back
+    unchanged (same version) with the same key: for values that every layer of a forward pass
+    derives from one shared tensor (positions, a mask). A weak reference, so the tensor is never
+    kept alive. While torch.compile traces, nothing is kept: the computation is traced instead.
+    """
+
+    def __init__(self):
+        self._last = None  # (weak reference to the tensor, (key, version), result)
+
+    def __call__(self, tensor: torch.Tensor, key: tuple, compute):
+        if torch.compiler.is_compiling():
+            return compute()
+        key = (key, tensor._version)
+        last = self._last
+        if last is not None and last[0]() is tensor and last[1] == key:
+            return last[2]
+        result = compute()
+        self._last = (weakref.ref(tensor), key, result)
+        return result
+
+
 def rope_cos_sin(pos_BT: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [B, T, rope_dim/2] for integer positions, in fp32.
 
-    Every layer of a forward pass passes the same positions tensor: the last tables are kept and
-    handed out again while the tensor (the same object, unchanged since) and the sizes match, so
-    they are computed once a forward, not once a layer (the bench/train_step.py step's 8 layers:
-    0.39 against 1.35 ms; in decoding a token's whole cost is such small ops). Not under
-    torch.compile, which traces the computation instead.
+    Every layer of a forward pass passes the same positions tensor, so the tables are computed
+    once a forward, not once a layer (`LastResult`; the bench/train_step.py step's 8 layers: 0.39
+    against 1.35 ms; in decoding a token's whole cost is such small ops).
     """
-    global _LAST_ROPE
-    compiling = torch.compiler.is_compiling()
-    key = (rope_dim, theta, pos_BT._version)
-    if not compiling and _LAST_ROPE is not None and _LAST_ROPE[0]() is pos_BT and _LAST_ROPE[1] == key:
-        return _LAST_ROPE[2]
-    half = rope_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(half, device=pos_BT.device, dtype=torch.float32) / half))
-    angles = pos_BT.float().unsqueeze(-1) * inv_freq
-    tables = angles.cos(), angles.sin()
-    if not compiling:
-        _LAST_ROPE = (weakref.ref(pos_BT), key, tables)
-    return tables
+
+    def tables():
+        half = rope_dim // 2
+        inv_freq = 1.0 / (theta ** (torch.arange(half, device=pos_BT.device, dtype=torch.float32) / half))
+        angles = pos_BT.float().unsqueeze(-1) * inv_freq
+        return angles.cos(), angles.sin()
+
+    return _ROPE_TABLES(pos_BT, (rope_dim, theta), tables)
 
 
-# The positions `rope_cos_sin` last saw: (weak reference, (rope_dim, theta, version), (cos, sin)).
-_LAST_ROPE = None
+_ROPE_TABLES = LastResult()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
