@@ -128,23 +128,23 @@ def _sum_slots(rows_PD: torch.Tensor, row_S: torch.Tensor, k: int, dropped: bool
 
 
 class _Dispatch(torch.autograd.Function):
-    """x_PD = x_ND[slot_P // k] in `dtype`: the token row of each row of the experts' layout.
+    """x_PD = x_ND[token_P] in `dtype`: the token row of each row of the experts' layout.
 
     The layout holds the kept assignments sorted by expert, and zero rows: for the padded kernels
     (`chunked`, `bmm`), padding each expert to whole chunks; for `grouped_mm` and `loop`, one per
-    dropped assignment, at the end, so that P = S whatever the routing. `slot_P` is the
-    token-major slot (S = N*k) of each row, or S for a padding row. `row_S` inverts it: the layout
-    row of each slot, or P where the assignment was dropped. The cast comes before the gather, so
-    a bf16 kernel casts N rows, not P. The backward gathers each slot's gradient row and sums each
-    token's k slots in fp32, unrounded (one `embedding_bag` would round the sums to bf16; it bought
-    nothing measurable in the bench's step).
+    dropped assignment, at the end, so that P = S whatever the routing. `token_P` is the token
+    of each row (slot_P // k, with slot_P its token-major slot, S = N*k), or N for a padding row.
+    `row_S` inverts slot_P: the layout row of each slot, or P where the assignment was dropped.
+    The cast comes before the gather, so a bf16 kernel casts N rows, not P. The backward gathers
+    each slot's gradient row and sums each token's k slots in fp32, unrounded (one `embedding_bag`
+    would round the sums to bf16; it bought nothing measurable in the bench's step).
     """
 
     @staticmethod
-    def forward(ctx, x_ND, slot_P, row_S, k, padded, dropped, dtype):
+    def forward(ctx, x_ND, token_P, row_S, k, padded, dropped, dtype):
         ctx.save_for_backward(row_S)
         ctx.k, ctx.dropped, ctx.dtype = k, dropped, x_ND.dtype
-        return _take(x_ND.to(dtype), slot_P // k, pad=padded)
+        return _take(x_ND.to(dtype), token_P, pad=padded)
 
     @staticmethod
     def backward(ctx, dx_PD):
@@ -159,15 +159,15 @@ class _Combine(torch.autograd.Function):
     nothing. The backward is the dispatch's gather: each layout row gets its token's gradient."""
 
     @staticmethod
-    def forward(ctx, y_PD, slot_P, row_S, k, padded, dropped):
-        ctx.save_for_backward(slot_P)
-        ctx.k, ctx.padded = k, padded
+    def forward(ctx, y_PD, token_P, row_S, k, padded, dropped):
+        ctx.save_for_backward(token_P)
+        ctx.padded = padded
         return _sum_slots(y_PD, row_S, k, dropped)
 
     @staticmethod
     def backward(ctx, dy_ND):
-        (slot_P,) = ctx.saved_tensors
-        return _take(dy_ND, slot_P // ctx.k, pad=ctx.padded), None, None, None, None, None
+        (token_P,) = ctx.saved_tensors
+        return _take(dy_ND, token_P, pad=ctx.padded), None, None, None, None, None
 
 
 class _ChunkWeights(torch.autograd.Function):
@@ -354,7 +354,8 @@ class RoutedExperts(nn.Module):
         slot_P = slot_P[:P]  # row P collected the dropped assignments' slots
         row_S = torch.full((S,), P, dtype=order_A.dtype, device=order_A.device)
         row_S[order_A] = row_A
-        x_PD = _Dispatch.apply(x_ND, slot_P, row_S, k, has_padding, keep_A is not None, dtype)
+        token_P = slot_P // k  # N for a padding row: the zero row `_take` appends
+        x_PD = _Dispatch.apply(x_ND, token_P, row_S, k, has_padding, keep_A is not None, dtype)
         # Each row's combine weight scales its hidden activations, before the (linear) down
         # projection: w * (h @ W_down) = (w * h) @ W_down. That scales F-wide rows instead of
         # D-wide outputs, and the combine becomes a plain sum over each token's k slots. In the
@@ -383,7 +384,7 @@ class RoutedExperts(nn.Module):
                 pieces.append((F.silu(xe @ w_gate[e]) * (xe @ w_up[e]) * we) @ w_down[e])
                 start += count
             y_PD = torch.cat([*pieces, w_down.new_zeros(P - start, w_down.shape[2])])
-        out_ND = _Combine.apply(y_PD, slot_P, row_S, k, has_padding, keep_A is not None)
+        out_ND = _Combine.apply(y_PD, token_P, row_S, k, has_padding, keep_A is not None)
         return out_ND, dropped
 
 
