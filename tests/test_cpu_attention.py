@@ -185,6 +185,51 @@ def test_query_blocks_read_a_mask_once_until_it_changes(monkeypatch):
     assert len(reads) == 4
 
 
+def test_block_biases_are_built_once_a_forward_until_the_mask_or_blocks_change():
+    """Every layer of a forward passes the same mask (or none): the kernel's additive biases are
+    built once and handed out again, never for another mask, blocks or causality."""
+    bb = cpu_attention.block_biases
+    cpu = torch.device("cpu")
+
+    def expected(mask, spans):
+        mask = mask.reshape(-1, 1, 1, *mask.shape[-2:])
+        return [
+            torch.zeros(mask[..., s:e, lo:hi].shape).masked_fill_(~mask[..., s:e, lo:hi], -torch.inf)
+            for s, e, lo, hi in spans
+        ]
+
+    def check(biases, mask, spans):
+        assert len(biases) == len(spans)
+        for got, want in zip(biases, expected(mask, spans)):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    spans = cpu_attention.query_blocks(10, 10, is_causal=True, block=4)
+    first = bb(None, True, 10, 10, spans, cpu)
+    check(first, causal, spans)
+    assert bb(None, True, 10, 10, spans, cpu) is first  # the next layer's call: the same biases
+    everything = bb(None, False, 10, 10, spans, cpu)  # not causal: no -inf
+    check(everything, torch.ones(10, 10, dtype=torch.bool), spans)
+    wider = cpu_attention.query_blocks(10, 10, is_causal=True, block=5)
+    check(bb(None, True, 10, 10, wider, cpu), causal, wider)
+    # A mask tensor with the same blocks as the causal rows above: its own biases.
+    mask = packed_mask(2, 10, window=None)
+    from_mask = bb(mask, False, 10, 10, spans, cpu)
+    check(from_mask, mask, spans)
+    assert bb(mask, False, 10, 10, spans, cpu) is from_mask
+    windowed = packed_mask(2, 10, window=3)  # another tensor of the same shape and version
+    check(bb(windowed, False, 10, 10, spans, cpu), windowed, spans)
+    check(bb(None, False, 10, 10, spans, cpu), torch.ones(10, 10, dtype=torch.bool), spans)
+    again = bb(mask, False, 10, 10, spans, cpu)
+    check(again, mask, spans)
+    mask[1, 0, 9, :] = False  # changed in place: built again
+    mask[1, 0, 9, 9] = True
+    changed = bb(mask, False, 10, 10, spans, cpu)
+    assert changed is not again
+    check(changed, mask, spans)
+
+
 def test_long_rows_are_attended_in_query_blocks(monkeypatch):
     """The model's kernel cuts rows longer than LONG_ROWS into blocks of queries and gives what
     SDPA gives, with packed documents too; past MAX_SCORES kept probabilities it leaves them to SDPA."""

@@ -203,21 +203,23 @@ class LastResult:
     """The result last computed from a tensor, given again while the same tensor object comes back
     unchanged (same version) with the same key: for values that every layer of a forward pass
     derives from one shared tensor (positions, a mask). A weak reference, so the tensor is never
-    kept alive. While torch.compile traces, nothing is kept: the computation is traced instead.
+    kept alive. With `tensor` None the key alone decides. While torch.compile traces, nothing is
+    kept: the computation is traced instead.
     """
 
     def __init__(self):
-        self._last = None  # (weak reference to the tensor, (key, version), result)
+        self._last = None  # (weak reference to the tensor or None, (key, version), result)
 
-    def __call__(self, tensor: torch.Tensor, key: tuple, compute):
+    def __call__(self, tensor: torch.Tensor | None, key: tuple, compute):
         if torch.compiler.is_compiling():
             return compute()
-        key = (key, tensor._version)
+        key = (key, None if tensor is None else tensor._version)
         last = self._last
-        if last is not None and last[0]() is tensor and last[1] == key:
+        # A result kept for a tensor never matches a call without one: their keys' versions differ.
+        if last is not None and last[1] == key and (None if last[0] is None else last[0]()) is tensor:
             return last[2]
         result = compute()
-        self._last = (weakref.ref(tensor), key, result)
+        self._last = (None if tensor is None else weakref.ref(tensor), key, result)
         return result
 
 
