@@ -98,3 +98,25 @@ def test_time_breakdown_sorts_each_ops_time_and_counts_gemm_flops_by_shape():
     adam.step()  # its state made
     parts = time_breakdown(adam.step, steps=3)
     assert parts["optimizer"][0] > 0.5 * sum(s for s, _ in parts.values())  # the fused kernel, not its step count
+
+
+def test_interleaved_rounds_time_every_contender_each_round_in_shuffled_orders():
+    """bench/train_step.py: each contender warmed up twice, then timed once a round, the rounds
+    aligned (the within-round ratios pair them), and no contender always run after the same one."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from train_step import interleaved_times
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = interleaved_times(steps, rounds=12)
+    assert calls[:8] == ["a", "a", "b", "b", "c", "c", "d", "d"]  # the warm-ups, in order
+    rounds = [calls[8 + 4 * r : 12 + 4 * r] for r in range(12)]
+    assert len(calls) == 8 + 4 * 12 and all(sorted(r) == list("abcd") for r in rounds)
+    assert {name: len(t) for name, t in times.items()} == dict.fromkeys("abcd", 12)
+    assert len({tuple(r) for r in rounds}) > 1
+    # Every contender runs right after at least two different ones (or first) over the rounds.
+    before = {name: {r[r.index(name) - 1] if r.index(name) else None for r in rounds} for name in "abcd"}
+    assert all(len(b) >= 2 for b in before.values()), before
+    assert interleaved_times(dict(steps), rounds=12) and calls[-48:] == calls[8 : 8 + 48]  # seeded: repeatable
