@@ -262,7 +262,7 @@ def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, sca
     return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, spans, biases, scale)
 
 
-def block_biases(attn_mask, is_causal: bool, T: int, S: int, spans, device) -> list[torch.Tensor]:
+def block_biases(attn_mask, is_causal: bool, T: int, S: int, spans, device: torch.device) -> list[torch.Tensor]:
     """The additive fp32 mask of each query block of `spans`, [B or 1, 1, 1, rows, keys]: 0 where the
     query may attend, -inf elsewhere.
 
@@ -289,7 +289,7 @@ def block_biases(attn_mask, is_causal: bool, T: int, S: int, spans, device) -> l
             biases.append(bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1))
         return biases
 
-    key = (T, S, attn_mask is None and is_causal, tuple(spans), torch.device(device))
+    key = (T, S, attn_mask is None and is_causal, tuple(spans), device)
     return _BLOCK_BIASES(attn_mask, key, build)
 
 
