@@ -122,12 +122,16 @@ def test_bf16_error_is_close_to_torch_bf16_kernel(name, head_dim, blocking):
         assert ours_err <= 2 * torch_err + 2**-9 * want.abs().max().item(), (what, ours_err, torch_err)
 
 
-def test_taken_for_native_bf16_within_the_kept_scores_only(monkeypatch):
+def test_taken_for_fp32_and_native_bf16_within_the_kept_scores_only(monkeypatch):
     q, k, _ = qkv(1, 4, 2, 8, 8, torch.bfloat16)
     take = cpu_attention.use_short_attention
     native = not cpu_bf16.emulated_bf16("cpu")
     assert take(q, k) == native
-    assert not take(q.float(), k.float())  # fp32: flash is as fast
+    T = cpu_attention.FP32_BLOCK_ROWS
+    q32, k32, _ = qkv(1, 4, 2, T + 1, T + 1, torch.float32)
+    assert take(q32, k32)  # fp32 rows of more than one block, on every CPU
+    assert not take(q32[:, :, :T], k32) and not take(q.float(), k.float())  # one block: flash
+    assert not take(q.half(), k.half())
     assert not take(q, k, attn_mask=torch.zeros(8, 8))  # an additive float mask goes to SDPA
     assert take(q, k, attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)) == native
     assert not take(q, k, attn_mask=torch.ones(1, 4, 8, 8, dtype=torch.bool))  # one mask per head: SDPA
@@ -138,6 +142,10 @@ def test_taken_for_native_bf16_within_the_kept_scores_only(monkeypatch):
         assert not take(q, k) and take(q, k, spans=causal)
     monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
     assert not take(q, k)  # emulated bf16 GEMMs: model/cpu_bf16.py's fp32 path
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 4 * (T + 1) ** 2)  # fp32 needs no bf16 GEMM
+    assert take(q32, k32)
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 4 * (T + 1) ** 2 - 1)
+    assert not take(q32, k32)
 
 
 def test_query_blocks_skip_the_keys_no_query_of_the_block_sees():
@@ -147,6 +155,14 @@ def test_query_blocks_skip_the_keys_no_query_of_the_block_sees():
     step = cpu_attention.BLOCK_ROWS
     long = qb(rows + 1, rows + 1, is_causal=True)
     assert long == [(s, min(s + step, rows + 1), 0, min(s + step, rows + 1)) for s in range(0, rows + 1, step)]
+    # fp32: blocks of FP32_BLOCK_ROWS from the shortest rows that have two.
+    step = cpu_attention.FP32_BLOCK_ROWS
+    assert qb(step, step, is_causal=True, dtype=torch.float32) == [(0, step, 0, step)]
+    fp32 = qb(step + 1, step + 1, is_causal=True, dtype=torch.float32)
+    assert fp32 == [(0, step, 0, step), (step, step + 1, 0, step + 1)]
+    assert qb(rows, rows, is_causal=True, dtype=torch.float32) == [
+        (s, s + step, 0, s + step) for s in range(0, rows, step)
+    ]
     assert qb(10, 10, is_causal=False, block=4) == [(0, 4, 0, 10), (4, 8, 0, 10), (8, 10, 0, 10)]  # all keys
     causal = torch.ones(10, 10, dtype=torch.bool).tril()
     assert qb(10, 10, causal, block=4) == [(0, 4, 0, 4), (4, 8, 0, 8), (8, 10, 0, 10)]
@@ -230,14 +246,17 @@ def test_block_biases_are_built_once_a_forward_until_the_mask_or_blocks_change()
     check(changed, mask, spans)
 
 
-def test_long_rows_are_attended_in_query_blocks(monkeypatch):
-    """The model's kernel cuts rows longer than LONG_ROWS into blocks of queries and gives what
-    SDPA gives, with packed documents too; past MAX_SCORES kept probabilities it leaves them to SDPA."""
-    if cpu_bf16.emulated_bf16("cpu"):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_rows_are_attended_in_query_blocks(monkeypatch, dtype):
+    """The model's kernel cuts rows longer than LONG_ROWS (bf16) or FP32_BLOCK_ROWS (fp32) into
+    blocks of queries and gives what SDPA gives, with packed documents too; past MAX_SCORES kept
+    probabilities it leaves them to SDPA."""
+    if dtype == torch.bfloat16 and cpu_bf16.emulated_bf16("cpu"):
         pytest.skip("needs a CPU with bf16 GEMMs")
-    T = cpu_attention.LONG_ROWS + 20
-    q, k, v = qkv(2, 4, 2, T, T, torch.bfloat16, seed=8, head_dim=16)
-    g = torch.randn(2, 4, T, 16, generator=torch.Generator().manual_seed(9)).bfloat16()
+    T = (cpu_attention.LONG_ROWS if dtype == torch.bfloat16 else 2 * cpu_attention.FP32_BLOCK_ROWS) + 20
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    q, k, v = qkv(2, 4, 2, T, T, dtype, seed=8, head_dim=16)
+    g = torch.randn(2, 4, T, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
     taken = []
     real = cpu_attention.short_attention
 
@@ -246,7 +265,8 @@ def test_long_rows_are_attended_in_query_blocks(monkeypatch):
         return real(*args, spans=spans, **kwargs)
 
     monkeypatch.setattr(cpu_attention, "short_attention", recording)
-    causal = cpu_attention.query_blocks(T, T, is_causal=True)
+    causal = cpu_attention.query_blocks(T, T, is_causal=True, dtype=dtype)
+    assert len(causal) == 3
     # Room for the probabilities of the causal blocks only, not for all T x T of them.
     monkeypatch.setattr(cpu_attention, "MAX_SCORES", cpu_attention.saved_scores(2, 4, causal))
     for mask in (None, packed_mask(2, T, window=None)):
@@ -264,7 +284,9 @@ def test_long_rows_are_attended_in_query_blocks(monkeypatch):
         blocks = causal if mask is None else [(s, e, 3 if s else 0, hi) for s, e, _, hi in causal]
         assert taken.pop() == blocks
         for what, a, want in zip(("y", "dq", "dk", "dv"), ours, exact):
-            torch.testing.assert_close(a.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item(), msg=what)
+            assert a.dtype == dtype, what
+            atol = tolerance * want.abs().max().item()
+            torch.testing.assert_close(a.double(), want, rtol=tolerance, atol=atol, msg=what)
         with torch.no_grad():  # keeps no probabilities: the same output
             torch.testing.assert_close(model_kernel(q, k, v), ours[0], rtol=0, atol=0)
         assert taken.pop() == blocks
@@ -273,6 +295,11 @@ def test_long_rows_are_attended_in_query_blocks(monkeypatch):
     monkeypatch.setattr(cpu_attention, "MAX_SCORES", cpu_attention.saved_scores(2, 4, causal) - 1)
     cpu_attention.scaled_dot_product_attention(q, k, v, None, is_causal=True, enable_gqa=True)
     assert not taken  # SDPA both times
+    # Called on its own, the kernel picks the same blocks for the dtype.
+    biases = cpu_attention.block_biases
+    monkeypatch.setattr(cpu_attention, "block_biases", lambda *args: taken.append(args[4]) or biases(*args))
+    real(q, k, v, None, is_causal=True)
+    assert taken == [causal]
 
 
 @pytest.mark.parametrize("backward_under_autocast", [False, True])

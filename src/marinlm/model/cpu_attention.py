@@ -1,13 +1,14 @@
-"""bf16 attention on CPU: two batched GEMMs around an fp32 softmax, in blocks of queries.
+"""bf16 and fp32 attention on CPU: two batched GEMMs around an fp32 softmax, in blocks of queries.
 
 Shape legend: B batch, H query heads, K KV heads, G = H / K query heads per KV head, T query
 length, S key length, Dh head dim, X = B*K batched products.
 
-Rows of up to 256 queries are one block; longer ones are worked through in blocks of 128 queries,
-each against only the keys its queries may see (`query_blocks`): a causal row computes about half
-its scores, and each block's scores stay in cache. The kernel keeps its fp32 probabilities for the
-backward pass, so it is taken up to MAX_SCORES of them; beyond that (and in fp32) torch's flash
-kernel, which recomputes them.
+In bf16, rows of up to 256 queries are one block, longer ones are worked through in blocks of 128
+queries; in fp32, rows of more than 64 queries in blocks of 64 (`block_rows`), and shorter ones by
+torch's flash kernel, which is as fast there. Each block is attended against only the keys its
+queries may see (`query_blocks`): a causal row computes about half its scores, and each block's
+scores stay in cache. The kernel keeps its fp32 probabilities for the backward pass, so it is
+taken up to MAX_SCORES of them; beyond that torch's flash kernel, which recomputes them.
 
 Each KV head's G query heads are stacked into one [G*T, Dh] operand, so grouped-query attention
 runs without repeating keys or values, and the scores of all heads come from one batched GEMM.
@@ -60,18 +61,48 @@ from marinlm.model.cpu_bf16 import bf16_operand_products, emulated_bf16
 from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
 from marinlm.model.layers import LastResult
 
-# Where this path is taken: bf16 only (in fp32 it ran no faster than flash: 15.9 against 16.0 ms
-# at the shape above; at 1 x 1,024 in query blocks 21.5-22.4 against 23.4 ms), and where the
-# fp32 probabilities it keeps for the backward pass, summed over the query blocks, come to at most
-# MAX_SCORES (32 MB; flash keeps none and recomputes them).
+# Where this path is taken: native bf16 and fp32, where the fp32 probabilities it keeps for the
+# backward pass, summed over the query blocks, come to at most MAX_SCORES (32 MB; flash keeps none
+# and recomputes them).
 MAX_SCORES = 1 << 23
-# Rows longer than LONG_ROWS are cut into blocks of BLOCK_ROWS queries; see `query_blocks`.
+# bf16 rows longer than LONG_ROWS are cut into blocks of BLOCK_ROWS queries; fp32 rows longer than
+# FP32_BLOCK_ROWS into blocks of it. See `block_rows`.
 LONG_ROWS = 256
 BLOCK_ROWS = 128
+FP32_BLOCK_ROWS = 64
+
+
+def block_rows(T: int, dtype: torch.dtype) -> int:
+    """Queries per block of `query_blocks` by default, for rows of T queries in `dtype`.
+
+    In fp32 the products cost 4-5x what they cost in bf16 and the softmax around them the same,
+    so skipping the keys a block cannot see pays even at short rows. Forward and backward of one
+    layer's causal attention on the 2-core AVX512-BF16 EPYC, torch 2.13 (2026-12-03, min of 30
+    interleaved; 6 query and 2 KV heads of 64): fp32 in blocks of 32 / 64 / 96 / 128 / 256 rows
+    at 4 x 256 tokens 5.68 / 5.51 / 5.53 / 6.12 / 7.61 ms against 7.96 for torch's flash kernel;
+    at 1 x 1,024 19.5 / 18.6 / 17.9 / 18.7 / 20.3 against 23.0; the quickstart's `tiny` heads
+    (4 and 2 of 32) at 8 x 256 5.26 / 4.64 / 4.80 / 5.34 / 6.64 against 6.19. In bf16 at
+    4 x 256, 4.74 / 3.35 / 3.18 / 3.12 / 3.43 against 8.65 for flash.
+    Whole fp32 training steps (forward, backward, AdamW) with this kernel in blocks of 64 against
+    torch's flash kernel for every fp32 row, min (median) of 12 interleaved rounds, same host:
+    qwen3-moe-style at 4 x 256 tokens 552.5 (567.9) against 570.0 (577.8) ms, at 1 x 1,024 652.0
+    (675.1) against 678.1 (706.0), at 2 x 512 641.8 (649.3) against 700.2 (705.6); the hero-shaped
+    `small` preset at 4 x 256 870.5 (882.3) against 895.2 (912.1) (10 rounds); the quickstart's
+    `tiny` at 8 x 256 tokens packed with documents 198.7 (205.6) against 200.3 (205.6) (30 rounds).
+    The price is the kept probabilities, 4 bytes each in fp32: 13.4 MB a layer at 1 x 1,024 tokens.
+    """
+    if dtype == torch.float32:
+        return min(T, FP32_BLOCK_ROWS)
+    return T if T <= LONG_ROWS else BLOCK_ROWS
 
 
 def query_blocks(
-    T: int, S: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False, block: int | None = None
+    T: int,
+    S: int,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    block: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[tuple[int, int, int, int]]:
     """(start, end, first key, end key) for each block of queries: rows [start, end) attend to
     keys [first key, end key) of the S keys at most.
@@ -82,8 +113,7 @@ def query_blocks(
     mask (one pass over it, kept for the next call with the same mask: every global layer of a
     forward shares one): for rows packed with documents a block also skips the keys of the
     documents before its own. While torch.compile traces, reading the mask would be a graph break,
-    and blocks take all keys. Rows of at most LONG_ROWS queries are one block, by default; longer
-    ones are cut into blocks of BLOCK_ROWS.
+    and blocks take all keys. By default a block has `block_rows(T, dtype)` queries.
 
     Measured on the 2-core AVX512-BF16 EPYC, torch 2.13, bf16, 6 query and 2 KV heads of 64
     (2026-12-03): forward and backward of one layer's attention at 1 x 1,024 tokens in blocks of
@@ -108,7 +138,7 @@ def query_blocks(
     1,024 558.9 (581.6) against 624.6 (644.8).
     """
     if block is None:
-        block = T if T <= LONG_ROWS else BLOCK_ROWS
+        block = block_rows(T, dtype)
     if block >= T:
         return [(0, T, 0, S)]
     starts = range(0, T, block)
@@ -138,15 +168,23 @@ def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:
 
 
 def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None, spans=None) -> bool:
-    """True where `short_attention` is taken: native bf16 on CPU, a boolean mask shared by the
-    heads or none, and at most MAX_SCORES probabilities kept over the query blocks `spans`
-    (default one block)."""
+    """True where `short_attention` is taken: on CPU, native bf16, or fp32 rows of more than
+    FP32_BLOCK_ROWS queries; a boolean mask shared by the heads or none; and at most MAX_SCORES
+    probabilities kept over the query blocks `spans` (default one block).
+
+    In fp32 the kernel pays by its blocks; in one block it is no faster than torch's flash kernel,
+    and decoding is slower. One layer's causal attention at the bench shape's heads, 2-core EPYC,
+    torch 2.13 (2026-12-03), min of 40 interleaved, forward and backward: 4 x 64 tokens 0.66
+    against 0.62 ms for flash, 4 x 128 2.03 against 2.25; forward only, 4 queries each against 256
+    cached keys 0.067 against 0.039 ms, 4 x 8 queries 0.129 against 0.112."""
     B, H, T, _ = q_BHTD.shape
     S = k_BKSD.shape[2]
     return (
         q_BHTD.device.type == "cpu"
-        and q_BHTD.dtype == torch.bfloat16
-        and not emulated_bf16(q_BHTD.device)
+        and (
+            (q_BHTD.dtype == torch.float32 and T > FP32_BLOCK_ROWS)
+            or (q_BHTD.dtype == torch.bfloat16 and not emulated_bf16(q_BHTD.device))
+        )
         and (attn_mask is None or (attn_mask.dtype == torch.bool and (attn_mask.dim() < 4 or attn_mask.shape[1] == 1)))
         and saved_scores(B, H, spans or [(0, T, 0, S)]) <= MAX_SCORES
     )
@@ -256,7 +294,7 @@ def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, sca
     B, H, T, Dh = q_BHTD.shape
     S = k_BKSD.shape[2]
     if spans is None:
-        spans = query_blocks(T, S, attn_mask, is_causal)
+        spans = query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype)
     biases = block_biases(attn_mask, is_causal, T, S, spans, q_BHTD.device)
     scale = Dh**-0.5 if scale is None else scale
     return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, spans, biases, scale)
@@ -302,11 +340,13 @@ def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_caus
     emulated)."""
     B, H, T, _ = q_BHTD.shape
     S = k_BKSD.shape[2]
-    causal = query_blocks(T, S, is_causal=True)
+    causal = query_blocks(T, S, is_causal=True, dtype=q_BHTD.dtype)
     # A first check against causal blocks, which needs no pass over the mask; then the blocks the
     # mask allows are read off it and counted.
     if use_short_attention(q_BHTD, k_BKSD, attn_mask, causal):
-        spans = causal if attn_mask is None and is_causal else query_blocks(T, S, attn_mask, is_causal)
+        spans = (
+            causal if attn_mask is None and is_causal else query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype)
+        )
         if saved_scores(B, H, spans) <= MAX_SCORES:
             return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal, spans=spans)
     return _sdpa(q_BHTD, k_BKSD, v_BKSD, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
