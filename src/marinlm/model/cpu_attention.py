@@ -89,7 +89,8 @@ def block_rows(T: int, dtype: torch.dtype) -> int:
     (675.1) against 678.1 (706.0), at 2 x 512 641.8 (649.3) against 700.2 (705.6); the hero-shaped
     `small` preset at 4 x 256 870.5 (882.3) against 895.2 (912.1) (10 rounds); the quickstart's
     `tiny` at 8 x 256 tokens packed with documents 198.7 (205.6) against 200.3 (205.6) (30 rounds).
-    The price is the kept probabilities, 4 bytes each in fp32: 13.4 MB a layer at 1 x 1,024 tokens.
+    The price is the kept probabilities, 4 bytes each in fp32 (`saved_scores`: 13.4 MB a layer at
+    1 x 1,024 tokens, where flash keeps none).
     """
     if dtype == torch.float32:
         return min(T, FP32_BLOCK_ROWS)
