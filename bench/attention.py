@@ -144,9 +144,11 @@ def main() -> None:
         bench_shape(shape, device, dtype, args.repeats)
     if args.device != "cpu":
         return
-    dtypes = [torch.float32] if emulated_bf16("cpu") else [torch.float32, torch.bfloat16]
+    dtypes = [torch.float32]
     if emulated_bf16("cpu"):
         print("\nglobal layers in bf16: this CPU has no bf16 GEMMs, so the model runs them through torch's SDPA")
+    else:
+        dtypes.append(torch.bfloat16)
     for dtype in dtypes:
         for shape in GLOBAL_SHAPES[: args.shapes]:
             bench_global(shape, args.repeats, dtype)

@@ -184,7 +184,7 @@ def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=No
     return (
         q_BHTD.device.type == "cpu"
         and (
-            (q_BHTD.dtype == torch.float32 and T > FP32_BLOCK_ROWS)
+            (q_BHTD.dtype == torch.float32 and block_rows(T, q_BHTD.dtype) < T)  # more than one block
             or (q_BHTD.dtype == torch.bfloat16 and not emulated_bf16(q_BHTD.device))
         )
         and (attn_mask is None or (attn_mask.dtype == torch.bool and (attn_mask.dim() < 4 or attn_mask.shape[1] == 1)))
