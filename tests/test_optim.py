@@ -144,6 +144,71 @@ def test_muonh_step_matches_the_formula():
     torch.testing.assert_close(w.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
+def hyperball(w, u, lr):
+    """The hyperball step per matrix (per expert for [E, in, out]), written out."""
+    norm = lambda t: torch.linalg.vector_norm(t, dim=(-2, -1), keepdim=True)  # noqa: E731
+    stepped = w - lr * u * norm(w) / norm(u)
+    return stepped * norm(w) / norm(stepped)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muonh_momentum_over_steps_matches_the_formula(nesterov):
+    """Three MuonH steps on a matrix and on stacked experts, against the momentum written out by hand."""
+    from marinlm.optim.marin import MarinOptimizer
+
+    torch.manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(3, 12, 8))]
+    opt = MarinOptimizer([{"params": params, "kind": "muonh"}], lr=0.1, adam_lr=0.0, nesterov=nesterov)
+    expected = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            bufs[i] = 0.95 * bufs[i] + g
+            direction = g + 0.95 * bufs[i] if nesterov else bufs[i]
+            expected[i] = hyperball(expected[i], newton_schulz(direction), 0.1)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_and_adamh_groups_match_torch_adam():
+    """The `adam` group steps as torch.optim.Adam, a parameter that missed a step keeping its own
+    bias correction; `adamh` takes the same direction through the hyperball step."""
+    from marinlm.optim.marin import MarinOptimizer
+
+    torch.manual_seed(5)
+    params = [
+        torch.nn.Parameter(torch.randn(5, 3)),
+        torch.nn.Parameter(torch.randn(4)),
+        torch.nn.Parameter(torch.randn(6, 4)),
+    ]
+    peers = [torch.nn.Parameter(p.detach().clone()) for p in params[:2]]
+    opt = MarinOptimizer(
+        [{"params": params[:2], "kind": "adam"}, {"params": params[2:], "kind": "adamh"}], lr=0.2, adam_lr=0.01
+    )
+    peer = torch.optim.Adam(peers, lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    head = params[2].detach().clone()
+    m, v = torch.zeros_like(head), torch.zeros_like(head)
+    for step in range(1, 5):
+        grads = [torch.randn_like(p) for p in params]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if (i == 1 and step == 2) else g.clone()  # the vector misses step 2
+        for p, q in zip(peers, params):
+            p.grad = None if q.grad is None else q.grad.clone()
+        opt.step()
+        peer.step()
+        m, v = 0.9 * m + 0.1 * grads[2], 0.95 * v + 0.05 * grads[2] ** 2
+        direction = (m / (1 - 0.9**step)) / ((v / (1 - 0.95**step)).sqrt() + 1e-8)
+        head = hyperball(head, direction, 0.2)
+    for p, q in zip(params[:2], peers):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+    assert opt.state[params[1]]["step"].item() == 3
+    torch.testing.assert_close(params[2].detach(), head, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kind, checks",
     [

@@ -108,21 +108,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _frobenius(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Per-matrix Frobenius norms [..., 1, 1] of a (possibly sharded) parameter-shaped tensor."""
-    sq = local.float().pow(2).sum(dim=(-2, -1), keepdim=True)
-    if _matrix_sharded(param):
-        dist.all_reduce(sq, group=param.device_mesh.get_group())
+    """Per-matrix Frobenius norms [..., 1, 1] (fp32) of a (possibly sharded) parameter-shaped tensor."""
+    norm = torch.linalg.vector_norm(local, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    if not _matrix_sharded(param):
+        return norm
+    sq = norm.square()
+    dist.all_reduce(sq, group=param.device_mesh.get_group())
     return sq.sqrt()
 
 
 def _hyperball_step(p: torch.Tensor, update_local: torch.Tensor, lr: float) -> None:
-    """W <- normalise(W - lr * U * |W| / |U|) * |W|, per matrix, in place on the local shard."""
+    """W <- normalise(W - lr * U * |W| / |U|) * |W|, per matrix, in place on the local shard.
+
+    On fp32 weights the step runs in place: five passes over the matrix (three norms, one
+    multiply-add, one scale) and no temporaries. Spelled with a copy and separate products, as
+    before, it took 660 us for `small`'s [32, 192, 192] experts against 246 us so (2-core EPYC).
+    """
     w = _local(p)
-    w_norm = _frobenius(w, p)
+    new = w if w.dtype == torch.float32 else w.float()
+    w_norm = _frobenius(new, p)
     u_norm = _frobenius(update_local, p)
-    new = w.float() - lr * update_local.float() * (w_norm / u_norm.clamp_min(1e-10))
-    new_norm = _frobenius(new, p)
-    w.copy_(new * (w_norm / new_norm.clamp_min(1e-10)))
+    new.addcmul_(update_local, w_norm / u_norm.clamp_min(1e-10), value=-lr)
+    new.mul_(w_norm / _frobenius(new, p).clamp_min(1e-10))
+    if new is not w:
+        w.copy_(new)
+
+
+def _gather(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a parameter-shaped local shard (all ranks of the parameter's mesh)."""
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    ).full_tensor()
 
 
 class MarinOptimizer(torch.optim.Optimizer):
@@ -168,63 +184,91 @@ class MarinOptimizer(torch.optim.Optimizer):
         assert closure is None, "MarinOptimizer does not take a closure"
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             if group["kind"] == "muonh":
                 self._muonh(params, group)
-                continue
-            for p in params:
-                {"adamh": self._adamh, "adam": self._adam}[group["kind"]](p, group)
+            elif group["kind"] == "adamh":
+                for p, direction in zip(params, self._adam_directions(params, group)):
+                    _hyperball_step(p, direction, group["lr"])
+            else:
+                torch._foreach_add_(
+                    [_local(p) for p in params], self._adam_directions(params, group), alpha=-group["lr"]
+                )
 
     def _muonh(self, params: list[torch.Tensor], group: dict) -> None:
-        """Momentum per parameter, Newton-Schulz batched over same-shaped matrices, hyperball step.
+        """Momentum, Newton-Schulz batched over same-shaped matrices, hyperball step.
 
         Parameters go through in windows of about `WINDOW_ELEMENTS` gathered elements: a matrix
         sharded along its own dims is all-gathered whole, and holding every gathered matrix of a
         hero-sized model at once would not fit; one window at a time does.
         """
-        mu = group["momentum"]
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        window: list[torch.Tensor] = []
         size = 0
         for n, p in enumerate(params):
+            window.append(p)
+            # Experts sharded along the expert dim are whole matrices on their rank already.
+            size += p.numel() if _matrix_sharded(p) else _local(p).numel()
+            if size < self.WINDOW_ELEMENTS and n < len(params) - 1:
+                continue
+            directions = self._muon_directions(window, group)
+            updates = newton_schulz_many(directions, group["ns_steps"], dtype=group["ns_dtype"])
+            for q, u in zip(window, updates):
+                if _matrix_sharded(q):
+                    u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
+                # Under FSDP2 CPU offload the parameter lives on the host while the gathered
+                # matrix comes back on the mesh's GPU (where Newton-Schulz is fast).
+                _hyperball_step(q, u.to(_local(q).device), group["lr"])
+            window, size = [], 0
+
+    def _muon_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """`buf = mu*buf + g`, then the direction `g + mu*buf` (Nesterov) or `buf`: whole matrices.
+
+        One foreach op per term over all the parameters (on their local shards), not one op per
+        parameter: `tiny` has 80 MuonH matrices, and on CPU each small op costs ~5-10 us of dispatch.
+        """
+        mu = group["momentum"]
+        bufs, grads = [], []
+        for p in params:
             state = self.state[p]
             if not state:
                 state["momentum"] = torch.zeros_like(p)
-            buf = state["momentum"]
-            buf.mul_(mu).add_(p.grad)
-            direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            # Experts sharded along the expert dim are whole matrices on their rank already.
-            direction = direction.full_tensor() if _matrix_sharded(p) else _local(direction)
-            pending.append((p, direction))
-            size += direction.numel()
-            if size >= self.WINDOW_ELEMENTS or n == len(params) - 1:
-                updates = newton_schulz_many([d for _, d in pending], group["ns_steps"], dtype=group["ns_dtype"])
-                for (q, _), u in zip(pending, updates):
-                    if _matrix_sharded(q):
-                        u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
-                    # Under FSDP2 CPU offload the parameter lives on the host while the gathered
-                    # matrix comes back on the mesh's GPU (where Newton-Schulz is fast).
-                    _hyperball_step(q, u.to(_local(q).device), group["lr"])
-                pending, size = [], 0
+            bufs.append(_local(state["momentum"]))
+            grads.append(_local(p.grad))
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        directions = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        return [_gather(d, p) if _matrix_sharded(p) else d for d, p in zip(directions, params)]
 
-    def _adam_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
+    def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """The bias-corrected Adam direction `m_hat / (sqrt(v_hat) + eps)` of each parameter's local shard.
+
+        One foreach op per term over the group. The bias corrections stay per parameter: one that
+        had no gradient in some step has counted fewer steps (as in torch.optim.Adam).
+        """
         beta1, beta2 = group["betas"]
-        state["step"] += 1
-        t = state["step"].item()
-        m, v, g = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p.grad)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        return (m / (1 - beta1**t)) / denom
-
-    def _adamh(self, p: torch.Tensor, group: dict) -> None:
-        _hyperball_step(p, self._adam_direction(p, group), group["lr"])
-
-    def _adam(self, p: torch.Tensor, group: dict) -> None:
-        _local(p).add_(self._adam_direction(p, group), alpha=-group["lr"])
+        exp_avgs, exp_avg_sqs, grads, steps = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            steps.append(state["step"])
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            grads.append(_local(p.grad))
+        torch._foreach_add_(steps, 1.0)
+        counts = [t.item() for t in steps]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denominators = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in counts])
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, group["eps"])
+        directions = torch._foreach_div(exp_avgs, [1 - beta1**t for t in counts])
+        torch._foreach_div_(directions, denominators)
+        return directions
 
 
 def marin_param_kinds(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
