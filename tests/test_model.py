@@ -183,6 +183,20 @@ def test_sconv_matches_naive_and_never_mixes_documents():
     torch.testing.assert_close(y2[0, 5:], y[0, 5:])
 
 
+@pytest.mark.parametrize("T", [2, 9])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_sconv_gradients_pass_gradcheck(T, with_docs):
+    """The hand-written backward of SConv (fp64 gradcheck), taps across document starts included."""
+    torch.manual_seed(7)
+    conv = SConv(channels=3, kernel_size=4).double()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(4, 3))
+    x = torch.randn(2, T, 3, dtype=torch.float64, requires_grad=True)
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2][:T], [5] * T])
+    doc = doc_ids_and_positions(seg)[0] if with_docs else None
+    assert torch.autograd.gradcheck(lambda x, w: conv(x, doc)[0], (x, conv.weight))
+
+
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_sconv_on_sequences_shorter_than_its_kernel(with_docs):
     """T < kernel_size: the output is the first T outputs of a longer sequence (it used to crash)."""

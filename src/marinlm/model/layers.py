@@ -119,6 +119,58 @@ class ConvState:
     doc_BK: torch.Tensor
 
 
+class _CausalConv(torch.autograd.Function):
+    """`y[t] = w[0]·x[t] + Σ_lag keep[lag][t]·w[lag]·x[t-lag]` over the sequence, backward written out.
+
+    `keep[lag - 1]` is [B, T - lag, 1], 1 where tap t - lag lies in t's document (None: always).
+    Each tap is one multiply-add (`addcmul_`, rounded once to x's dtype); the weight gradient is
+    summed in fp32. Against the same sum left to autograd (~30 ops, each with its node), forward
+    and backward at [8, 256, 128] with two documents a row on the 2-core EPYC, best of 100
+    interleaved: bf16 606-632 against 767-797 us, fp32 475-481 against 792-860 us; the `tiny`
+    quickstart model's bf16 training step 131.2 against 138.2 ms (best of 20).
+    """
+
+    @staticmethod
+    def forward(ctx, x_BTC, weight_KC, *keep):
+        w_KC = weight_KC.to(x_BTC.dtype)
+        y_BTC = x_BTC * w_KC[0]
+        for lag in range(1, min(weight_KC.shape[0], x_BTC.shape[1])):
+            x_lag = x_BTC[:, :-lag] if keep[lag - 1] is None else x_BTC[:, :-lag] * keep[lag - 1]
+            y_BTC[:, lag:].addcmul_(x_lag, w_KC[lag])
+        ctx.save_for_backward(x_BTC, weight_KC, *keep)
+        return y_BTC
+
+    @staticmethod
+    def backward(ctx, dy_BTC):
+        x_BTC, weight_KC, *keep = ctx.saved_tensors
+        w_KC = weight_KC.to(x_BTC.dtype)
+        dx_BTC = dy_BTC * w_KC[0]
+        dw_KC = torch.zeros_like(weight_KC)
+        dw_KC[0] = (dy_BTC * x_BTC).sum((0, 1), dtype=weight_KC.dtype)
+        for lag in range(1, min(weight_KC.shape[0], x_BTC.shape[1])):
+            g = dy_BTC[:, lag:] if keep[lag - 1] is None else dy_BTC[:, lag:] * keep[lag - 1]
+            dx_BTC[:, :-lag].addcmul_(g, w_KC[lag])
+            dw_KC[lag] = (g * x_BTC[:, :-lag]).sum((0, 1), dtype=weight_KC.dtype)
+        return (dx_BTC, dw_KC, *[None] * len(keep))
+
+
+_SCONV_KEEP: dict[torch.dtype, LastResult] = {}
+
+
+def sconv_keep(doc_BT: torch.Tensor | None, kernel_size: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Per lag 1..K-1, [B, T - lag, 1] in `dtype`: 1 where tap t - lag is in t's document, else 0.
+
+    Every SConv of a forward pass (up to four a layer) shares them, so they are built once.
+    """
+
+    def build():
+        if doc_BT is None:
+            return [None] * (kernel_size - 1)
+        return [(doc_BT[:, lag:] == doc_BT[:, :-lag]).unsqueeze(-1).to(dtype) for lag in range(1, kernel_size)]
+
+    return _SCONV_KEEP.setdefault(dtype, LastResult())(doc_BT, (kernel_size,), build)
+
+
 class SConv(nn.Module):
     """Depthwise causal convolution over the sequence: `y[t] = sum_j w[j] * x[t-j]`.
 
@@ -143,35 +195,16 @@ class SConv(nn.Module):
 
         Returns the output and, when `state` was given, the updated state.
         """
-        T = x_BTC.shape[1]
-        weight = self.weight.to(x_BTC.dtype)
-        if state is not None:
-            full_x = torch.cat([state.x_BKC.to(x_BTC.dtype), x_BTC], dim=1)
-            full_doc = torch.cat([state.doc_BK, doc_BT], dim=1)
-        else:
-            full_x, full_doc = x_BTC, doc_BT
-        past = full_x.shape[1] - T  # number of stored inputs in front of x
-        y = weight[0] * x_BTC
-        for lag in range(1, self.kernel_size):
-            lo = past - lag
-            if lo + T <= 0:  # no output has an input `lag` steps back (a sequence shorter than the kernel)
-                break
-            if lo >= 0:
-                shifted = full_x[:, lo : lo + T]
-                same = None if full_doc is None else full_doc[:, lo : lo + T] == full_doc[:, past:]
-            else:  # the first `-lo` outputs have no input `lag` steps back
-                shifted = F.pad(full_x[:, : lo + T], (0, 0, -lo, 0))
-                same = None
-                if full_doc is not None:
-                    same = F.pad(full_doc[:, : lo + T], (-lo, 0), value=-1) == full_doc[:, past:]
-            if same is not None:
-                shifted = shifted * same.unsqueeze(-1).to(shifted.dtype)
-            y = y + weight[lag] * shifted
-        new_state = None
-        if state is not None:
-            keep = self.kernel_size - 1
-            new_state = ConvState(full_x[:, full_x.shape[1] - keep :], full_doc[:, full_doc.shape[1] - keep :])
-        return y, new_state
+        if state is None:
+            return _CausalConv.apply(x_BTC, self.weight, *sconv_keep(doc_BT, self.kernel_size, x_BTC.dtype)), None
+        # Decoding: convolve the stored inputs and the new ones (their ids are -1: never a
+        # document's), and keep the new outputs.
+        full_x = torch.cat([state.x_BKC.to(x_BTC.dtype), x_BTC], dim=1)
+        full_doc = torch.cat([state.doc_BK, doc_BT], dim=1)
+        y = _CausalConv.apply(full_x, self.weight, *sconv_keep(full_doc, self.kernel_size, x_BTC.dtype))
+        keep = self.kernel_size - 1
+        new_state = ConvState(full_x[:, full_x.shape[1] - keep :], full_doc[:, full_doc.shape[1] - keep :])
+        return y[:, full_x.shape[1] - x_BTC.shape[1] :], new_state
 
     def empty_state(self, batch: int, device, dtype) -> ConvState:
         keep = self.kernel_size - 1
