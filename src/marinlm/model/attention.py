@@ -106,6 +106,44 @@ def banded_mask(doc_BT: torch.Tensor, pos_BT: torch.Tensor, window: int, block: 
     return BandedMask(allowed_BNQS.reshape(B * blocks, 1, block, window + block), block, window)
 
 
+class _KeyWindows(torch.autograd.Function):
+    """[B, K, T, Dh] -> [B * blocks, K, window + block, Dh]: query block j's keys, padded positions
+    [j*block, j*block + window + block) of the row with `window` zeros in front, copied out.
+
+    The windows overlap, so the backward sums each key's gradient over the windows that hold it.
+    Built from whole blocks of the padded row (and a part block when `block` does not divide
+    `window`): a few strided copies and adds, where `unfold` + `reshape` left its backward to
+    torch's generic `unfold_backward`. For one key tensor of the `tiny` quickstart model (8 x 256
+    tokens, 2 heads of 32, window 64, blocks of 32), forward and backward on the 2-core EPYC, best
+    of 100: bf16 135 against 599 us, fp32 134 against 382 us.
+    """
+
+    @staticmethod
+    def forward(ctx, x_BKTD, window: int, block: int, blocks: int):
+        B, K, T, Dh = x_BKTD.shape
+        whole, part = divmod(window + block, block)
+        padded = blocks + whole - 1 + (part > 0)  # blocks of the padded row that the windows read
+        x_BKPQD = F.pad(x_BKTD, (0, 0, window, padded * block - window - T)).view(B, K, padded, block, Dh)
+        out_BNKWD = x_BKTD.new_empty(B, blocks, K, window + block, Dh)
+        for j in range(whole):
+            out_BNKWD[:, :, :, j * block : (j + 1) * block] = x_BKPQD[:, :, j : j + blocks].transpose(1, 2)
+        if part:
+            out_BNKWD[:, :, :, whole * block :] = x_BKPQD[:, :, whole : whole + blocks, :part].transpose(1, 2)
+        ctx.shape = (B, K, T, Dh, window, block, blocks, whole, part, padded)
+        return out_BNKWD.view(B * blocks, K, window + block, Dh)
+
+    @staticmethod
+    def backward(ctx, dy_XKWD):
+        B, K, T, Dh, window, block, blocks, whole, part, padded = ctx.shape
+        dy_BNKWD = dy_XKWD.reshape(B, blocks, K, window + block, Dh)
+        dx_BKPQD = dy_XKWD.new_zeros(B, K, padded, block, Dh)
+        for j in range(whole):
+            dx_BKPQD[:, :, j : j + blocks] += dy_BNKWD[:, :, :, j * block : (j + 1) * block].transpose(1, 2)
+        if part:
+            dx_BKPQD[:, :, whole : whole + blocks, :part] += dy_BNKWD[:, :, :, whole * block :].transpose(1, 2)
+        return dx_BKPQD.view(B, K, padded * block, Dh)[:, :, window : window + T], None, None, None
+
+
 def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, mask: BandedMask):
     """Sliding-window attention as one SDPA over the [B * blocks] query blocks of `mask`, each
     against its `window + block` keys: T x (window + block) scores instead of T x T."""
@@ -116,14 +154,10 @@ def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.T
     pad = blocks * block - T
     q_XHQD = F.pad(q_BHTD, (0, 0, 0, pad)).view(B, H, blocks, block, Dh).transpose(1, 2)
 
-    def keys(x_BKTD):  # [B * blocks, K, window + block, Dh], overlapping windows copied out
-        x_BKND = F.pad(x_BKTD, (0, 0, window, pad)).unfold(2, window + block, block)
-        return x_BKND.permute(0, 2, 1, 4, 3).reshape(B * blocks, K, window + block, Dh)
-
     y_XHQD = scaled_dot_product_attention(
         q_XHQD.reshape(B * blocks, H, block, Dh),
-        keys(k_BKTD),
-        keys(v_BKTD),
+        _KeyWindows.apply(k_BKTD, window, block, blocks),
+        _KeyWindows.apply(v_BKTD, window, block, blocks),
         attn_mask=mask.allowed_X1QS,
         enable_gqa=H != K,
     )
