@@ -195,6 +195,9 @@ def test_sconv_gradients_pass_gradcheck(T, with_docs):
     seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2][:T], [5] * T])
     doc = doc_ids_and_positions(seg)[0] if with_docs else None
     assert torch.autograd.gradcheck(lambda x, w: conv(x, doc)[0], (x, conv.weight))
+    conv.weight.requires_grad_(False)  # frozen, as in fine-tuning: dx alone
+    assert torch.autograd.gradcheck(lambda x: conv(x, doc)[0], (x,))
+    assert conv.weight.grad is None
 
 
 @pytest.mark.parametrize("with_docs", [False, True])

@@ -143,14 +143,18 @@ class _CausalConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BTC):
         x_BTC, weight_KC, *keep = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]  # a frozen kernel (fine-tuning) needs no dw
         w_KC = weight_KC.to(x_BTC.dtype)
-        dx_BTC = dy_BTC * w_KC[0]
-        dw_KC = torch.zeros_like(weight_KC)
-        dw_KC[0] = (dy_BTC * x_BTC).sum((0, 1), dtype=weight_KC.dtype)
+        dx_BTC = dy_BTC * w_KC[0] if need_dx else None
+        dw_KC = torch.zeros_like(weight_KC) if need_dw else None
+        if need_dw:
+            dw_KC[0] = (dy_BTC * x_BTC).sum((0, 1), dtype=weight_KC.dtype)
         for lag in range(1, min(weight_KC.shape[0], x_BTC.shape[1])):
             g = dy_BTC[:, lag:] if keep[lag - 1] is None else dy_BTC[:, lag:] * keep[lag - 1]
-            dx_BTC[:, :-lag].addcmul_(g, w_KC[lag])
-            dw_KC[lag] = (g * x_BTC[:, :-lag]).sum((0, 1), dtype=weight_KC.dtype)
+            if need_dx:
+                dx_BTC[:, :-lag].addcmul_(g, w_KC[lag])
+            if need_dw:
+                dw_KC[lag] = (g * x_BTC[:, :-lag]).sum((0, 1), dtype=weight_KC.dtype)
         return (dx_BTC, dw_KC, *[None] * len(keep))
 
 
