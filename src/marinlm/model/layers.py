@@ -158,23 +158,6 @@ class _CausalConv(torch.autograd.Function):
         return (dx_BTC, dw_KC, *[None] * len(keep))
 
 
-_SCONV_KEEP: dict[torch.dtype, LastResult] = {}
-
-
-def sconv_keep(doc_BT: torch.Tensor | None, kernel_size: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
-    """Per lag 1..K-1, [B, T - lag, 1] in `dtype`: 1 where tap t - lag is in t's document, else 0.
-
-    Every SConv of a forward pass (up to four a layer) shares them, so they are built once.
-    """
-
-    def build():
-        if doc_BT is None:
-            return [None] * (kernel_size - 1)
-        return [(doc_BT[:, lag:] == doc_BT[:, :-lag]).unsqueeze(-1).to(dtype) for lag in range(1, kernel_size)]
-
-    return _SCONV_KEEP.setdefault(dtype, LastResult())(doc_BT, (kernel_size,), build)
-
-
 class SConv(nn.Module):
     """Depthwise causal convolution over the sequence: `y[t] = sum_j w[j] * x[t-j]`.
 
@@ -258,6 +241,23 @@ class LastResult:
         result = compute()
         self._last = (None if tensor is None else weakref.ref(tensor), key, result)
         return result
+
+
+_SCONV_KEEP = LastResult()  # the last forward's masks (every SConv of a forward has the same dtype)
+
+
+def sconv_keep(doc_BT: torch.Tensor | None, kernel_size: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Per lag 1..K-1, [B, T - lag, 1] in `dtype`: 1 where tap t - lag is in t's document, else 0.
+
+    Every SConv of a forward pass (up to four a layer) shares them, so they are built once.
+    """
+
+    def build():
+        if doc_BT is None:
+            return [None] * (kernel_size - 1)
+        return [(doc_BT[:, lag:] == doc_BT[:, :-lag]).unsqueeze(-1).to(dtype) for lag in range(1, kernel_size)]
+
+    return _SCONV_KEEP(doc_BT, (kernel_size, dtype), build)
 
 
 def rope_cos_sin(pos_BT: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
