@@ -135,9 +135,12 @@ class _Dispatch(torch.autograd.Function):
     dropped assignment, at the end, so that P = S whatever the routing. `token_P` is the token
     of each row (slot_P // k, with slot_P its token-major slot, S = N*k), or N for a padding row.
     `row_S` inverts slot_P: the layout row of each slot, or P where the assignment was dropped.
-    The cast comes before the gather, so a bf16 kernel casts N rows, not P. The backward gathers
-    each slot's gradient row and sums each token's k slots in fp32, unrounded (one `embedding_bag`
-    would round the sums to bf16; it bought nothing measurable in the bench's step).
+    The cast comes before the gather, so a bf16 kernel casts N rows, not P. The backward sums each
+    token's k slot gradients in fp32: where the kernel ran in the input's dtype, with `_sum_slots`
+    (one `embedding_bag` without drops); where it ran in bf16 for fp32 inputs, by gathering the
+    slots and summing them unrounded (an `embedding_bag` would round the sums to bf16; it bought
+    nothing measurable in the bench's step). In fp32 the two give the same bits; on the 2-core
+    EPYC, 1,024 x 4 slots of 384 with the cache flushed, 0.18-0.22 against 0.65-0.75 ms.
     """
 
     @staticmethod
@@ -149,6 +152,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx_PD):
         (row_S,) = ctx.saved_tensors
+        if dx_PD.dtype == ctx.dtype:
+            return _sum_slots(dx_PD, row_S, ctx.k, ctx.dropped), None, None, None, None, None, None
         dx_SD = _take(dx_PD, row_S, pad=ctx.dropped)
         dx_ND = dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1, dtype=torch.float32)
         return dx_ND.to(ctx.dtype), None, None, None, None, None, None
