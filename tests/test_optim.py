@@ -236,6 +236,42 @@ def test_hero_schedule_shape():
     assert lr_multiplier(total - 1, total, config) == pytest.approx(0.05)
 
 
+def test_a_replanned_linear_schedule_bends_at_the_replan_without_a_jump():
+    """A run of 100 steps (warmup 10) given 150 at step 40: the decay bends at step 40, from the
+    multiplier the 100-step plan gave it, to the floor at step 149."""
+    planned = ScheduleConfig(warmup_steps=10, min_lr_ratio=0.05)
+    at = lr_multiplier(40, 100, planned)
+    bent = ScheduleConfig(warmup_steps=10, min_lr_ratio=0.05, replan_step=40, replan_lr_ratio=at)
+    for step in range(41):  # up to the replan: the earlier plan, warmup included
+        assert lr_multiplier(step, 150, bent) == pytest.approx(lr_multiplier(step, 100, planned)), step
+    assert lr_multiplier(41, 150, bent) == pytest.approx(at - (at - 0.05) / 109)
+    assert lr_multiplier(95, 150, bent) == pytest.approx(at - (at - 0.05) * 55 / 109)
+    assert lr_multiplier(149, 150, bent) == pytest.approx(0.05)
+    # Shortened to end at the replan's own step: that step is the last, at the floor.
+    assert lr_multiplier(40, 41, bent) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["--schedule.replan_step=40"], "schedule.replan_lr_ratio"),  # the one missing
+        (["--schedule.replan_lr_ratio=0.5"], "schedule.replan_step"),
+        (
+            ["--schedule.kind=cosine", "--schedule.replan_step=40", "--schedule.replan_lr_ratio=0.5"],
+            "schedule.replan_step",
+        ),
+        (["--schedule.replan_step=40", "--schedule.replan_lr_ratio=0.01"], "schedule.replan_lr_ratio"),
+        (["--schedule.replan_step=-1", "--schedule.replan_lr_ratio=0.5"], "schedule.replan_step"),
+    ],
+)
+def test_replan_fields_are_checked_and_named(overrides, key):
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, overrides)
+    assert info.value.key == key
+
+
 def test_optimizer_config_errors_name_the_key():
     from marinlm.train.config import TrainConfig
 

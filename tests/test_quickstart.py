@@ -99,10 +99,25 @@ def test_the_run_is_replanned_from_its_step_time_and_shortened_when_the_host_slo
     assert "[step 210] the host slowed to 0.57 s/step over steps 121-210: shortened from 1083 to 978 steps" in out
     assert "[step 240] the host slowed to 0.83 s/step over steps 211-240: shortened from 978 to 738 steps" in out
     assert steps == trainer.config.train.steps and seconds < 600  # the schedule ran to its end in time
-    # A host that gets faster later leaves the plan alone: the run ends early rather than late.
+    # A host that gets faster later: the run is lengthened, on a rate measured over three checks
+    # (90 steps) since the last plan, and uses its budget.
     trainer = _FakeTrainer(600)
     steps, seconds = _train_under(trainer, lambda step: (0.5 if step < 200 else 0.3) + blips(step), 10.0, monkeypatch)
-    assert len(trainer.lengths) == 1 and steps == trainer.config.train.steps and seconds < 600
+    out = capsys.readouterr().out
+    assert [at for at, _ in trainer.lengths] == [30, 240, 330], trainer.lengths
+    assert "[step 240] the host sped up to 0.43 s/step over steps 151-240: lengthened from 1083 to 1246 steps" in out, (
+        out
+    )
+    assert steps == trainer.config.train.steps == trainer.lengths[-1][1] and 540 < seconds < 600
+    # A slowdown that passes (0.5 s/step, 0.7 over steps 200-350, then 0.5 again): shortened while
+    # it lasts, lengthened after, and the run ends in time with little of its budget unused.
+    trainer = _FakeTrainer(600)
+    steps, seconds = _train_under(
+        trainer, lambda step: (0.7 if 200 <= step < 350 else 0.5) + blips(step), 10.0, monkeypatch
+    )
+    out = capsys.readouterr().out
+    assert "shortened" in out and "lengthened" in out, out
+    assert steps == trainer.config.train.steps and 540 < seconds < 600, (trainer.lengths, seconds)
     # A steady host: one re-plan, validations and checkpoints are not taken for a slowdown, and the
     # schedule ends with little of the budget unused.
     trainer = _FakeTrainer(600)

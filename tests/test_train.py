@@ -762,10 +762,10 @@ def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypat
     assert ("no bf16 matrix unit" in capsys.readouterr().out) == emulated_bf16("cpu")
 
 
-def test_a_run_lengthened_mid_run_keeps_its_warmup_and_follows_the_new_schedule(token_data, tmp_path):
+def test_a_run_lengthened_mid_run_keeps_its_warmup_and_bends_its_decay(token_data, tmp_path):
     """`Trainer.set_total_steps` (the quickstart's re-plan): from 8 planned steps to 12 at step 3."""
     from marinlm.config import load_config
-    from marinlm.optim import lr_multiplier
+    from marinlm.optim import ScheduleConfig, lr_multiplier
     from marinlm.train.config import TrainConfig
 
     config = train_config(token_data, tmp_path / "run", schedule={"warmup_fraction": 0.25})  # 2 of 8 steps
@@ -787,15 +787,24 @@ def test_a_run_lengthened_mid_run_keeps_its_warmup_and_follows_the_new_schedule(
     assert sorted(lrs) == list(range(1, 13))
     schedule = load_config(TrainConfig, tmp_path / "run" / "config.yaml").schedule
     assert schedule.warmup_steps == 2  # as 25% of 8 gave; 25% of 12 would be 3
+    # Past warmup the linear decay bends where the run is: at 0-based step 3, at the multiplier
+    # the 8-step plan gave it, then linearly to the floor at step 11.
+    planned = ScheduleConfig(warmup_fraction=0.25)
+    assert schedule.replan_step == 3 and schedule.replan_lr_ratio == pytest.approx(lr_multiplier(3, 8, planned))
     base = trainer.scheduler.base_lrs[0]
     # The lr logged at a step is the next step's; step 3's was logged before the change, which
-    # also sets the next step's.
+    # also sets the next step's: the same lr, no jump.
     for step, lr in lrs.items():
         assert lr == pytest.approx(base * lr_multiplier(step, 8 if step <= 3 else 12, schedule), rel=1e-6), step
-    assert next_lr == [pytest.approx(base * lr_multiplier(3, 12, schedule), rel=1e-6)]
-    assert lrs[3] != next_lr[0]
+        if step <= 3:
+            assert lr == pytest.approx(base * lr_multiplier(step, 8, planned), rel=1e-6), step
+    assert next_lr == [pytest.approx(lrs[3], rel=1e-6)]
+    decay = [lrs[step] for step in range(3, 12)]
+    assert all(b < a for a, b in zip(decay, decay[1:]))
+    assert lrs[11] == pytest.approx(base * schedule.min_lr_ratio, rel=1e-6)
+    assert decay[1] - decay[2] == pytest.approx(decay[-2] - decay[-1], rel=1e-6)  # linear from the bend
     saved = load_config(TrainConfig, tmp_path / "run" / "checkpoints" / "step-00000012" / "config.yaml")
-    assert saved.train.steps == 12 and saved.schedule.warmup_steps == 2
+    assert saved.train.steps == 12 and saved.schedule.warmup_steps == 2 and saved.schedule.replan_step == 3
 
 
 def test_a_run_shortened_mid_run_ends_its_schedule_at_the_new_length(token_data, tmp_path):

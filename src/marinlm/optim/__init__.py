@@ -122,6 +122,13 @@ class ScheduleConfig:
     kind: `linear` (the hero: linear warmup, linear decay to min_lr_ratio), `cosine`, or `wsd`
     (warmup, stable at peak, then linear decay over the last `decay_fraction` of steps).
     Warmup is `warmup_steps` if set, else `warmup_fraction` of the run.
+
+    `replan_step` and `replan_lr_ratio` (linear only) record where a running training was given a
+    new length past its warmup (`Trainer.set_total_steps`, the quickstart's re-plans): from that
+    step the multiplier, then `replan_lr_ratio`, decays linearly to min_lr_ratio at the new last
+    step, so a new length bends the decay instead of making the learning rate jump. Between
+    warmup and `replan_step` it runs linearly from 1 to `replan_lr_ratio`: exactly the earlier
+    plan where there was one, and the steps a run resumed from before the re-plan will take.
     """
 
     kind: str = "linear"
@@ -129,6 +136,8 @@ class ScheduleConfig:
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.05
     decay_fraction: float = 0.2  # wsd only
+    replan_step: int | None = None
+    replan_lr_ratio: float | None = None
 
     def __post_init__(self):
         check(self.kind in ("linear", "cosine", "wsd"), "kind", f"must be linear, cosine or wsd, got {self.kind!r}")
@@ -140,6 +149,20 @@ class ScheduleConfig:
         )
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.decay_fraction <= 1, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        replanned = (self.replan_step is not None, self.replan_lr_ratio is not None)
+        check(
+            replanned[0] == replanned[1],
+            "replan_step" if replanned[1] else "replan_lr_ratio",
+            "replan_step and replan_lr_ratio are set together (a re-planned run's config) or not at all",
+        )
+        if self.replan_step is not None:
+            check(self.kind == "linear", "replan_step", f"is for kind linear only, got kind {self.kind!r}")
+            check(self.replan_step >= 0, "replan_step", f"must be >= 0, got {self.replan_step}")
+            check(
+                self.min_lr_ratio <= self.replan_lr_ratio <= 1,
+                "replan_lr_ratio",
+                f"must be in [min_lr_ratio={self.min_lr_ratio}, 1], got {self.replan_lr_ratio}",
+            )
 
     def warmup(self, total_steps: int) -> int:
         """Warmup steps of a run of `total_steps`: `warmup_steps`, else `warmup_fraction` of it."""
@@ -161,6 +184,13 @@ def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
             return 1.0
         progress = (step - decay_start) / max(1, last - decay_start)
         return 1.0 - (1.0 - floor) * min(progress, 1.0)
+    if config.replan_step is not None:  # linear, bent at a re-plan (see ScheduleConfig)
+        at, ratio = config.replan_step, config.replan_lr_ratio
+        if step >= last:
+            return floor
+        if step < at:
+            return 1.0 - (1.0 - ratio) * (step - warmup) / max(1, at - warmup)
+        return ratio - (ratio - floor) * (step - at) / (last - at)
     progress = min(1.0, (step - warmup) / max(1, last - warmup))
     if config.kind == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -71,8 +71,11 @@ class Replan:
     """A hook that plans the run's length again from the training's own step time: once after 5%
     of the planned steps (at least 30, and at least the warmup), longer or shorter; then, every as
     many steps, shorter again wherever the host has slowed so much that the rest of the run would
-    no longer fit in the time left. Never longer after the first plan: the learning rate, past its
-    peak, would rise again.
+    no longer fit in the time left, and longer again where it has sped up so much that the rest
+    would leave more than UNUSED of the budget unused, beyond the slack the last plan kept. Past
+    the warmup, a new length bends the linear decay where the run is (`Trainer.set_total_steps`):
+    the learning rate never jumps, up or down. A resumed run is only ever shortened: it carries on
+    to the plan it had.
 
     The calibration measures a few seconds; on a shared host those can be slow: a clean-clone run
     measured 0.65 s/step, planned 625 steps, then trained at 0.43 s/step and ended after 4.9 of its
@@ -81,13 +84,18 @@ class Replan:
     and was stopped by its time budget at step 848, with the learning rate still at 15% of its peak
     instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range. With only
     one re-plan, 20% of the time was kept back for such slowdowns, and on a steady host it went
-    unused (a run trained 6.4 of its 8.5 min).
+    unused (a run trained 6.4 of its 8.5 min). And a slowdown can pass: a clean-clone run
+    (2026-12-03) re-planned 2,993 steps at 0.16 s/step, was shortened twice, to 2,408 steps, while
+    the host ran at 0.19-0.22 s/step over steps 337-784, then trained at 0.16 s/step again and
+    ended after 6.7 of its 8.9 min; when shortening was final, the time a passing slowdown took
+    back was lost.
     """
 
     # Of the time left, planned for steps: logging, validation and checkpoints took 3% (a clean-clone
     # run: 675 steps in 383 s, median step 0.552 s), and the later checks absorb a host's slowdowns.
     SLACK = 0.9
     OVERRUN = 0.98  # a later check shortens the run when the steps left would take more of the time left
+    UNUSED = 0.05  # and lengthens it when, beyond that slack, over 5% of the training budget would go unused
     WINDOWS = 3  # a later check measures over its last 3 windows: a validation or checkpoint is a blip
 
     def __init__(self, trainer, train_minutes: float):
@@ -100,7 +108,8 @@ class Replan:
         self.began = time.perf_counter()  # fit()'s clock, for the time budget, starts now too
         self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOWS)
         # A resumed run keeps the plan it was stopped in: only shortened, if the time left is short.
-        self.replanned = self.start > 0
+        self.resumed = self.replanned = self.start > 0
+        self.reserve = 0.0  # seconds the last plan kept back: (1 - SLACK) of the time it had left
 
     def __call__(self, result) -> None:
         step, now = self.trainer.step, time.perf_counter()
@@ -114,16 +123,26 @@ class Replan:
         self.marks.append((step, now))
         left = self.train_minutes * 60 - (now - self.began)
         planned = self.trainer.config.train.steps
-        if self.replanned and (planned - step) * step_seconds <= self.OVERRUN * left:
-            return  # on course
-        steps = step + int(left * self.SLACK / step_seconds)  # after the first plan, fewer than planned
+        steps = step + int(left * self.SLACK / step_seconds)
+        if self.replanned:  # a later check: a new plan only where this one is off course
+            fits = (planned - step) * step_seconds <= self.OVERRUN * left
+            # Longer only where the schedule bends without a jump (linear), not for a resumed run,
+            # and on a rate measured over WINDOWS checks since the last plan: a window without a
+            # validation or a checkpoint in it is not a faster host.
+            unused = left - (planned - step) * step_seconds - self.reserve
+            room = unused > self.UNUSED * self.train_minutes * 60 and step - since >= self.WINDOWS * self.every
+            if fits and not (room and not self.resumed and self.trainer.config.schedule.kind == "linear"):
+                return
         if steps <= step:
             return
         self.trainer.set_total_steps(steps)
+        self.reserve = (1 - self.SLACK) * left
         self.marks.clear()
         self.marks.append((step, now))
         if not self.replanned:
             what = f"{step_seconds:.2f} s/step over steps {since + 1}-{step}: re-planned"
+        elif steps > planned:
+            what = f"the host sped up to {step_seconds:.2f} s/step over steps {since + 1}-{step}: lengthened"
         else:
             what = f"the host slowed to {step_seconds:.2f} s/step over steps {since + 1}-{step}: shortened"
         self.replanned = True
@@ -131,11 +150,14 @@ class Replan:
 
 
 # What each quickstart plans for its own training (in run_quickstart, then Replan through
-# Trainer.set_total_steps, which also fixes the warmup): everything else must match for a resume.
+# Trainer.set_total_steps, which also fixes the warmup and bends the decay): everything else must
+# match for a resume.
 PLAN_FIELDS = (
     ("train", "steps"),
     ("train", "max_minutes"),
     ("schedule", "warmup_steps"),
+    ("schedule", "replan_step"),
+    ("schedule", "replan_lr_ratio"),
     ("checkpoint", "every_steps"),
     ("validation", "every_steps"),
 )

@@ -310,14 +310,20 @@ class Trainer(ResumeMixin):
         """Lengthen or shorten the run while it trains (the quickstart re-plans from the step time
         it observes); every rank must call it alike. The warmup stays as it was and the rest of the
         schedule spreads over the new length: called at the end of warmup, the learning rate
-        follows the schedule of a run planned at that length. The run's config.yaml, its later
-        checkpoints and the progress bar follow."""
+        follows the schedule of a run planned at that length. Past warmup, a linear schedule bends
+        where the run is (`ScheduleConfig.replan_step`): the next step keeps the learning rate it
+        had, which then decays to the floor at the new last step; other kinds jump to their value
+        at the new length. The run's config.yaml, its later checkpoints and the progress bar follow."""
         c = self.config
         if steps <= self.step:
             raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be past it, got {steps}")
         s = c.schedule
         if s.warmup_steps is None:  # keep the warmup a fraction of the old length gave
             s.warmup_steps = s.warmup(c.train.steps)
+        at = self.scheduler.last_epoch  # the next step's 0-based index
+        if s.kind == "linear" and at > s.warmup(c.train.steps):
+            s.replan_lr_ratio = lr_multiplier(at, c.train.steps, s)
+            s.replan_step = at
         c.train.steps = steps
         self.scheduler.lr_lambdas = [lambda step: lr_multiplier(step, steps, s)] * len(self.optimizer.param_groups)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next step's, too
