@@ -127,8 +127,9 @@ class ScheduleConfig:
     new length past its warmup (`Trainer.set_total_steps`, the quickstart's re-plans): from that
     step the multiplier, then `replan_lr_ratio`, decays linearly to min_lr_ratio at the new last
     step, so a new length bends the decay instead of making the learning rate jump. Between
-    warmup and `replan_step` it runs linearly from 1 to `replan_lr_ratio`: exactly the earlier
-    plan where there was one, and the steps a run resumed from before the re-plan will take.
+    warmup and `replan_step` it runs linearly from 1 to `replan_lr_ratio`: the earlier plan
+    exactly where that one was not bent itself (only the last bend is kept; a run resumed from
+    before it follows this line there, without a jump at the bend).
     """
 
     kind: str = "linear"
