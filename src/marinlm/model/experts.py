@@ -112,19 +112,23 @@ def _take(rows_RD: torch.Tensor, index_I: torch.Tensor, pad: bool) -> torch.Tens
     return rows_RD.index_select(0, index_I)
 
 
-def _sum_slots(rows_PD: torch.Tensor, row_S: torch.Tensor, k: int, dropped: bool) -> torch.Tensor:
-    """out_ND[n] = sum of rows_PD[row_S[n*k + j]] over j < k, added in fp32 and rounded once to the
-    rows' dtype; row P (a dropped assignment's) counts as zero.
+def _sum_slots(
+    rows_PD: torch.Tensor, row_S: torch.Tensor, k: int, dropped: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """out_ND[n] = sum of rows_PD[row_S[n*k + j]] over j < k, added in fp32 and rounded once to
+    `dtype` (default: the rows'); row P (a dropped assignment's) counts as zero.
 
-    Without drops this is one `embedding_bag` (sum mode): it reads each token's k rows and writes
-    the sum, where gathering the [S, D] slots and then summing them writes and reads them again.
-    On the 2-core EPYC, 1,024 x 4 rows of 384 in bf16: 0.06 against 0.37 ms, with the same error
-    against fp64 (it too adds in fp32 and rounds once).
+    Without drops and in the rows' dtype this is one `embedding_bag` (sum mode): it reads each
+    token's k rows and writes the sum, where gathering the [S, D] slots and then summing them
+    writes and reads them again. On the 2-core EPYC, 1,024 x 4 rows of 384 in bf16: 0.06 against
+    0.37 ms, with the same error against fp64 (it too adds in fp32 and rounds once); in fp32, with
+    the cache flushed, 0.18-0.22 against 0.65-0.75 ms, with the same bits.
     """
-    if not dropped:
+    dtype = dtype or rows_PD.dtype
+    if not dropped and dtype == rows_PD.dtype:
         return F.embedding_bag(row_S.view(-1, k), rows_PD, mode="sum")
-    rows_SD = _take(rows_PD, row_S, pad=True)
-    return rows_SD.view(-1, k, rows_SD.shape[1]).sum(1, dtype=torch.float32).to(rows_PD.dtype)
+    rows_SD = _take(rows_PD, row_S, pad=dropped)
+    return rows_SD.view(-1, k, rows_SD.shape[1]).sum(1, dtype=torch.float32).to(dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -136,11 +140,9 @@ class _Dispatch(torch.autograd.Function):
     of each row (slot_P // k, with slot_P its token-major slot, S = N*k), or N for a padding row.
     `row_S` inverts slot_P: the layout row of each slot, or P where the assignment was dropped.
     The cast comes before the gather, so a bf16 kernel casts N rows, not P. The backward sums each
-    token's k slot gradients in fp32: where the kernel ran in the input's dtype, with `_sum_slots`
-    (one `embedding_bag` without drops); where it ran in bf16 for fp32 inputs, by gathering the
-    slots and summing them unrounded (an `embedding_bag` would round the sums to bf16; it bought
-    nothing measurable in the bench's step). In fp32 the two give the same bits; on the 2-core
-    EPYC, 1,024 x 4 slots of 384 with the cache flushed, 0.18-0.22 against 0.65-0.75 ms.
+    token's k slot gradients in fp32 (`_sum_slots`) and rounds them once to the input's dtype:
+    where the kernel ran in bf16 for fp32 inputs, the sums stay unrounded (an `embedding_bag`
+    would round them to bf16; it bought nothing measurable in the bench's step).
     """
 
     @staticmethod
@@ -152,11 +154,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx_PD):
         (row_S,) = ctx.saved_tensors
-        if dx_PD.dtype == ctx.dtype:
-            return _sum_slots(dx_PD, row_S, ctx.k, ctx.dropped), None, None, None, None, None, None
-        dx_SD = _take(dx_PD, row_S, pad=ctx.dropped)
-        dx_ND = dx_SD.view(-1, ctx.k, dx_SD.shape[1]).sum(1, dtype=torch.float32)
-        return dx_ND.to(ctx.dtype), None, None, None, None, None, None
+        return _sum_slots(dx_PD, row_S, ctx.k, ctx.dropped, ctx.dtype), None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
