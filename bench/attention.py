@@ -11,7 +11,7 @@ time over ours at that choice.
 Global layers on CPU, in fp32, and in bf16 where the CPU has bf16 GEMMs. Peer:
 `F.scaled_dot_product_attention` (torch's CPU flash kernel), causal (`is_causal`, where it skips
 the blocks above the diagonal) and with a packed-documents mask. Ours is the model's kernel,
-`marinlm.model.cpu_attention.scaled_dot_product_attention`: batched GEMMs in blocks of queries, or
+`marinlm.kernels.cpu_attention.scaled_dot_product_attention`: batched GEMMs in blocks of queries, or
 torch's SDPA itself where its kept probabilities would pass MAX_SCORES (printed). Timings are the
 best of `--repeats` interleaved rounds.
 
@@ -29,10 +29,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from marinlm.model import cpu_attention
-from marinlm.model.attention import attention_mask, band_block, banded_attention, banded_mask
-from marinlm.model.cpu_bf16 import emulated_bf16
+from marinlm.kernels import cpu_attention
+from marinlm.kernels.attention import band_block, banded_attention, banded_mask
+from marinlm.model.context import attention_mask
 from marinlm.model.layers import doc_ids_and_positions
+from marinlm.utils.device import emulated_bf16
 
 # (batch, query heads, kv heads, tokens, head dim, window, what the shape stands for)
 SHAPES = [

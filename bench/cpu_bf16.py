@@ -1,4 +1,4 @@
-"""bf16 autocast on a CPU without a bf16 GEMM: model/cpu_bf16.py against torch's own bf16 kernels.
+"""bf16 autocast on a CPU without a bf16 GEMM: kernels/bf16.py against torch's own bf16 kernels.
 
 Peer: torch's bf16 `F.linear` and `F.scaled_dot_product_attention` under CPU autocast, which HF
 transformers' models call. Ours computes the same bf16-rounded products with fp32 GEMMs. Each op
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from marinlm.model import cpu_bf16
+from marinlm.kernels import bf16 as cpu_bf16
 
 BF16 = torch.bfloat16
 # (name, tokens, in, out): bench/train_step.py's qwen3-moe-style attention projections and a

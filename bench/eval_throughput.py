@@ -19,6 +19,7 @@ import torch
 from marinlm.config import load_config
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import subset, task_registry
+from marinlm.kernels import apply_kernels
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.presets import preset
 from marinlm.tokenizer import MarinTokenizer, train_bpe
@@ -37,7 +38,7 @@ def main() -> None:
     requests = [r for item in items for r in item.requests]
     tok = MarinTokenizer(train_bpe(english()[:3000] + python_code(1_000_000), vocab_size=8192))
     config = load_config(MarinConfig, preset("model", "small"))
-    model = MarinForCausalLM(config)
+    model = apply_kernels(MarinForCausalLM(config), "cpu", "fp32")
     model.init_weights(seed=0)
     model.eval()
     runs = {}

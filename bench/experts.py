@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from marinlm.model.experts import RoutedExperts
+from marinlm.kernels.experts import FusedRoutedExperts
 
 
 def time_step(module, x, experts, weights, dtype, repeats=5) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         results = {}
         for impl in ("grouped_mm", "chunked", "bmm", "loop"):
-            module = RoutedExperts(a.experts, a.dim, a.hidden, 0.02, impl)
+            module = FusedRoutedExperts(a.experts, a.dim, a.hidden, 0.02, impl)
             module.reset_parameters()
             results[impl] = time_step(module, x, experts, weights, dtype)
         base = results["loop"]

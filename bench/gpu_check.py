@@ -59,12 +59,13 @@ def train_step_rate(config, peak: float, device: str, batch: int, seq: int, comp
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from marinlm.kernels import apply_kernels
     from marinlm.model import MarinForCausalLM
     from marinlm.model.summary import summarize
     from marinlm.optim import MarinOptimizerConfig, build_optimizer
 
     with torch.device("meta"):
-        model = MarinForCausalLM(config)
+        model = apply_kernels(MarinForCausalLM(config), device, "bf16")
     model.to_empty(device=device)
     model.init_weights(seed=0)
     if compile:  # regional, as parallel.compile does in training
@@ -114,7 +115,7 @@ def summary(line: str) -> None:
 
 
 def part_kernels(device: str, dry: bool) -> None:
-    from marinlm.model.experts import RoutedExperts
+    from marinlm.kernels.experts import FusedRoutedExperts
     from marinlm.utils.perf import matmul_peak_flops
 
     if dry:
@@ -134,7 +135,7 @@ def part_kernels(device: str, dry: bool) -> None:
     experts = {}
     for impl in ("grouped_mm", "chunked", "bmm", "loop"):
         torch.manual_seed(0)  # the same weights for every kernel
-        m = RoutedExperts(e, d, h, 0.02, impl).to(device)
+        m = FusedRoutedExperts(e, d, h, 0.02, impl).to(device)
         m.reset_parameters()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry):
             t = timed(lambda m=m: m(x, ids, w)[0].float().sum().backward(), device, 5)
@@ -181,6 +182,7 @@ def part_steps(device: str, dry: bool) -> None:
 def part_packed(device: str, dry: bool) -> None:
     """Packed documents on the GPU (bf16) against the CPU (fp32): the trainer's batch layout."""
     from marinlm.config import load_config
+    from marinlm.kernels import apply_kernels
     from marinlm.model import MarinConfig, MarinForCausalLM
     from marinlm.model.loss import IGNORE_INDEX
 
@@ -198,12 +200,15 @@ def part_packed(device: str, dry: bool) -> None:
     reference.to_empty(device="cpu")
     reference.init_weights(seed=0)  # on the CPU: the GPU's generator would draw other weights
     results = {}
-    for name, where, dtype in (
-        ("cpu fp32", "cpu", torch.float32),
-        (f"{device} fp32", device, torch.float32),
-        (f"{device} bf16", device, torch.bfloat16),
+    for name, where, dtype, kernels in (
+        ("cpu fp32", "cpu", torch.float32, False),
+        (f"{device} fp32", device, torch.float32, False),
+        (f"{device} fp32 kernels", device, torch.float32, True),
+        (f"{device} bf16", device, torch.bfloat16, False),
     ):
         model = copy.deepcopy(reference).to(where)
+        if kernels:  # model.kernels: auto, as training runs it
+            apply_kernels(model, where, "fp32")
         with torch.autocast(where, dtype=dtype, enabled=dtype != torch.float32):
             out = model(ids.to(where), segments.to(where), labels.to(where), return_logits=False)
         out.lm_loss.backward()

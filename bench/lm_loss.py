@@ -1,9 +1,11 @@
 """LM head + next-token loss, forward and backward: our fused, chunked kernel against torch.
 
 Peer: `F.linear` followed by `F.cross_entropy` (plus `torch.logsumexp` for the z-loss), which
-materialises the [tokens, vocab] fp32 logits, as HF transformers does. Ours is
-`marinlm.model.loss.chunked_loss` (used when `loss_chunk_tokens > 0`). Each contender runs in a
-fresh process so its peak RSS is its own; the allocator is tuned in both (utils/perf.py).
+materialises the [tokens, vocab] fp32 logits, as HF transformers does. Ours are the fused kernel
+`marinlm.kernels.loss` (training with `model.kernels: auto` and `loss_chunk_tokens > 0`) and the
+reference model's checkpointed chunks (`marinlm.model.loss.NextTokenLoss`, `kernels: reference`).
+Each contender runs in a fresh process so its peak RSS is its own; the allocator is tuned in all
+(utils/perf.py).
 
     python bench/lm_loss.py [--repeats 3] [--device cuda]
 
@@ -30,7 +32,8 @@ SHAPES = [
 def run(kind, tokens, dim, vocab, z_weight, repeats, chunk, queue, device="cpu") -> None:
     import torch
 
-    from marinlm.model.loss import chunked_loss, reference_loss
+    from marinlm.kernels.loss import fused_chunked_loss
+    from marinlm.model.loss import NextTokenLoss, reference_loss
     from marinlm.utils.perf import tune_cpu_allocator
 
     tune_cpu_allocator()
@@ -51,8 +54,10 @@ def run(kind, tokens, dim, vocab, z_weight, repeats, chunk, queue, device="cpu")
             if kind == "torch":
                 ce, z, _, _ = reference_loss(h @ w.t(), labels, z_weight)
                 loss = ce + z
+            elif kind == "reference":
+                loss = NextTokenLoss(z_weight, chunk)(h, w, labels)[0]
             else:
-                loss = chunked_loss(h, w, labels, z_weight, chunk)[0]
+                loss = fused_chunked_loss(h, w, labels, z_weight, chunk)[0]
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
@@ -79,16 +84,19 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
     print(f"LM head + cross-entropy + z-loss (weight z), fwd + bwd; best of {a.repeats}; fused chunk {a.chunk}")
-    print(f"{'tokens x d x vocab, z':<30}{'torch':>18}{'marinlm fused':>20}{'speed':>8}{'memory':>9}")
+    print(
+        f"{'tokens x d x vocab, z':<30}{'torch':>18}{'marinlm fused':>20}{'speed':>8}{'memory':>9}"
+        f"{'marinlm reference':>24}{'speed':>8}{'memory':>9}"
+    )
     for shape in SHAPES:
         t_ref, m_ref, l_ref = measure("torch", shape, a.repeats, a.chunk, a.device)
-        t_ours, m_ours, l_ours = measure("fused", shape, a.repeats, a.chunk, a.device)
-        assert abs(l_ref - l_ours) < (1e-2 if a.device == "cuda" else 1e-4) * abs(l_ref), (l_ref, l_ours)
+        row = ""
+        for kind in ("fused", "reference"):
+            t_ours, m_ours, l_ours = measure(kind, shape, a.repeats, a.chunk, a.device)
+            assert abs(l_ref - l_ours) < (1e-2 if a.device == "cuda" else 1e-4) * abs(l_ref), (kind, l_ref, l_ours)
+            row += f"{t_ours * 1e3:9.0f} ms {m_ours:5.2f} GB{t_ref / t_ours:7.2f}x{m_ref / max(m_ours, 1e-3):8.1f}x"
         name = "{} x {} x {}, {:g}".format(*shape[:4])
-        print(
-            f"{name:<30}{t_ref * 1e3:8.0f} ms {m_ref:5.2f} GB{t_ours * 1e3:9.0f} ms {m_ours:5.2f} GB"
-            f"{t_ref / t_ours:7.2f}x{m_ref / max(m_ours, 1e-3):8.1f}x   ({shape[4]})"
-        )
+        print(f"{name:<30}{t_ref * 1e3:8.0f} ms {m_ref:5.2f} GB{row}   ({shape[4]})")
     where = "peak GPU memory allocated" if a.device == "cuda" else "peak RSS added"
     print(f"speed and memory are torch / marinlm; memory is the {where} by the step")
 

@@ -20,6 +20,7 @@ import torch
 
 import marinlm.optim.marin as marin
 from marinlm.config import load_config
+from marinlm.kernels import apply_kernels
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.optim import MarinOptimizerConfig, build_optimizer
 from marinlm.utils.perf import tune_cpu_allocator
@@ -56,7 +57,7 @@ def main() -> None:
     for label, path, overrides in presets:
         config = load_config(MarinConfig, CONFIGS / path, overrides)
         with torch.device("meta"):
-            model = MarinForCausalLM(config)
+            model = apply_kernels(MarinForCausalLM(config), dev, "bf16")
         model.to_empty(device=dev)
         model.init_weights(seed=0)
         opt = build_optimizer(model, MarinOptimizerConfig(), dev)

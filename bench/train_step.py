@@ -3,12 +3,14 @@
 Peer: `transformers.Qwen3MoeForCausalLM` with the dimensions of configs/model/qwen3-moe-style.yaml,
 loaded with the same weights (the two compute the same function; tests/test_hf_parity.py). HF is
 timed with each of its expert implementations; the ratio is taken against its fastest. The
-hero-shaped `small` preset is timed too, to show what the Marin extras cost. MFU is against the
+hero-shaped `small` preset is timed too, to show what the Marin extras cost. Ours is timed twice:
+as training runs it (`model.kernels: auto`, the fast paths of marinlm.kernels) and as the plain
+reference model (`kernels: reference`), so the price of the fast paths is visible. MFU is against the
 fp32/bf16 matmul peak measured in this run: up front, and between the interleaved steps, whichever is higher.
 
 On a CPU without a bf16 GEMM (no AVX512 or AMX) torch's bf16 matmuls are reference loops (~1 GFLOP/s
 here against ~175 in fp32). Under bf16 autocast HF's linear layers use them; ours compute the same
-bf16-rounded products with fp32 GEMMs (model/cpu_bf16.py, tests/test_cpu_bf16.py). The bf16 ratio
+bf16-rounded products with fp32 GEMMs (kernels/bf16.py, tests/test_cpu_bf16.py). The bf16 ratio
 on such a CPU therefore measures that dispatch, not better kernels; the fp32 ratio is like for like.
 
     python bench/train_step.py [--batch 4] [--seq 256] [--steps 3] [--skip-bf16]
@@ -52,6 +54,7 @@ import torch
 
 from marinlm.config import load_config
 from marinlm.hf.qwen3_moe import qwen3_moe_hf_config, to_hf_state_dict
+from marinlm.kernels import apply_kernels
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.model.summary import summarize
 from marinlm.utils.perf import CATEGORIES, matmul_peak_flops, time_breakdown, tune_cpu_allocator
@@ -206,9 +209,13 @@ def print_breakdown(steps: dict, best: dict[str, float], config: MarinConfig, pe
         )
 
 
-def build_ours(config: MarinConfig, device: str = "cpu") -> MarinForCausalLM:
+def build_ours(config: MarinConfig, device: str = "cpu", kernels: bool = True) -> MarinForCausalLM:
+    """Ours as training builds it: `model.kernels: auto` (the fast paths of marinlm.kernels), or
+    the plain reference model with `kernels=False`."""
     with torch.device("meta"):
         model = MarinForCausalLM(config)
+    if kernels:
+        apply_kernels(model, device, "bf16")
     model.to_empty(device=device)
     model.init_weights(seed=0)
     return model
@@ -258,7 +265,9 @@ def main() -> None:
         tokens = batch * seq
         ids = torch.randint(0, qwen.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
         ours = build_ours(qwen, dev)
-        steps = {"marinlm": ours_step(ours, ids, dtype)}
+        reference = build_ours(qwen, dev, kernels=False)
+        reference.load_state_dict(ours.state_dict())
+        steps = {"marinlm": ours_step(ours, ids, dtype), "marinlm reference": ours_step(reference, ids, dtype)}
         if a.compile:
             compiled = build_ours(qwen, dev)
             compiled.load_state_dict(ours.state_dict())
@@ -312,6 +321,13 @@ def main() -> None:
             f"  marinlm / {hf_best}: {best[hf_best] / best['marinlm']:.2f}x best against best; within a round "
             f"median {statistics.median(rounds):.2f}x, {rounds[0]:.2f}-{rounds[-1]:.2f}x  (target >= 1.5x)"
         )
+        ref_rounds = sorted(h / o for h, o in zip(times[hf_best], times["marinlm reference"], strict=True))
+        print(
+            f"  marinlm reference (model.kernels: reference) / {hf_best}: "
+            f"{best[hf_best] / best['marinlm reference']:.2f}x best against best; within a round median "
+            f"{statistics.median(ref_rounds):.2f}x; the kernels make ours "
+            f"{best['marinlm reference'] / best['marinlm']:.2f}x faster"
+        )
         if "marinlm compiled" in best and "HF (grouped_mm) compiled" in best:
             ratio = best["HF (grouped_mm) compiled"] / best["marinlm compiled"]
             print(f"  compiled: marinlm / HF (grouped_mm): {ratio:.2f}x")
@@ -324,7 +340,7 @@ def main() -> None:
             )
         if (batch, seq) != (a.batch, a.seq):
             # HF's bf16 linear layers run torch's emulated kernels: the full shape would take minutes
-            # a step. Ours (model/cpu_bf16.py) does not, so show it at the full shape too.
+            # a step. Ours (kernels/bf16.py) does not, so show it at the full shape too.
             full_ids = torch.randint(0, qwen.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
             full_step = ours_step(build_ours(qwen, dev), full_ids, dtype)
             full = min(interleaved_times({"full": full_step}, a.steps, dev)["full"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from marinlm.config import load_config
+from marinlm.kernels import apply_kernels
 from marinlm.model import MarinConfig, MarinForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +34,12 @@ def tiny_config(**overrides) -> MarinConfig:
     return config
 
 
-def build(config: MarinConfig, seed: int = 0) -> MarinForCausalLM:
+def build(config: MarinConfig, seed: int = 0, kernels: bool = False) -> MarinForCausalLM:
+    """The reference model on CPU; with `kernels`, the fast paths swapped in (`apply_kernels`)."""
     with torch.device("meta"):
         model = MarinForCausalLM(config)
+    if kernels:
+        apply_kernels(model, "cpu", "bf16")
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model
@@ -126,7 +130,7 @@ def train_config(token_dir: Path, run_dir: Path, **overrides):
         "run_dir": str(run_dir),
         "model": to_dict(tiny_config(num_layers=2, max_seq_len=64, attention={"sliding_window": 16})),
         "data": {"sources": [{"path": str(token_dir)}], "seq_len": 64},
-        # fp32 on every host: `auto` picks bf16 on a CPU with bf16 units (model/cpu_bf16.native_bf16),
+        # fp32 on every host: `auto` picks bf16 on a CPU with bf16 units (utils/device.native_bf16),
         # and these tests compare runs at fp32 tolerances.
         "optim": {"type": "marin", "lr": 0.02, "adam_lr": 0.003, "ns_dtype": "float32"},
         "train": {"steps": 8, "global_batch": 4, "grad_clip": 1.0, "precision": "fp32"},

@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from marinlm.model.cpu_attention import short_attention
-from marinlm.model.cpu_bf16 import emulated_bf16
+from marinlm.kernels.cpu_attention import short_attention
+from marinlm.utils.device import emulated_bf16
 from marinlm.utils.perf import CATEGORIES, time_breakdown
 
 from conftest import ROOT

@@ -1,11 +1,26 @@
-"""The bf16 CPU attention (model/cpu_attention.py) against torch's SDPA."""
+"""The CPU attention kernel (kernels/cpu_attention.py) against torch's SDPA."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from marinlm.model import cpu_attention, cpu_bf16
-from marinlm.model.attention import attention_mask
+from marinlm.kernels import bf16 as cpu_bf16
+from marinlm.kernels import cpu_attention
+from marinlm.model.context import attention_mask
+from marinlm.utils import device as device_probes
+
+
+def dict_memo():
+    """A per-forward memo as `ForwardContext.memo`, and the list of keys it built."""
+    store, built = {}, []
+
+    def memo(key, build):
+        if key not in store:
+            built.append(key)
+            store[key] = build()
+        return store[key]
+
+    return memo, built
 
 
 def qkv(B, H, K, T, S, dtype, seed=0, spread=1.0, head_dim=16):
@@ -140,8 +155,8 @@ def test_taken_for_fp32_and_native_bf16_within_the_kept_scores_only(monkeypatch)
         assert cpu_attention.saved_scores(1, 4, causal) == 4 * 2 * (2 + 4 + 6 + 8)
         monkeypatch.setattr(cpu_attention, "MAX_SCORES", 255)
         assert not take(q, k) and take(q, k, spans=causal)
-    monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
-    assert not take(q, k)  # emulated bf16 GEMMs: model/cpu_bf16.py's fp32 path
+    monkeypatch.setattr(device_probes, "_cpu_has_bf16_gemm", lambda: False)
+    assert not take(q, k)  # emulated bf16 GEMMs: kernels/bf16.py's fp32 path
     monkeypatch.setattr(cpu_attention, "MAX_SCORES", 4 * (T + 1) ** 2)  # fp32 needs no bf16 GEMM
     assert take(q32, k32)
     monkeypatch.setattr(cpu_attention, "MAX_SCORES", 4 * (T + 1) ** 2 - 1)
@@ -179,8 +194,9 @@ def test_query_blocks_skip_the_keys_no_query_of_the_block_sees():
     assert qb(10, 10, packed, block=2)[-2:] == [(6, 8, 3, 8), (8, 10, 3, 10)]
 
 
-def test_query_blocks_read_a_mask_once_until_it_changes(monkeypatch):
-    """Every global layer of a forward passes the same mask: the blocks are read off it once."""
+def test_query_blocks_read_a_mask_once_a_forward(monkeypatch):
+    """Every global layer of a forward passes the same mask: with the forward's memo the blocks
+    are read off it once; without one, at every call."""
     reads = []
     real_any = torch.Tensor.any
     mask = torch.ones(10, 10, dtype=torch.bool).tril()
@@ -191,20 +207,26 @@ def test_query_blocks_read_a_mask_once_until_it_changes(monkeypatch):
         return real_any(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "any", counting_any)
-    first = cpu_attention.query_blocks(10, 10, mask, block=4)
-    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first and len(reads) == 1
-    assert cpu_attention.query_blocks(10, 10, mask.clone(), block=4) == first and len(reads) == 2
-    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first and len(reads) == 3
-    mask[9, :] = False  # changed in place: read again
+    memo, built = dict_memo()
+    first = cpu_attention.query_blocks(10, 10, mask, block=4, memo=memo)
+    assert cpu_attention.query_blocks(10, 10, mask, block=4, memo=memo) == first and len(reads) == 1
+    assert cpu_attention.query_blocks(10, 10, mask, block=4) == first and len(reads) == 2
+    assert cpu_attention.query_blocks(10, 10, mask, block=3, memo=memo) != first and len(reads) == 3
+    assert len(built) == 2
+    mask[9, :] = False
     mask[9, 0] = True
     assert cpu_attention.query_blocks(10, 10, mask, block=4) == first[:2] + [(8, 10, 0, 9)]
-    assert len(reads) == 4
 
 
-def test_block_biases_are_built_once_a_forward_until_the_mask_or_blocks_change():
-    """Every layer of a forward passes the same mask (or none): the kernel's additive biases are
-    built once and handed out again, never for another mask, blocks or causality."""
-    bb = cpu_attention.block_biases
+def test_block_biases_are_built_once_a_forward_for_each_blocks_and_causality():
+    """Every layer of a forward passes the same mask (or none): with the forward's memo the
+    kernel's additive biases are built once and handed out again, never for other blocks or
+    causality; without it, built at each call."""
+    memo, _ = dict_memo()
+
+    def bb(*args):
+        return cpu_attention.block_biases(*args, memo)
+
     cpu = torch.device("cpu")
 
     def expected(mask, spans):
@@ -229,21 +251,11 @@ def test_block_biases_are_built_once_a_forward_until_the_mask_or_blocks_change()
     check(everything, torch.ones(10, 10, dtype=torch.bool), spans)
     wider = cpu_attention.query_blocks(10, 10, is_causal=True, block=5)
     check(bb(None, True, 10, 10, wider, cpu), causal, wider)
-    # A mask tensor with the same blocks as the causal rows above: its own biases.
+    # A mask: its own biases (a forward's memo is for one mask; the caller keys it by mask).
     mask = packed_mask(2, 10, window=None)
-    from_mask = bb(mask, False, 10, 10, spans, cpu)
+    from_mask = cpu_attention.block_biases(mask, False, 10, 10, spans, cpu)
     check(from_mask, mask, spans)
-    assert bb(mask, False, 10, 10, spans, cpu) is from_mask
-    windowed = packed_mask(2, 10, window=3)  # another tensor of the same shape and version
-    check(bb(windowed, False, 10, 10, spans, cpu), windowed, spans)
-    check(bb(None, False, 10, 10, spans, cpu), torch.ones(10, 10, dtype=torch.bool), spans)
-    again = bb(mask, False, 10, 10, spans, cpu)
-    check(again, mask, spans)
-    mask[1, 0, 9, :] = False  # changed in place: built again
-    mask[1, 0, 9, 9] = True
-    changed = bb(mask, False, 10, 10, spans, cpu)
-    assert changed is not again
-    check(changed, mask, spans)
+    assert cpu_attention.block_biases(mask, False, 10, 10, spans, cpu) is not from_mask
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,12 +1,15 @@
-"""bf16 autocast through fp32 GEMMs (model/cpu_bf16.py) against torch's own bf16 kernels."""
+"""bf16 autocast through fp32 GEMMs (kernels/bf16.py) against torch's own bf16 kernels."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from marinlm.config import load_config
-from marinlm.model import MarinConfig, MarinForCausalLM, cpu_bf16
-from marinlm.model.loss import chunked_loss
+from marinlm.kernels import apply_kernels
+from marinlm.kernels import bf16 as cpu_bf16
+from marinlm.kernels.loss import fused_chunked_loss
+from marinlm.model import MarinConfig, MarinForCausalLM
+from marinlm.utils import device as device_probes
 
 from conftest import CONFIGS
 
@@ -20,7 +23,7 @@ def is_bf16_exact(t: torch.Tensor) -> bool:
 @pytest.fixture
 def emulated_bf16(monkeypatch):
     """Take the fp32-GEMM path, as on a CPU without a bf16 GEMM, whatever this CPU has."""
-    monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda: False)
+    monkeypatch.setattr(device_probes, "_cpu_has_bf16_gemm", lambda: False)
 
 
 def test_linear_matches_autocast_bf16_kernel():
@@ -48,10 +51,8 @@ def test_linear_matches_autocast_bf16_kernel():
 
 
 def test_linear_dispatch(emulated_bf16):
-    layer = cpu_bf16.Linear(16, 8)
+    layer = cpu_bf16.EmulatedBf16Linear(16, 8, bias=False)
     assert layer.bias is None and set(layer.state_dict()) == {"weight"}
-    with pytest.raises(ValueError, match="no bias"):
-        cpu_bf16.Linear(16, 8, bias=True)
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).grad_fn.name().endswith("_Bf16LinearBackward")
@@ -80,7 +81,7 @@ def test_sdpa_matches_bf16_kernel(emulated_bf16):
 def test_fused_loss_matches_bf16_kernel(vocab_rows, monkeypatch):
     """Also with the vocabulary in blocks (the native-bf16 side then rounds each block's dh)."""
     if vocab_rows is not None:
-        monkeypatch.setattr("marinlm.model.loss.vocab_block_rows", lambda vocab, tokens, device: vocab_rows)
+        monkeypatch.setattr("marinlm.kernels.loss.vocab_block_rows", lambda vocab, tokens, device: vocab_rows)
     torch.manual_seed(0)
     h = torch.randn(70, 32, requires_grad=True)
     w = (0.2 * torch.randn(300, 32)).requires_grad_()
@@ -88,9 +89,9 @@ def test_fused_loss_matches_bf16_kernel(vocab_rows, monkeypatch):
     labels[5] = -100
     results = []
     for has_gemm in (False, True):
-        monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda has_gemm=has_gemm: has_gemm)
+        monkeypatch.setattr(device_probes, "_cpu_has_bf16_gemm", lambda has_gemm=has_gemm: has_gemm)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = chunked_loss(h, w, labels, z_weight=1e-3, chunk=32)[0]
+            loss = fused_chunked_loss(h, w, labels, z_weight=1e-3, chunk=32)[0]
         results.append((loss, *torch.autograd.grad(loss, (h, w))))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=BF16_ULP, atol=1e-5)
@@ -105,8 +106,8 @@ def test_model_step_matches_bf16_kernels(monkeypatch):
     ids = torch.randint(0, config.vocab_size, (2, 48))
     results = []
     for has_gemm in (False, True):
-        monkeypatch.setattr(cpu_bf16, "_cpu_has_bf16_gemm", lambda has_gemm=has_gemm: has_gemm)
-        model = MarinForCausalLM(config)
+        monkeypatch.setattr(device_probes, "_cpu_has_bf16_gemm", lambda has_gemm=has_gemm: has_gemm)
+        model = apply_kernels(MarinForCausalLM(config), "cpu", "bf16")
         model.init_weights(seed=0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(ids, labels=ids, return_logits=False)
@@ -125,6 +126,6 @@ def test_the_dispatch_is_no_graph_break_in_a_compiled_block():
     compiled block on CPU, and the resumed frames hit dynamo's recompile limit."""
     import torch._dynamo
 
-    layer = cpu_bf16.Linear(16, 8)
+    layer = cpu_bf16.EmulatedBf16Linear(16, 8, bias=False)
     explained = torch._dynamo.explain(lambda x: layer(x).relu())(torch.randn(4, 16))
     assert explained.graph_break_count == 0 and explained.graph_count == 1

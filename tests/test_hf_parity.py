@@ -20,15 +20,24 @@ def small_qwen_config() -> MarinConfig:
     )
 
 
-def test_qwen3_style_matches_hf_logits():
-    """Our qwen3-moe-style model and HF Qwen3MoeForCausalLM compute the same function."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
+def test_qwen3_style_matches_hf_logits(kernels):
+    """Our qwen3-moe-style model and HF Qwen3MoeForCausalLM compute the same function, on the
+    reference model and with the kernels swapped in."""
     config = small_qwen_config()
-    ours = build(config, seed=0).eval()
+    ours = build(config, seed=0, kernels=kernels).eval()
     hf = transformers.Qwen3MoeForCausalLM(qwen3_moe_hf_config(config)).eval()
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config))
     ids = torch.randint(0, config.vocab_size, (2, 33))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-5)
+    # and the loss with a gradient, where the kernels take their training paths (eval mode: no
+    # capacity drops, which HF does not have)
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    out = ours(ids, labels=labels, return_logits=False)
+    hf_loss = hf(ids, labels=ids).loss  # HF shifts the labels itself
+    torch.testing.assert_close(out.ce_loss, hf_loss, rtol=1e-5, atol=1e-6)
     # and back again
     again = build(config, seed=1)
     again.load_state_dict(from_hf_state_dict(hf.state_dict(), config))

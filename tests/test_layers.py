@@ -1,11 +1,18 @@
-"""The fused norm and query/key nodes (model/layers.py) against the same maths left to autograd."""
+"""The norm and query/key transforms, reference (model/layers.py) and fused (kernels/), against
+the same maths op by op in fp64."""
 
 import itertools
 
 import pytest
 import torch
 
-from marinlm.model.layers import RMSNorm, qk_transform, rope_cos_sin
+from marinlm.kernels.attention import fused_qk_transform
+from marinlm.kernels.layers import FusedRMSNorm
+from marinlm.model.context import ForwardContext, rope_cos_sin
+from marinlm.model.layers import RMSNorm, qk_transform
+
+NORMS = pytest.mark.parametrize("norm_class", [RMSNorm, FusedRMSNorm], ids=["reference", "fused"])
+QK = pytest.mark.parametrize("qk_transform", [qk_transform, fused_qk_transform], ids=["reference", "fused"])
 
 
 def unfused_rms_norm(x, weight, eps):
@@ -28,8 +35,9 @@ def unfused_qk(x, normalize, gain, cos, sin, mult, eps=1e-6):
     return y * mult
 
 
-def test_rms_norm_gradients_pass_gradcheck():
-    norm = RMSNorm(8, eps=1e-5).double()
+@NORMS
+def test_rms_norm_gradients_pass_gradcheck(norm_class):
+    norm = norm_class(8, eps=1e-5).double()
     with torch.no_grad():
         norm.weight.copy_(torch.randn(8, dtype=torch.float64))
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
@@ -37,9 +45,10 @@ def test_rms_norm_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), (x, w))
 
 
-def test_rms_norm_gain_gradient_matches_autograd():
-    """The written-out weight gradient against autograd through the op-by-op formula (fp64)."""
-    norm = RMSNorm(16, eps=1e-6).double()
+@NORMS
+def test_rms_norm_gain_gradient_matches_autograd(norm_class):
+    """The weight gradient against autograd through the op-by-op formula (fp64)."""
+    norm = norm_class(16, eps=1e-6).double()
     with torch.no_grad():
         norm.weight.copy_(1 + 0.3 * torch.randn(16, dtype=torch.float64))
     x = torch.randn(3, 5, 16, dtype=torch.float64)
@@ -52,9 +61,10 @@ def test_rms_norm_gain_gradient_matches_autograd():
     torch.testing.assert_close(x_ours.grad, x_ref.grad)
 
 
-def test_rms_norm_rounds_once_in_bf16():
+@NORMS
+def test_rms_norm_rounds_once_in_bf16(norm_class):
     """bf16 in, bf16 out: the fp32 result rounded once, so within half a bf16 step of the exact one."""
-    norm = RMSNorm(64, eps=1e-6)
+    norm = norm_class(64, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.5 * torch.randn(64))
     x = torch.randn(4, 7, 64).bfloat16()
@@ -85,37 +95,27 @@ def qk_inputs(rope_dim, dtype, B=2, T=5, H=3, Dh=8, seed=0):
     return x, gain, cos, sin
 
 
-def test_rope_tables_are_computed_once_for_the_same_positions(monkeypatch):
-    """Every layer of a forward passes the same positions: the tables are computed once and
-    handed out again while the tensor is the same object, unchanged, and the sizes match."""
-    calls = []
-    real_cos = torch.Tensor.cos
-    monkeypatch.setattr(torch.Tensor, "cos", lambda self: calls.append(self.dtype) or real_cos(self))
+def test_rope_tables_are_built_once_a_forward_and_match_fp64():
+    """The context builds each table once a forward, whatever the number of layers asking."""
+    pos = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
 
     def want(pos, rope_dim, theta):
         inv_freq = 1.0 / theta ** (torch.arange(rope_dim // 2, dtype=torch.float64) / (rope_dim // 2))
         angles = pos.double().unsqueeze(-1) * inv_freq
         return angles.cos().float(), angles.sin().float()
 
-    pos = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
-    first = rope_cos_sin(pos, 8, 10000.0)
-    for got, ref in zip(first, want(pos, 8, 10000.0)):
-        torch.testing.assert_close(got, ref)
-    assert rope_cos_sin(pos, 8, 10000.0) is first and calls.count(torch.float32) == 1
-    other = pos.clone()
-    for args in ((pos, 4, 10000.0), (pos, 4, 500.0), (other, 4, 500.0)):  # each differs in one thing
-        for got, ref in zip(rope_cos_sin(*args), want(*args)):
+    ctx = ForwardContext(torch.zeros_like(pos), pos, packed=False, decoding=False, derived=True, window=None)
+    first = ctx.rope(8, 10000.0)
+    assert ctx.rope(8, 10000.0) is first
+    for args in ((8, 10000.0), (4, 10000.0), (4, 500.0)):
+        for got, ref in zip(ctx.rope(*args), want(pos, *args)):
             torch.testing.assert_close(got, ref)
-    assert calls.count(torch.float32) == 4
-    rope_cos_sin(pos, 8, 10000.0)
-    pos[1] += 2  # changed in place: computed again
-    for got, ref in zip(rope_cos_sin(pos, 8, 10000.0), want(pos, 8, 10000.0)):
-        torch.testing.assert_close(got, ref)
-    assert calls.count(torch.float32) == 6
+    assert ctx.rope(4, 500.0) is not first
 
 
+@QK
 @pytest.mark.parametrize("normalize,with_gain,rope_dim,mult", QK_CASES)
-def test_qk_transform_matches_op_by_op_maths_and_passes_gradcheck(normalize, with_gain, rope_dim, mult):
+def test_qk_transform_matches_op_by_op_maths_and_passes_gradcheck(qk_transform, normalize, with_gain, rope_dim, mult):
     x, gain, cos, sin = qk_inputs(rope_dim, torch.float64)
     gain = gain if with_gain else None
 
@@ -129,14 +129,16 @@ def test_qk_transform_matches_op_by_op_maths_and_passes_gradcheck(normalize, wit
     assert torch.autograd.gradcheck(fused, inputs)
 
 
-def test_qk_transform_with_nothing_to_do_returns_its_input():
+@QK
+def test_qk_transform_with_nothing_to_do_returns_its_input(qk_transform):
     x = torch.randn(2, 3, 4, 8)
     assert qk_transform(x, normalize=False) is x
     empty = torch.zeros(2, 3, 0)
     assert qk_transform(x, normalize=False, cos_BTR=empty, sin_BTR=empty) is x
 
 
-def test_qk_transform_fp32_gradients_match_autograd_of_the_op_by_op_maths():
+@QK
+def test_qk_transform_fp32_gradients_match_autograd_of_the_op_by_op_maths(qk_transform):
     x, gain, cos, sin = qk_inputs(4, torch.float32, seed=1)
     dy = torch.randn_like(x)
     ours_x, ours_g = x.clone().requires_grad_(), gain.clone().requires_grad_()
@@ -147,7 +149,8 @@ def test_qk_transform_fp32_gradients_match_autograd_of_the_op_by_op_maths():
     torch.testing.assert_close(ours_g.grad, ref_g.grad.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_qk_transform_rounds_once_in_bf16():
+@QK
+def test_qk_transform_rounds_once_in_bf16(qk_transform):
     """bf16 queries: one rounding of the fp32 result, so within half a bf16 step of the exact
     value (the op-by-op chain rounds after the norm, the gain and the rotation)."""
     x, gain, cos, sin = qk_inputs(8, torch.float32, seed=2)

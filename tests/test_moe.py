@@ -8,13 +8,21 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from marinlm.kernels import experts as experts_module
+from marinlm.kernels.experts import FusedRoutedExperts, resolve_impl
 from marinlm.model import AuxFreeRouterConfig, QBRouterConfig, RouterStats, SoftmaxTopKRouterConfig
-from marinlm.model import experts as experts_module
-from marinlm.model.cpu_bf16 import emulated_bf16
-from marinlm.model.experts import RoutedExperts, expert_capacity, resolve_impl
+from marinlm.model.experts import RoutedExperts, expert_capacity
 from marinlm.model.router import AuxFreeRouter, QBRouter, SoftmaxTopKRouter
+from marinlm.utils.device import emulated_bf16
 
 from conftest import build, tiny_config
+
+
+def make_experts(*, impl: str, **kwargs) -> RoutedExperts:
+    """`ref-IMPL` is the reference model's experts, any other impl a kernel (marinlm.kernels)."""
+    if impl.startswith("ref-"):
+        return RoutedExperts(impl=impl[4:], **kwargs)
+    return FusedRoutedExperts(impl=impl, **kwargs)
 
 
 def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
@@ -30,14 +38,14 @@ def naive_experts(module: RoutedExperts, x, experts, weights, keep=None):
     return out
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-3", "bmm", "loop"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-3", "bmm", "loop", "ref-grouped_mm", "ref-loop"])
 def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
     if impl == "chunked-of-3":  # experts span several chunks, the last one part padding
         monkeypatch.setattr(experts_module, "CHUNK_ROWS", (3,))
         monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
         impl = "chunked"
     torch.manual_seed(0)
-    module = RoutedExperts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
+    module = make_experts(num_experts=6, dim=8, hidden=12, init_std=0.2, impl=impl)
     module.reset_parameters()
     x = torch.randn(20, 8, requires_grad=True)
     experts = torch.randint(0, 5, (20, 2))  # expert 5 gets nothing: empty groups must work
@@ -53,10 +61,10 @@ def test_expert_kernels_match_naive_loop_with_grads(impl, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "bmm", "loop"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "bmm", "loop", "ref-grouped_mm", "ref-loop"])
 def test_no_tokens_give_an_empty_output(impl):
     """An empty batch (an expert-parallel rank can be sent none) is not an error."""
-    module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
+    module = make_experts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
     module.reset_parameters()
     x = torch.randn(0, 8, requires_grad=True)
     y, dropped = module(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
@@ -66,14 +74,14 @@ def test_no_tokens_give_an_empty_output(impl):
 
 
 @pytest.mark.parametrize("full", [0, 3])  # the first or the last expert overflows
-@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "chunked", "chunked-of-4", "bmm", "loop", "ref-grouped_mm", "ref-loop"])
 def test_capacity_drops_later_tokens_and_counts_them(impl, full, monkeypatch):
     if impl == "chunked-of-4":
         monkeypatch.setattr(experts_module, "CHUNK_ROWS", (4,))
         monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
         impl = "chunked"
     torch.manual_seed(2)
-    module = RoutedExperts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
+    module = make_experts(num_experts=4, dim=8, hidden=4, init_std=0.2, impl=impl)
     module.reset_parameters()
     N, k = 12, 2
     others = (full + torch.randint(1, 4, (N,))) % 4
@@ -111,7 +119,7 @@ def keep_first(experts, capacity, num_experts):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    impl=st.sampled_from(["grouped_mm", "chunked", "bmm", "loop"]),
+    impl=st.sampled_from(["grouped_mm", "chunked", "bmm", "loop", "ref-grouped_mm", "ref-loop"]),
     tokens=st.integers(1, 40),
     num_experts=st.integers(1, 7),
     top_k=st.integers(1, 3),
@@ -131,7 +139,7 @@ def test_expert_kernels_match_the_naive_loop_for_any_routing(
     popularity = torch.randn(num_experts, generator=g) * skew
     scores = torch.rand(tokens, num_experts, generator=g).log().neg().log().neg() + popularity
     experts = scores.topk(top_k, dim=-1).indices  # distinct experts per token, skewed loads
-    module = RoutedExperts(num_experts=num_experts, dim=8, hidden=12, init_std=0.2, impl=impl)
+    module = make_experts(num_experts=num_experts, dim=8, hidden=12, init_std=0.2, impl=impl)
     torch.manual_seed(seed)
     module.reset_parameters()
     x = torch.randn(tokens, 8, generator=g, requires_grad=True)
@@ -151,7 +159,7 @@ def test_expert_kernels_match_the_naive_loop_for_any_routing(
 
 
 def test_grouped_mm_rejects_unaligned_widths_clearly():
-    module = RoutedExperts(num_experts=2, dim=6, hidden=4, init_std=0.2, impl="grouped_mm")
+    module = make_experts(num_experts=2, dim=6, hidden=4, init_std=0.2, impl="grouped_mm")
     module.reset_parameters()
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
         module(torch.randn(3, 6), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
@@ -173,7 +181,7 @@ def test_cpu_autocast_dtype_follows_torch_policy_per_kernel():
         ("bmm", torch.bfloat16),
         ("loop", torch.bfloat16),
     ]:
-        module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
+        module = make_experts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl=impl)
         module.reset_parameters()
         want, _ = module(x, experts, weights)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -224,7 +232,7 @@ def test_as_many_chunks_as_experts_still_gathers_each_chunks_matrices(monkeypatc
     monkeypatch.setattr(experts_module, "CHUNK_ROWS", (64,))
     monkeypatch.setattr(experts_module, "CHUNK_COST_ROWS", 0)
     torch.manual_seed(0)
-    module = RoutedExperts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl="chunked")
+    module = make_experts(num_experts=4, dim=8, hidden=16, init_std=0.2, impl="chunked")
     module.reset_parameters()
     experts = torch.tensor([0] * 100 + [2] * 50 + [3] * 50).view(-1, 1)
     rows, chunks, gathered = experts_module._chunk_plan(torch.bincount(experts.flatten(), minlength=4))
@@ -398,8 +406,8 @@ def test_the_model_compiles_as_one_graph_forward_and_backward(moe):
     torch._dynamo.reset()
     backend = CompileCounterWithBackend("aot_eager")  # aot_eager traces the backward too
     config = tiny_config(num_layers=2, max_seq_len=32, attention={"sliding_window": 8}, moe=moe)
-    eager = build(config)
-    compiled = build(config)
+    eager = build(config, kernels=True)
+    compiled = build(config, kernels=True)
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     segments = torch.arange(32).div(12, rounding_mode="floor").expand(2, 32)  # packed documents
     outs = []

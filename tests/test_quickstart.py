@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from marinlm.config import load_config
-from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.optim import ScheduleConfig
 from marinlm.presets import preset
 from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
@@ -18,6 +17,7 @@ from marinlm.train.checkpoint import list_checkpoints, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
 from marinlm.train.signals import StoppedBySignal
+from marinlm.utils.device import native_bf16
 
 from conftest import write_corpus
 

@@ -3,18 +3,15 @@
 Shape legend: B batch, T query length, S key length, D d_model, H query heads,
 K KV heads in use on this layer, Dh head dim.
 
-Masking works from two per-token integers, the packed-document id and the position inside the
-document, so one rule covers training on packed rows, left-padded batches and a KV cache:
-a query attends to a key iff same document, key position <= query position, and (local layers)
-query position - key position < window.
-
-Local layers of long rows attend block by block (`banded_attention`): one masked SDPA over the
-whole row computes all T x T scores although each query may see at most `window` keys.
+    q, k, v = W_q a, SConv_k(W_k a), SConv_v(W_v a)         # global layers read the first K KV heads
+    q, k    = RoPE(QKNorm(q) * qk_mult), RoPE(QKNorm(k))     # RoPE on the first rope_dim dims, or none
+    y       = softmax(q kᵀ / √Dh + mask) v                   # causal, document and window mask
+    y       = y - (y·v / |v|²) v                             # XSA: drop the part along the own value
+    out     = W_o (2 sigmoid(W_gate a) * y)                  # per-head gate
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,146 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.config import AttentionConfig
-from marinlm.model.cpu_attention import scaled_dot_product_attention
-from marinlm.model.cpu_bf16 import Linear
-from marinlm.model.layers import ConvState, SConv, qk_transform, rope_cos_sin, trunc_normal_
-
-
-def attention_mask(
-    doc_q_BT: torch.Tensor,
-    pos_q_BT: torch.Tensor,
-    doc_k_BS: torch.Tensor,
-    pos_k_BS: torch.Tensor,
-    window: int | None,
-) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S], True where the query may attend to the key."""
-    same_doc = doc_q_BT.unsqueeze(-1) == doc_k_BS.unsqueeze(-2)
-    distance = pos_q_BT.unsqueeze(-1) - pos_k_BS.unsqueeze(-2)
-    allowed = same_doc & (distance >= 0)
-    if window is not None:
-        allowed &= distance < window
-    return allowed.unsqueeze(1)
-
-
-@dataclass
-class BandedMask:
-    """A local layer's mask cut into query blocks for `banded_attention`: block j holds queries
-    [j*block, (j+1)*block) and the `window + block` keys [j*block - window, (j+1)*block) that hold
-    every key they may see (within a document, positions advance one per token)."""
-
-    allowed_X1QS: torch.Tensor  # [B * blocks, 1, block, window + block]
-    block: int
-    window: int
-
-
-def band_block(T: int, window: int, device: torch.device) -> int | None:
-    """The query block `banded_attention` uses for rows of T tokens, or None where one masked SDPA
-    over the whole row is kept.
-
-    Measured on the 2-core AVX2 CPU, torch 2.13 fp32, forward and backward of one local layer
-    against masked SDPA over the whole row (torch's flash kernel), best of 7:
-    - `tiny` (8 x 256 tokens, window 64, 4 heads of 32): blocks of 16 / 32 / 64 / 128 took 8.4 /
-      7.4 / 8.7 / 10.2 ms against 9.9;
-    - `small` (2 x 1,024, window 256, 6 heads of 64): 32 / 64 / 128 / 256 took 36.1 / 34.2 / 38.3 /
-      48.2 ms against 87-90;
-    - the hero's window (1 x 4,096, window 2,048, 4 heads of 64): 64 / 128 / 256 / 512 took 357 /
-      324 / 294 / 330 ms against 502.
-    Hence a block near 4·sqrt(window), a power of two (32, 64, 256 above), taken where it computes
-    at most 80% of the T x T scores. Not measured on GPUs, where the whole-row SDPA is kept.
-    """
-    if device.type != "cpu":
-        return None
-    block = 1 << max(4, round(math.log2(4 * math.sqrt(window))))
-    blocks = -(-T // block)
-    return block if blocks * block * (window + block) <= 0.8 * T * T else None
-
-
-def banded_mask(doc_BT: torch.Tensor, pos_BT: torch.Tensor, window: int, block: int) -> BandedMask:
-    """`attention_mask(doc, pos, doc, pos, window)` in the blocks of `BandedMask`.
-
-    The row is padded at the end to whole blocks and the keys also at the front by `window`; no
-    real query sees a padding key, and each padding query sees only its own (zero) key, so that
-    no softmax row is empty."""
-    B, T = doc_BT.shape
-    blocks = -(-T // block)
-    pad = blocks * block - T
-    real_BT = torch.ones_like(doc_BT, dtype=torch.bool)
-
-    def queries(x_BT, value):  # [B, blocks, block]
-        return F.pad(x_BT, (0, pad), value=value).view(B, blocks, block)
-
-    def keys(x_BT, value):  # [B, blocks, window + block]
-        return F.pad(x_BT, (window, pad), value=value).unfold(1, window + block, block)
-
-    distance_BNQS = queries(pos_BT, 0).unsqueeze(-1) - keys(pos_BT, 0).unsqueeze(-2)
-    allowed_BNQS = (
-        (queries(doc_BT, 0).unsqueeze(-1) == keys(doc_BT, 0).unsqueeze(-2))
-        & (distance_BNQS >= 0)
-        & (distance_BNQS < window)
-        & keys(real_BT, False).unsqueeze(-2)
-    )
-    slot = torch.arange(window + block, device=doc_BT.device)
-    own_QS = slot == window + torch.arange(block, device=doc_BT.device).unsqueeze(-1)
-    allowed_BNQS = torch.where(queries(real_BT, False).unsqueeze(-1), allowed_BNQS, own_QS)
-    return BandedMask(allowed_BNQS.reshape(B * blocks, 1, block, window + block), block, window)
-
-
-class _KeyWindows(torch.autograd.Function):
-    """[B, K, T, Dh] -> [B * blocks, K, window + block, Dh]: query block j's keys, padded positions
-    [j*block, j*block + window + block) of the row with `window` zeros in front, copied out.
-
-    The windows overlap, so the backward sums each key's gradient over the windows that hold it.
-    Built from whole blocks of the padded row (and a part block when `block` does not divide
-    `window`): a few strided copies and adds, where `unfold` + `reshape` left its backward to
-    torch's generic `unfold_backward`. For one key tensor of the `tiny` quickstart model (8 x 256
-    tokens, 2 heads of 32, window 64, blocks of 32), forward and backward on the 2-core EPYC, best
-    of 100: bf16 135 against 599 us, fp32 134 against 382 us.
-    """
-
-    @staticmethod
-    def forward(ctx, x_BKTD, window: int, block: int, blocks: int):
-        B, K, T, Dh = x_BKTD.shape
-        whole, part = divmod(window + block, block)
-        padded = blocks + whole - 1 + (part > 0)  # blocks of the padded row that the windows read
-        x_BKPQD = F.pad(x_BKTD, (0, 0, window, padded * block - window - T)).view(B, K, padded, block, Dh)
-        out_BNKWD = x_BKTD.new_empty(B, blocks, K, window + block, Dh)
-        for j in range(whole):
-            out_BNKWD[:, :, :, j * block : (j + 1) * block] = x_BKPQD[:, :, j : j + blocks].transpose(1, 2)
-        if part:
-            out_BNKWD[:, :, :, whole * block :] = x_BKPQD[:, :, whole : whole + blocks, :part].transpose(1, 2)
-        ctx.shape = (B, K, T, Dh, window, block, blocks, whole, part, padded)
-        return out_BNKWD.view(B * blocks, K, window + block, Dh)
-
-    @staticmethod
-    def backward(ctx, dy_XKWD):
-        B, K, T, Dh, window, block, blocks, whole, part, padded = ctx.shape
-        dy_BNKWD = dy_XKWD.reshape(B, blocks, K, window + block, Dh)
-        dx_BKPQD = dy_XKWD.new_zeros(B, K, padded, block, Dh)
-        for j in range(whole):
-            dx_BKPQD[:, :, j : j + blocks] += dy_BNKWD[:, :, :, j * block : (j + 1) * block].transpose(1, 2)
-        if part:
-            dx_BKPQD[:, :, whole : whole + blocks, :part] += dy_BNKWD[:, :, :, whole * block :].transpose(1, 2)
-        return dx_BKPQD.view(B, K, padded * block, Dh)[:, :, window : window + T], None, None, None
-
-
-def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, mask: BandedMask):
-    """Sliding-window attention as one SDPA over the [B * blocks] query blocks of `mask`, each
-    against its `window + block` keys: T x (window + block) scores instead of T x T."""
-    B, H, T, Dh = q_BHTD.shape
-    K = k_BKTD.shape[1]
-    block, window = mask.block, mask.window
-    blocks = mask.allowed_X1QS.shape[0] // B
-    pad = blocks * block - T
-    q_XHQD = F.pad(q_BHTD, (0, 0, 0, pad)).view(B, H, blocks, block, Dh).transpose(1, 2)
-
-    y_XHQD = scaled_dot_product_attention(
-        q_XHQD.reshape(B * blocks, H, block, Dh),
-        _KeyWindows.apply(k_BKTD, window, block, blocks),
-        _KeyWindows.apply(v_BKTD, window, block, blocks),
-        attn_mask=mask.allowed_X1QS,
-        enable_gqa=H != K,
-    )
-    return y_XHQD.view(B, blocks, H, block, Dh).transpose(1, 2).reshape(B, H, blocks * block, Dh)[:, :, :T]
+from marinlm.model.context import ForwardContext, attention_mask
+from marinlm.model.layers import ConvState, SConv, qk_transform, trunc_normal_
 
 
 @dataclass
@@ -223,14 +82,14 @@ class Attention(nn.Module):
         self.num_kv = c.global_kv_heads() if is_global else c.num_kv_heads
         self.window = None if is_global else c.sliding_window
         self.use_rope = (c.rope_global if is_global else c.rope_local) and c.rope_dim > 0
-        self.q_proj = Linear(d_model, c.num_heads * c.head_dim)
-        self.k_proj = Linear(d_model, c.num_kv_heads * c.head_dim)
-        self.v_proj = Linear(d_model, c.num_kv_heads * c.head_dim)
-        self.o_proj = Linear(c.num_heads * c.head_dim, d_model)
+        self.q_proj = nn.Linear(d_model, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, d_model, bias=False)
         kv_width = c.num_kv_heads * c.head_dim
         self.sconv_k = SConv(kv_width, sconv_kernel) if "k" in sconv_sites else None
         self.sconv_v = SConv(kv_width, sconv_kernel) if "v" in sconv_sites else None
-        self.gate = Linear(d_model, c.num_heads) if c.head_gate else None
+        self.gate = nn.Linear(d_model, c.num_heads, bias=False) if c.head_gate else None
         if c.qk_norm_gain:
             self.q_norm_weight = nn.Parameter(torch.empty(c.head_dim))
             self.k_norm_weight = nn.Parameter(torch.empty(c.head_dim))
@@ -246,59 +105,57 @@ class Attention(nn.Module):
             nn.init.ones_(self.q_norm_weight)
             nn.init.ones_(self.k_norm_weight)
 
-    def forward(
-        self,
-        a_BTD: torch.Tensor,
-        doc_BT: torch.Tensor | None,
-        pos_BT: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """Attend. `mask` is the precomputed [B,1,T,T] mask for this layer kind, a `BandedMask`, or
-        None for plain causal attention; with `cache`, the mask is built against the cached keys."""
+    def qk(self, x_BTHD, gain, cos, sin, mult: float) -> torch.Tensor:
+        """QK-norm, qk_mult and RoPE of the queries or the keys (`layers.qk_transform`)."""
+        return qk_transform(x_BTHD, normalize=self.config.qk_norm, gain=gain, cos_BTR=cos, sin_BTR=sin, mult=mult)
+
+    def layer_mask(self, ctx: ForwardContext):
+        """This layer's mask for a forward without a cache: `ctx.mask` (None is plain causal)."""
+        return ctx.mask(self.is_global)
+
+    def attend(self, q_BHTD, k_BKSD, v_BKSD, ctx: ForwardContext, mask) -> torch.Tensor:
+        """softmax(q kᵀ / √Dh + mask) v with grouped KV heads; `mask` None is plain causal."""
+        return F.scaled_dot_product_attention(
+            q_BHTD,
+            k_BKSD,
+            v_BKSD,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=q_BHTD.shape[1] != k_BKSD.shape[1],
+        )
+
+    def forward(self, a_BTD: torch.Tensor, ctx: ForwardContext, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = a_BTD.shape
         H, Dh, K = self.num_heads, self.head_dim, self.num_kv
         q_BTHD = self.q_proj(a_BTD).view(B, T, H, Dh)
         k_BTC = self.k_proj(a_BTD)
         v_BTC = self.v_proj(a_BTD)
         if self.sconv_k is not None:
-            k_BTC, new_state = self.sconv_k(k_BTC, doc_BT, None if cache is None else cache.conv_k)
+            k_BTC, state = self.sconv_k(k_BTC, ctx, None if cache is None else cache.conv_k)
             if cache is not None:
-                cache.conv_k = new_state
+                cache.conv_k = state
         if self.sconv_v is not None:
-            v_BTC, new_state = self.sconv_v(v_BTC, doc_BT, None if cache is None else cache.conv_v)
+            v_BTC, state = self.sconv_v(v_BTC, ctx, None if cache is None else cache.conv_v)
             if cache is not None:
-                cache.conv_v = new_state
+                cache.conv_v = state
         # Global layers read the first K of the stored KV heads (Marin: 6 of 12).
         k_BTKD = k_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
         v_BTKD = v_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
-        # QK-norm (with Qwen3's gains where configured), RoPE and qk_mult: one fused node for the
-        # queries and one for the keys.
         cos = sin = None
         if self.use_rope:
-            cos, sin = rope_cos_sin(pos_BT, self.config.rope_dim, self.config.rope_theta)
-        norm = self.config.qk_norm
-        q_BTHD = qk_transform(
-            q_BTHD, normalize=norm, gain=self.q_norm_weight, cos_BTR=cos, sin_BTR=sin, mult=self.config.qk_mult
-        )
-        k_BTKD = qk_transform(k_BTKD, normalize=norm, gain=self.k_norm_weight, cos_BTR=cos, sin_BTR=sin)
-        q_BHTD = q_BTHD.transpose(1, 2)
-        k_BKTD = k_BTKD.transpose(1, 2)
+            cos, sin = ctx.rope(self.config.rope_dim, self.config.rope_theta)
+        q_BHTD = self.qk(q_BTHD, self.q_norm_weight, cos, sin, self.config.qk_mult).transpose(1, 2)
+        k_BKTD = self.qk(k_BTKD, self.k_norm_weight, cos, sin, 1.0).transpose(1, 2)
         v_BKTD = v_BTKD.transpose(1, 2)
 
         if cache is not None:
-            cache.append(k_BKTD, v_BKTD, doc_BT, pos_BT)
+            cache.append(k_BKTD, v_BKTD, ctx.doc_BT, ctx.pos_BT)
             k_BKSD, v_BKSD = cache.k_BKSD, cache.v_BKSD
-            mask = attention_mask(doc_BT, pos_BT, cache.doc_BS, cache.pos_BS, self.window)
+            mask = attention_mask(ctx.doc_BT, ctx.pos_BT, cache.doc_BS, cache.pos_BS, self.window)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        k_BKSD, v_BKSD = k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype)
-        if isinstance(mask, BandedMask):
-            y_BHTD = banded_attention(q_BHTD, k_BKSD, v_BKSD, mask)
-        else:
-            y_BHTD = scaled_dot_product_attention(
-                q_BHTD, k_BKSD, v_BKSD, attn_mask=mask, is_causal=mask is None, enable_gqa=H != K
-            )
+            mask = self.layer_mask(ctx)
+        y_BHTD = self.attend(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), ctx, mask)
         if cache is not None:
             cache.trim()
 

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from marinlm.model.config import MoEConfig
-from marinlm.model.cpu_bf16 import Linear
 from marinlm.model.experts import RoutedExperts, expert_capacity
 from marinlm.model.layers import RMSNorm, SwiGLU, trunc_normal_
 from marinlm.model.router import Routing, build_router
@@ -25,9 +24,9 @@ class MoE(nn.Module):
         self.router = build_router(config.router, d_model, config.num_experts, config.top_k, init_std)
         width = config.latent_dim or d_model
         if config.latent_dim is not None:
-            self.latent_down = Linear(d_model, width)
+            self.latent_down = nn.Linear(d_model, width, bias=False)
             self.latent_norm = RMSNorm(width, norm_eps)
-            self.latent_up = Linear(width, d_model)
+            self.latent_up = nn.Linear(width, d_model, bias=False)
         else:
             self.latent_down = self.latent_norm = self.latent_up = None
         self.experts = RoutedExperts(config.num_experts, width, config.expert_dim, init_std, config.impl)

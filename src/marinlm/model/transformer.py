@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from marinlm.model.attention import Attention, LayerCache, attention_mask, band_block, banded_mask
+from marinlm.model.attention import Attention, LayerCache
 from marinlm.model.config import MarinConfig
-from marinlm.model.cpu_bf16 import Linear
+from marinlm.model.context import ForwardContext
 from marinlm.model.layers import GatedNorm, RMSNorm, SConv, SwiGLU, doc_ids_and_positions, trunc_normal_
-from marinlm.model.loss import chunked_loss, reference_loss
+from marinlm.model.loss import NextTokenLoss, reference_loss
 from marinlm.model.moe import MoE
 from marinlm.model.router import RouterStats
 
@@ -58,11 +58,10 @@ class Block(nn.Module):
             self.mlp = SwiGLU(config.d_model, config.moe.dense_ffn_dim, config.init_std)
         self.sconv_mlp = SConv(config.d_model, kernel) if "mlp" in sites else None
 
-    def forward(self, x_BTD, doc_BT, pos_BT, mask, cache: LayerCache | None = None):
-        a_BTD = self.attn_norm(x_BTD)
-        h_BTD = self.attn(a_BTD, doc_BT, pos_BT, mask, cache)
+    def forward(self, x_BTD, ctx: ForwardContext, cache: LayerCache | None = None):
+        h_BTD = self.attn(self.attn_norm(x_BTD), ctx, cache)
         if self.sconv_attn is not None:
-            h_BTD, state = self.sconv_attn(h_BTD, doc_BT, None if cache is None else cache.conv_attn)
+            h_BTD, state = self.sconv_attn(h_BTD, ctx, None if cache is None else cache.conv_attn)
             if cache is not None:
                 cache.conv_attn = state
         x_BTD = x_BTD + h_BTD
@@ -73,7 +72,7 @@ class Block(nn.Module):
         else:
             h_BTD = self.mlp(m_BTD)
         if self.sconv_mlp is not None:
-            h_BTD, state = self.sconv_mlp(h_BTD, doc_BT, None if cache is None else cache.conv_mlp)
+            h_BTD, state = self.sconv_mlp(h_BTD, ctx, None if cache is None else cache.conv_mlp)
             if cache is not None:
                 cache.conv_mlp = state
         return x_BTD + h_BTD, routing
@@ -90,7 +89,7 @@ class Block(nn.Module):
 @dataclass
 class CausalLMOutput:
     """`loss` = lm_loss + aux_loss, with lm_loss = ce_loss + z_loss, each a mean over tokens whose
-    label is not ignored. On the fused training path (see model/loss.py) only `lm_loss` and
+    label is not ignored. On the fused kernel's training path (kernels/loss.py) only `lm_loss` and
     `loss` carry gradients; `ce_loss` and `z_loss` are values for logging."""
 
     logits: torch.Tensor | None
@@ -100,9 +99,8 @@ class CausalLMOutput:
     z_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     num_tokens: int = 0  # tokens that count towards the loss
-    # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring: set when the
-    # loss is computed without a gradient, or from materialised logits; None on the fused
-    # training path.
+    # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring; None on the
+    # fused loss kernel's training path (kernels/loss.py), which never forms it.
     token_ce: torch.Tensor | None = None
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
 
@@ -115,7 +113,8 @@ class MarinForCausalLM(nn.Module):
         self.embed_norm = _norm(config) if config.embed_norm else None
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.final_norm = _norm(config)
-        self.lm_head = Linear(config.d_model, config.vocab_size)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.loss = NextTokenLoss(config.z_loss_weight, config.loss_chunk_tokens)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -166,54 +165,30 @@ class MarinForCausalLM(nn.Module):
             labels: [B, T] next-token targets aligned with `input_ids` (labels[t] is the token
                 after position t), IGNORE_INDEX (-100) where no loss is taken.
             return_logits: set False to skip keeping the [B, T, V] logits. With labels, grad
-                enabled and `config.loss_chunk_tokens > 0`, the LM head and loss are then fused
-                and chunked, and the logits never exist as a whole (model/loss.py).
+                enabled and `config.loss_chunk_tokens > 0`, the LM head and loss then run in
+                chunks, and the logits never exist as a whole (model/loss.py).
             logits_to_keep: without labels, compute the logits of the last N positions only
                 (0 = all), as HF's `logits_to_keep`: a prefill that samples or scores the next
                 token needs one position, not [B, T, V] (4,096 x 128k bf16 = 1 GB a row).
             caches, doc_ids, positions: incremental decoding state, used by `generate`.
         """
         B, T = input_ids.shape
-        # Blocks hold every key a query may see only where positions advance one per token inside
-        # a document, as those derived here do (not so for doc ids and positions passed in).
-        banded = doc_ids is None
-        if doc_ids is None:
-            if segment_ids is None:
-                doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
-                positions = torch.arange(T, device=input_ids.device).expand(B, T)
-            else:
-                doc_ids, positions = doc_ids_and_positions(segment_ids)
-        local_mask = global_mask = None
-        if caches is None and segment_ids is not None:
-            global_mask = attention_mask(doc_ids, positions, doc_ids, positions, None)
-        window = self.config.attention.sliding_window
-        if caches is None and window is not None and (segment_ids is not None or window < T):
-            block = band_block(T, window, input_ids.device) if banded else None
-            if block is None:
-                local_mask = attention_mask(doc_ids, positions, doc_ids, positions, window)
-            else:
-                local_mask = banded_mask(doc_ids, positions, window, block)
-        elif caches is None:
-            local_mask = global_mask
-
-        sconv_docs = doc_ids if segment_ids is not None or caches is not None else None
+        ctx = self.context(input_ids, segment_ids, caches, doc_ids, positions)
         x_BTD = self.embed(input_ids)
         if self.embed_norm is not None:
             x_BTD = self.embed_norm(x_BTD)
         stats, aux_losses = [], []
         for i, layer in enumerate(self.layers):
-            mask = global_mask if layer.is_global else local_mask
-            x_BTD, routing = layer(x_BTD, sconv_docs, positions, mask, None if caches is None else caches[i])
+            x_BTD, routing = layer(x_BTD, ctx, None if caches is None else caches[i])
             if routing is not None:
                 stats.append(routing.stats)
                 if routing.aux_loss is not None:
                     aux_losses.append(routing.aux_loss)
         h_BTD = self.final_norm(x_BTD)
         out = CausalLMOutput(logits=None, router_stats=stats)
-        z_weight, chunk = self.config.z_loss_weight, self.config.loss_chunk_tokens
-        if labels is not None and not return_logits and chunk > 0:
-            out.lm_loss, out.ce_loss, out.z_loss, count, token_ce = chunked_loss(
-                h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1), z_weight, chunk
+        if labels is not None and not return_logits and self.config.loss_chunk_tokens > 0:
+            out.lm_loss, out.ce_loss, out.z_loss, count, token_ce = self.loss(
+                h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1)
             )
         else:
             if logits_to_keep:
@@ -226,13 +201,30 @@ class MarinForCausalLM(nn.Module):
             if labels is None:
                 return out
             out.ce_loss, out.z_loss, count, token_ce = reference_loss(
-                logits_BTV.reshape(B * T, -1), labels.reshape(-1), z_weight
+                logits_BTV.reshape(B * T, -1), labels.reshape(-1), self.config.z_loss_weight
             )
             out.lm_loss = out.ce_loss + out.z_loss
         out.aux_loss = torch.stack(aux_losses).mean() if aux_losses else torch.zeros((), device=out.lm_loss.device)
         out.loss, out.num_tokens = out.lm_loss + out.aux_loss, int(count)
         out.token_ce = None if token_ce is None else token_ce.view(B, T)
         return out
+
+    def context(self, input_ids, segment_ids, caches, doc_ids, positions) -> ForwardContext:
+        """The forward's document ids and positions: passed in (decoding), derived from
+        `segment_ids` (packed rows), or one document a row."""
+        B, T = input_ids.shape
+        derived = doc_ids is None
+        packed = segment_ids is not None or doc_ids is not None
+        if doc_ids is None:
+            if segment_ids is None:
+                doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
+                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            else:
+                doc_ids, positions = doc_ids_and_positions(segment_ids)
+        window = self.config.attention.sliding_window
+        return ForwardContext(
+            doc_ids, positions, packed=packed, decoding=caches is not None, derived=derived, window=window
+        )
 
     @torch.no_grad()
     def update_router_biases(self, stats: list[RouterStats]) -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from marinlm.config import Choice, check
-from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz, newton_schulz_many
+from marinlm.utils.device import native_bf16
 
 __all__ = [
     "AdamWConfig",

@@ -42,18 +42,19 @@ def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_
 def calibrate_step_seconds(train_config) -> float:
     """Seconds per optimizer step of this config on this machine (`median_step_seconds`), in the
     precision the run will train in."""
+    from marinlm.kernels import apply_kernels
     from marinlm.model import MarinForCausalLM
     from marinlm.optim import build_optimizer
     from marinlm.train.step import autocast_context, resolve_precision
     from marinlm.utils.device import resolve_device
 
     device = resolve_device(train_config.train.device)
-    model = MarinForCausalLM(train_config.model).to(device)
+    precision = resolve_precision(train_config.train.precision, device)
+    model = apply_kernels(MarinForCausalLM(train_config.model), device, precision).to(device)
     model.init_weights(seed=0)
     optimizer = build_optimizer(model, train_config.optim, device.type)
     shape = (train_config.train.global_batch, train_config.data.seq_len)
     ids = torch.randint(0, train_config.model.vocab_size, shape, device=device)
-    precision = resolve_precision(train_config.train.precision, device)
 
     def step():
         with autocast_context(device, precision):

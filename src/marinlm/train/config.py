@@ -89,6 +89,9 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     every_steps: int = 10
+    # > 0: every N steps, per layer, the RMS and max-abs of the residual stream and of the
+    # attention and MLP branch outputs (train/activations.py); 0 = off
+    activations_every: int = 0
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "marinlm"
@@ -97,6 +100,7 @@ class LoggingConfig:
 
     def __post_init__(self):
         check(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}")
+        check(self.activations_every >= 0, "activations_every", f"must be >= 0 (0 = off), got {self.activations_every}")
         check(
             self.wandb_mode in ("offline", "online", "disabled"),
             "wandb_mode",

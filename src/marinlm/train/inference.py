@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from marinlm.config import load_config
+from marinlm.kernels import apply_kernels
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
@@ -74,6 +75,8 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     config = load_config(TrainConfig, folder / "config.yaml")
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)
+    # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
+    apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
     if info.mesh is not None:
         apply_fsdp(model, info)
     model.to_empty(device=info.device)

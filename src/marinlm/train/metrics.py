@@ -53,7 +53,15 @@ class MetricSinks:
                 project=wandb_project, dir=str(run_dir), mode=wandb_mode, config=config, resume="allow"
             )
 
-    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray] | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        scalars: dict[str, float],
+        histograms: dict[str, np.ndarray] | None = None,
+        samples: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        """`histograms` are counts per bucket (a router's load per expert); `samples` are values,
+        binned by TensorBoard (activations)."""
         clean = {k: (float(v) if v is not None and math.isfinite(float(v)) else None) for k, v in scalars.items()}
         try:
             self.file.write(json.dumps({"step": step, **clean}) + "\n")
@@ -77,6 +85,8 @@ class MetricSinks:
                     bucket_counts=list(values),
                     global_step=step,
                 )
+            for key, values in (samples or {}).items():
+                self.tb.add_histogram(key, values, step)
         if self.wandb is not None:
             payload = {k: v for k, v in clean.items() if v is not None}
             self.wandb.log(payload, step=step)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from marinlm.model.cpu_bf16 import native_bf16
 from marinlm.model.router import RouterStats
 from marinlm.parallel.distributed import all_reduce_
+from marinlm.utils.device import native_bf16
 
 
 @dataclass

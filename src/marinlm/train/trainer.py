@@ -31,12 +31,13 @@ from tqdm import tqdm
 from marinlm.config import ConfigError, dump_config, to_dict
 from marinlm.data.inputs import refuse_other_output
 from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
-from marinlm.model.cpu_bf16 import emulated_bf16, gemm_dtype
+from marinlm.kernels import apply_kernels
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
 from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
+from marinlm.train.activations import ActivationMonitor
 from marinlm.train.checkpoint import (
     CheckpointManager,
     estimate_local_bytes,
@@ -47,6 +48,7 @@ from marinlm.train.provenance import check_training_memory, copy_tokenizer, data
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import catch_stop_signals
 from marinlm.train.step import StepResult, param_norm, resolve_precision, train_step, validate_sources
+from marinlm.utils.device import emulated_bf16, gemm_dtype
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
@@ -76,7 +78,7 @@ class Trainer(ResumeMixin):
         if self.precision == "bf16" and emulated_bf16(self.device) and self.info.is_main:
             print(
                 "note: this CPU has no bf16 matrix unit (AVX512-BF16 or AMX), so bf16 autocast runs its products "
-                "as fp32 GEMMs with bf16 rounding (model/cpu_bf16.py): no faster than fp32, usually slower. "
+                "as fp32 GEMMs with bf16 rounding (kernels/bf16.py): no faster than fp32, usually slower. "
                 "train.precision auto (fp32 on a CPU without bf16 units) is the faster choice here",
                 flush=True,
             )
@@ -143,6 +145,7 @@ class Trainer(ResumeMixin):
             where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
         self.model = self._build_model()
+        self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
         # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
@@ -172,7 +175,7 @@ class Trainer(ResumeMixin):
         self._bar = None  # fit()'s progress bar, while it runs
         self.last_validation: dict[str, float] | None = None
         self.flops_per_token = self.model_summary.flops_per_token
-        # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (model/cpu_bf16.py).
+        # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (kernels/bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_dtype = gemm_dtype(dtype, self.device)
         self.peak_flops = matmul_peak_flops(self.peak_dtype, self.device.type)
@@ -220,6 +223,7 @@ class Trainer(ResumeMixin):
         c = self.config
         with torch.device("meta"):
             model = MarinForCausalLM(c.model)
+        apply_kernels(model, self.device, self.precision)
         init = c.train.init
         if init == "auto":
             init = "full" if summarize(c.model).total < 2e9 else "sharded"
@@ -419,15 +423,20 @@ class Trainer(ResumeMixin):
                 t0 = time.perf_counter()
                 micro = [next(batches) for _ in range(self.accum)]
                 self._data_wait = time.perf_counter() - t0
-                result = train_step(
-                    self.model,
-                    self.optimizer,
-                    micro,
-                    device=self.device,
-                    precision=self.precision,
-                    grad_clip=c.train.grad_clip,
-                    world_size=self.world,
-                )
+                with self.activations.watch(self.step + 1):
+                    result = train_step(
+                        self.model,
+                        self.optimizer,
+                        micro,
+                        device=self.device,
+                        precision=self.precision,
+                        grad_clip=c.train.grad_clip,
+                        world_size=self.world,
+                    )
+                if self.activations.due(self.step + 1):
+                    scalars, samples = self.activations.report()  # every rank: a reduction
+                    if self.sinks is not None:
+                        self.sinks.log(self.step + 1, scalars, samples=samples)
                 # A skipped (non-finite) step still moves the schedule on, by design; torch warns of
                 # "lr_scheduler.step() before optimizer.step()" when the first steps are skipped. Only
                 # then is the filter changed: each change makes once-only warnings print again.

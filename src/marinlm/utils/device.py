@@ -39,3 +39,51 @@ def available_memory(device: torch.device) -> int:
     import psutil
 
     return psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+# --- bf16 hardware probes ----------------------------------------------------------------------
+# Probed once at import: inside a compiled block a probe (a torch op returning a bool) would be a
+# graph break at every call; a module constant is folded in.
+
+
+def _probe_bf16_gemm() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # the check moved: assume the kernels are there
+        return True
+
+
+def _probe_bf16_units() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # the checks moved: assume no bf16 unit, as fp32 is never the slow choice
+        return False
+
+
+_CPU_BF16_GEMM = _probe_bf16_gemm()
+_CPU_BF16_UNITS = _probe_bf16_units()
+
+
+def _cpu_has_bf16_gemm() -> bool:
+    return _CPU_BF16_GEMM
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """True where bf16 matmuls run on bf16 hardware, several times faster than fp32: GPUs, and
+    CPUs with AVX512-BF16 or AMX (measured by `bench/cpu_bf16.py`). What `train.precision: auto`
+    and the Marin optimizer's `ns_dtype: auto` pick bf16 on; other CPUs keep fp32."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _CPU_BF16_UNITS
+    return device.type != "meta"
+
+
+def emulated_bf16(device: torch.device | str) -> bool:
+    """True on a CPU whose bf16 matmuls would be torch's reference loops (no oneDNN bf16 GEMM)."""
+    return torch.device(device).type == "cpu" and not _cpu_has_bf16_gemm()
+
+
+def gemm_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype to run a GEMM of `dtype` operands in: fp32 for bf16 where bf16 is emulated (the
+    caller rounds operands and results to bf16), otherwise `dtype` itself."""
+    return torch.float32 if dtype == torch.bfloat16 and emulated_bf16(device) else dtype

@@ -66,7 +66,7 @@ def tune_cpu_allocator() -> bool:
 # Leaf ops by what they are, for `time_breakdown`. Anything not named here counts as "elementwise
 # and other" (norms, activations, softmax, reductions, the loss's exp/log, small index ops).
 _GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
-# torch's fused attention ops, and model/cpu_attention.py's kernel (its forward and backward ranges):
+# torch's fused attention ops, and kernels/cpu_attention.py's kernel (its forward and backward ranges):
 # every op under one of these, its GEMMs too, is attention, as the fused kernels' own products are.
 _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention",
@@ -103,7 +103,7 @@ def time_breakdown(fn, steps: int = 2, expert_dims: tuple[int, ...] = ()) -> dic
 
     Each op's self time is counted once, under its own category (CATEGORIES), so the categories
     add up to the profiled total. An op inside an attention kernel is attention, whatever it is:
-    torch's fused kernels hide their products, and ours (model/cpu_attention.py) is made of
+    torch's fused kernels hide their products, and ours (kernels/cpu_attention.py) is made of
     visible ones, so both sides of a comparison count alike. The other GEMMs are split into the
     experts' and the rest by shape: a product with one of `expert_dims` among its sizes is an
     expert's (pass the expert width, and twice it where gate and up are one product, only where no

@@ -3,52 +3,25 @@
 Shape legend: B batch, H query heads, K KV heads, G = H / K query heads per KV head, T query
 length, S key length, Dh head dim, X = B*K batched products.
 
-In bf16, rows of up to 256 queries are one block, longer ones are worked through in blocks of 128
-queries; in fp32, rows of more than 64 queries in blocks of 64 (`block_rows`), and shorter ones by
-torch's flash kernel, which is as fast there. Each block is attended against only the keys its
+In bf16, rows of up to LONG_ROWS queries are one block, longer ones go in blocks of BLOCK_ROWS;
+in fp32, rows of more than FP32_BLOCK_ROWS queries go in blocks of it, shorter ones to torch's
+flash kernel, which is as fast there (`block_rows`). Each block attends only to the keys its
 queries may see (`query_blocks`): a causal row computes about half its scores, and each block's
 scores stay in cache. The kernel keeps its fp32 probabilities for the backward pass, so it is
 taken up to MAX_SCORES of them; beyond that torch's flash kernel, which recomputes them.
 
 Each KV head's G query heads are stacked into one [G*T, Dh] operand, so grouped-query attention
-runs without repeating keys or values, and the scores of all heads come from one batched GEMM.
-The scores are fp32, the softmax is fp32 and kept in fp32 for the backward, and the probabilities
-are rounded to the input dtype only as operands of the products with V and dY. For bf16 inputs
-the two fp32-result products (scores Q·Kᵀ and dP = dY·Vᵀ) have operands that hold bf16 values;
-they run in oneDNN's bf16 fpmath mode (cpu_bf16.bf16_operand_products), which rounds nothing
-such operands hold and returns fp32. At [8, 768, 64] x [8, 64, 256] on the 2-core EPYC, torch
-2.13, best of 20: 0.44-0.49 against 1.04-1.26 ms as plain fp32 bmm, with the same error against
-fp64 (1.50e-5 on random fp32 operands; the oneDNN kernel keeps fp32 accuracy here). This needs
-the scale, which multiplies the queries and dY, to be a power of two (1/√Dh for Dh = 16, 64,
-256...), so that the scaled operands still hold bf16 values; with any other scale the products
-stay plain fp32 GEMMs, as before. (Moving such a scale onto the scores instead, to keep the mode,
-bought nothing at the tiny preset's head dim of 32: a whole training step took 120.6 against
-120.2 ms and 136.3 against 139.8 ms, best of 30 interleaved, and 600-step quickstart trainings
-came out bitwise equal with the mode and without it.)
-The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P·(dP − rowsum(dY·Y)),
-dQ = dS·K, dK = dSᵀ·Q), with dP in fp32 and dS rounded to the input dtype for its two GEMMs.
-Both passes run with autocast off: inside the model's `torch.autocast("cpu", bfloat16)` the fp32
-products would otherwise run in bf16 and round the scores (as they did before 2026-12-02).
+runs without repeating keys or values. Scores and softmax are fp32; probabilities are rounded to
+the input dtype only as operands of the products with V and dY. For bf16 inputs the two
+fp32-result products (Q·Kᵀ and dY·Vᵀ) have operands that hold bf16 values and run in oneDNN's
+bf16 fpmath mode (`bf16_operand_products`), when the scale is a power of two so that the scaled
+operands still hold bf16 values. The backward is written out (dV = Pᵀ·dY, dP = dY·Vᵀ,
+dS = P·(dP − rowsum(dY·Y)), dQ = dS·K, dK = dSᵀ·Q). Both passes run with autocast off, so that
+the fp32 products are not lowered to bf16. The mask enters as an additive fp32 bias broadcast
+over the heads, and the scale as a factor on the queries and on dY.
 
-torch's CPU flash kernel works through queries and keys in blocks, which pays at long rows where
-[T, S] scores would not fit in cache, and costs at short ones. At the bench/train_step.py shape
-(4 x 256 tokens, 6 query and 2 KV heads of 64, causal), forward and backward together, on the
-2-core AVX512-BF16 EPYC with torch 2.13: bf16 8.0 ms here against 10.9 ms for flash; in a whole
-bench/train_step.py step under bf16 autocast, 334 against 374 ms (best of 12 interleaved,
-2026-12-02, with the scores in fp32 as described here; median 354 against 381 ms). The bf16
-fpmath products took it (best of 60 interleaved, 2026-12-03) from 5.04 to 3.53 ms against 8.73 ms
-for flash; the whole bench step under bf16 autocast, four runs of 16-20 interleaved rounds, min:
-317.2 / 319.3 / 298.5 against 329.3 / 339.8 / 311.0 ms, and in the first run 347.4 against 339.1
-(medians 344.2 / 358.7 / 317.1 / 375.1 against 355.3 / 366.4 / 323.4 / 367.6).
-torch's CPU kernel rounds only its outputs, so its error is lower: tests/test_cpu_attention.py
-holds ours within 2x of it.
-
-The mask enters as an additive fp32 bias broadcast over the heads, and the scale as a factor on
-the queries (forward) and on dY (backward), never as a pass over the [G*T, S] scores; P is
-rounded once in the forward and kept for dV. Against the boolean masked fill, the scaled scores
-and P rounded twice (2026-12-02, same shape, minimum of 200 interleaved rounds on a noisy host,
-/tmp scratch timing of `short_attention` forward and backward): 5.8 against 6.3 ms; in rounds
-that also ran flash, 6.2-9.0 against 10.7-11.3 ms, flash 9.2-9.5 ms.
+`tests/test_cpu_attention.py` holds its error within 2x of torch's kernel; `bench/attention.py`
+times it against torch's SDPA. The measurements behind every constant are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -57,9 +30,9 @@ import math
 
 import torch
 
-from marinlm.model.cpu_bf16 import bf16_operand_products, emulated_bf16
-from marinlm.model.cpu_bf16 import scaled_dot_product_attention as _sdpa
-from marinlm.model.layers import LastResult
+from marinlm.kernels.bf16 import bf16_operand_products
+from marinlm.kernels.bf16 import scaled_dot_product_attention as _sdpa
+from marinlm.utils.device import emulated_bf16
 
 # Where this path is taken: native bf16 and fp32, where the fp32 probabilities it keeps for the
 # backward pass, summed over the query blocks, come to at most MAX_SCORES (32 MB; flash keeps none
@@ -75,24 +48,9 @@ FP32_BLOCK_ROWS = 64
 def block_rows(T: int, dtype: torch.dtype) -> int:
     """Queries per block of `query_blocks` by default, for rows of T queries in `dtype`.
 
-    In fp32 the products cost 4-5x what they cost in bf16 and the softmax around them the same,
-    so skipping the keys a block cannot see pays even at short rows. Forward and backward of one
-    layer's causal attention on the 2-core AVX512-BF16 EPYC, torch 2.13 (2026-12-03, min of 30
-    interleaved; 6 query and 2 KV heads of 64): fp32 in blocks of 32 / 64 / 96 / 128 / 256 rows
-    at 4 x 256 tokens 5.68 / 5.51 / 5.53 / 6.12 / 7.61 ms against 7.96 for torch's flash kernel;
-    at 1 x 1,024 19.5 / 18.6 / 17.9 / 18.7 / 20.3 against 23.0; the quickstart's `tiny` heads
-    (4 and 2 of 32) at 8 x 256 5.26 / 4.64 / 4.80 / 5.34 / 6.64 against 6.19. In bf16 at
-    4 x 256, 4.74 / 3.35 / 3.18 / 3.12 / 3.43 against 8.65 for flash.
-    Whole fp32 training steps (forward, backward, AdamW) with this kernel in blocks of 64 against
-    torch's flash kernel for every fp32 row, min (median) of 12 interleaved rounds, same host:
-    qwen3-moe-style at 4 x 256 tokens 552.5 (567.9) against 570.0 (577.8) ms, at 1 x 1,024 652.0
-    (675.1) against 678.1 (706.0), at 2 x 512 641.8 (649.3) against 700.2 (705.6); the hero-shaped
-    `small` preset at 4 x 256 870.5 (882.3) against 895.2 (912.1) (10 rounds); the quickstart's
-    `tiny` at 8 x 256 tokens packed with documents 198.7 (205.6) against 200.3 (205.6) (30 rounds).
-    The price is the kept probabilities, 4 bytes each in fp32 (`saved_scores`: 13.4 MB a layer at
-    1 x 1,024 tokens, where flash keeps none): the qwen3-moe-style step's peak resident memory there
-    rose from 1,246 to 1,337 MB.
-    """
+    In fp32 the products cost 4-5x what they cost in bf16, so skipping the keys a block cannot see
+    pays even at short rows; blocks of 64 measured fastest. The price is the kept probabilities,
+    4 bytes each (`saved_scores`). Measured in docs/performance.md."""
     if dtype == torch.float32:
         return min(T, FP32_BLOCK_ROWS)
     return T if T <= LONG_ROWS else BLOCK_ROWS
@@ -105,40 +63,18 @@ def query_blocks(
     is_causal: bool = False,
     block: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    memo=None,
 ) -> list[tuple[int, int, int, int]]:
     """(start, end, first key, end key) for each block of queries: rows [start, end) attend to
     keys [first key, end key) of the S keys at most.
 
     A causal row sees no key after its own, so the block of queries [s, e) needs only the first e
-    keys: about half the T x S scores are never computed, and each block's scores are small enough
-    to stay in cache. With a boolean mask the keys any row of the block may see are read off the
-    mask (one pass over it, kept for the next call with the same mask: every global layer of a
-    forward shares one): for rows packed with documents a block also skips the keys of the
-    documents before its own. While torch.compile traces, reading the mask would be a graph break,
-    and blocks take all keys. By default a block has `block_rows(T, dtype)` queries.
-
-    Measured on the 2-core AVX512-BF16 EPYC, torch 2.13, bf16, 6 query and 2 KV heads of 64
-    (2026-12-03): forward and backward of one layer's attention at 1 x 1,024 tokens in blocks of
-    128 / 256 / 512 rows 11.9 / 10.0 / 16.1 ms against 26.6 in one block and 17.2 for torch's
-    flash kernel; at 2 x 512 9.2 / 6.8 against 12.2 and 15.9; at 1 x 4,096 192 / 241 / 284
-    against flash's 209. Whole bench/train_step.py steps (qwen3-moe-style, bf16 autocast) with
-    blocks of 128 / 256 rows were within 1-6% of each other at 2 x 512, 1 x 1,024, 4 x 1,024 and
-    1 x 2,048 tokens, and at 4 x 256 blocks of 128 bought nothing (298.4 against 297.4 ms), hence
-    one block up to LONG_ROWS. This kernel against the one before it (one block up to 512 keys,
-    flash beyond), whole steps, minimum (median) of 6-12 interleaved rounds: 1 x 1,024 tokens
-    377.4 (382.8) against 427.5 (437.8) ms; 2 x 1,024 615.8 (631.0) against 752.8 (765.4); 2 x 512
-    309.2 (315.2) against 320.6 (332.0); the hero-shaped `small` preset (two global layers of
-    eight) at 1 x 1,024 421.9 (449.6) against 431.2 (456.2). Decoding one token against 1,024 /
-    4,096 cached keys, forward only: 0.12 / 0.22 ms against flash's 0.28 / 1.30. The price is
-    memory: the step's peak resident memory rose from 1,354 to 1,503 MB at 1 x 1,024 tokens and
-    from 1,641 to 2,016 MB at 2 x 1,024 (the kept probabilities, 6 bytes each; MAX_SCORES bounds
-    them per layer as before, at 50 MB). Skipping the keys of earlier documents, on rows packed
-    with documents of ~300 tokens (bench/attention.py's), forward and backward of one layer, min
-    (median) of 15 interleaved: 1 x 1,024 10.1 (11.5) against 12.9 (15.0) ms, 2 x 1,024 11.4
-    (12.0) against 18.9 (23.7), 4 x 512 10.4 (10.7) against 10.9 (11.3); whole qwen3-moe-style
-    training steps on such rows, bf16: 1 x 1,024 363.0 (389.1) against 373.7 (409.0) ms, 2 x
-    1,024 558.9 (581.6) against 624.6 (644.8).
-    """
+    keys. With a boolean mask the keys any row of the block may see are read off the mask (one
+    pass over it, and one host sync); with `memo` (a forward's `ForwardContext.memo`, keyed by the
+    caller for this mask) that pass is made once a forward, since every layer of a kind shares its
+    mask. For rows packed with documents a block also skips the keys of the documents before its
+    own. While torch.compile traces, reading the mask would be a graph break, and blocks take all
+    keys. By default a block has `block_rows(T, dtype)` queries."""
     if block is None:
         block = block_rows(T, dtype)
     if block >= T:
@@ -158,10 +94,7 @@ def query_blocks(
         bounds = torch.stack([first_N, end_N], 1).tolist()  # one host sync
         return [(s, min(s + block, T), lo, hi) for s, (lo, hi) in zip(starts, bounds)]
 
-    return _MASK_SPANS(attn_mask, (T, S, block), read_mask)
-
-
-_MASK_SPANS = LastResult()  # the last mask `query_blocks` read, and its blocks
+    return read_mask() if memo is None else memo(("query_blocks", T, S, block), read_mask)
 
 
 def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:
@@ -172,13 +105,8 @@ def saved_scores(B: int, H: int, spans: list[tuple[int, int, int, int]]) -> int:
 def use_short_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, attn_mask=None, spans=None) -> bool:
     """True where `short_attention` is taken: on CPU, native bf16, or fp32 rows of more than
     FP32_BLOCK_ROWS queries; a boolean mask shared by the heads or none; and at most MAX_SCORES
-    probabilities kept over the query blocks `spans` (default one block).
-
-    In fp32 the kernel pays by its blocks; in one block it is no faster than torch's flash kernel,
-    and decoding is slower. One layer's causal attention at the bench shape's heads, 2-core EPYC,
-    torch 2.13 (2026-12-03), min of 40 interleaved, forward and backward: 4 x 64 tokens 0.66
-    against 0.62 ms for flash, 4 x 128 2.03 against 2.25; forward only, 4 queries each against 256
-    cached keys 0.067 against 0.039 ms, 4 x 8 queries 0.129 against 0.112."""
+    probabilities kept over the query blocks `spans` (default one block). In one fp32 block the
+    kernel is no faster than torch's flash kernel, and decoding is slower."""
     B, H, T, _ = q_BHTD.shape
     S = k_BKSD.shape[2]
     return (
@@ -289,30 +217,26 @@ class _ShortAttention(torch.autograd.Function):
         return dq_XGTD.view(q_shape), dk_XSD.to(dtype).view(k_shape), dv_XSD.to(dtype).view(k_shape), None, None, None
 
 
-def short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, scale=None, spans=None) -> torch.Tensor:
+def short_attention(
+    q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, scale=None, spans=None, memo=None
+) -> torch.Tensor:
     """`F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=..., enable_gqa=True)` for
     a boolean [B or 1, 1, T, S] mask (True = may attend) or a causal one, worked through in the
     query blocks `spans` (`query_blocks`; by default its own choice)."""
     B, H, T, Dh = q_BHTD.shape
     S = k_BKSD.shape[2]
     if spans is None:
-        spans = query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype)
-    biases = block_biases(attn_mask, is_causal, T, S, spans, q_BHTD.device)
+        spans = query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype, memo=memo)
+    biases = block_biases(attn_mask, is_causal, T, S, spans, q_BHTD.device, memo)
     scale = Dh**-0.5 if scale is None else scale
     return _ShortAttention.apply(q_BHTD, k_BKSD, v_BKSD, spans, biases, scale)
 
 
-def block_biases(attn_mask, is_causal: bool, T: int, S: int, spans, device: torch.device) -> list[torch.Tensor]:
+def block_biases(
+    attn_mask, is_causal: bool, T: int, S: int, spans, device: torch.device, memo=None
+) -> list[torch.Tensor]:
     """The additive fp32 mask of each query block of `spans`, [B or 1, 1, 1, rows, keys]: 0 where the
-    query may attend, -inf elsewhere.
-
-    Every layer of a forward passes the same mask (or none), so the biases are built once a
-    forward (`LastResult`) and only read by the kernel. Building them took 1.2 ms a layer at
-    1 x 1,024 causal tokens (eight blocks of 128 queries; 0.05 ms at 256 tokens, one block), on the
-    2-core AVX512-BF16 EPYC, torch 2.13; whole bench/train_step.py bf16 steps there, min (median)
-    of 20 interleaved, two runs: 358.2 (371.9) and 398.1 (414.7) ms against 361.7 (379.3) and
-    406.2 (421.6) built a layer.
-    """
+    query may attend, -inf elsewhere; built once a forward with `memo`."""
 
     def build():
         mask = attn_mask
@@ -329,14 +253,11 @@ def block_biases(attn_mask, is_causal: bool, T: int, S: int, spans, device: torc
             biases.append(bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1))
         return biases
 
-    key = (T, S, attn_mask is None and is_causal, tuple(spans), device)
-    return _BLOCK_BIASES(attn_mask, key, build)
+    key = ("block_biases", T, S, attn_mask is None and is_causal, tuple(spans), device)
+    return build() if memo is None else memo(key, build)
 
 
-_BLOCK_BIASES = LastResult()  # the last mask's (or causal rows') biases for `short_attention`
-
-
-def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, enable_gqa=False):
+def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_causal=False, enable_gqa=False, memo=None):
     """The model's attention kernel: `short_attention` where `use_short_attention` holds for its
     query blocks, else `F.scaled_dot_product_attention` (through model/cpu_bf16.py where bf16 is
     emulated)."""
@@ -347,8 +268,10 @@ def scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=None, is_caus
     # mask allows are read off it and counted.
     if use_short_attention(q_BHTD, k_BKSD, attn_mask, causal):
         spans = (
-            causal if attn_mask is None and is_causal else query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype)
+            causal
+            if attn_mask is None and is_causal
+            else query_blocks(T, S, attn_mask, is_causal, dtype=q_BHTD.dtype, memo=memo)
         )
         if saved_scores(B, H, spans) <= MAX_SCORES:
-            return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal, spans=spans)
+            return short_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask, is_causal, spans=spans, memo=memo)
     return _sdpa(q_BHTD, k_BKSD, v_BKSD, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
