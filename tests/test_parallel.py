@@ -38,7 +38,7 @@ def test_root_unit_stays_gathered_from_forward_to_backward(single_rank_group):
         model = MarinForCausalLM(config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    apply_fsdp(model, single_rank_group, reshard_after_forward=True)
+    apply_fsdp(model, single_rank_group.mesh, reshard_after_forward=True)
     ids = torch.randint(0, config.vocab_size, (2, 32))
     out = model(ids, labels=ids, return_logits=False)
     assert not isinstance(model.lm_head.weight, DTensor)

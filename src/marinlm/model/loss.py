@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from marinlm.model.layers import compute_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -28,7 +30,7 @@ def reference_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ce, z, number of counted tokens, per-token cross-entropy [N]); ce and z are means over
     tokens whose label is kept, and the per-token values are 0 at the others."""
-    logits_NV = logits_NV.float()
+    logits_NV = logits_NV.to(compute_dtype(logits_NV))
     valid_N = labels_N != IGNORE_INDEX
     count = valid_N.sum()
     denominator = count.clamp_min(1)
@@ -42,7 +44,8 @@ def reference_loss(
 
 def _chunk_sums(h_CD, weight_VD, labels_C):
     """(per-token cross-entropy [C], sum of logsumexp² over counted tokens) of one chunk."""
-    logits_CV = F.linear(h_CD, weight_VD).float()
+    logits_CV = F.linear(h_CD, weight_VD)
+    logits_CV = logits_CV.to(compute_dtype(logits_CV))
     valid_C = labels_C != IGNORE_INDEX
     nll_C = F.cross_entropy(logits_CV, labels_C, ignore_index=IGNORE_INDEX, reduction="none")
     return nll_C, (torch.logsumexp(logits_CV, dim=-1).square() * valid_C).sum()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from marinlm.model.config import AuxFreeRouterConfig, QBRouterConfig, RouterConfig, SoftmaxTopKRouterConfig
-from marinlm.model.layers import bincount, trunc_normal_
+from marinlm.model.layers import bincount, compute_dtype, trunc_normal_
 
 
 @dataclass
@@ -92,9 +92,11 @@ class Router(nn.Module):
         nn.init.zeros_(self.bias)
 
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
-        # fp32 even under autocast: top-k ties and sigmoid/softmax weights are precision-sensitive.
+        # fp32 even under autocast (fp64 in fp64 runs): top-k ties and sigmoid/softmax weights are
+        # precision-sensitive.
+        dtype = compute_dtype(self.weight)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            return F.linear(x_ND.float(), self.weight.float())
+            return F.linear(x_ND.to(dtype), self.weight.to(dtype))
 
     def _stats(self, logits_NE, experts_NK, beta=None) -> RouterStats:
         load = bincount(experts_NK.reshape(-1), self.num_experts).float()

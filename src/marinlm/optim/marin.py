@@ -113,7 +113,9 @@ def _frobenius(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not _matrix_sharded(param):
         return norm
     sq = norm.square()
-    dist.all_reduce(sq, group=param.device_mesh.get_group())
+    for axis, placement in enumerate(param.placements):  # the mesh axes that split the matrix (HSDP: dp_shard)
+        if isinstance(placement, Shard) and placement.dim % param.ndim >= param.ndim - 2:
+            dist.all_reduce(sq, group=param.device_mesh.get_group(axis))
     return sq.sqrt()
 
 

@@ -1,7 +1,8 @@
 """Parallelism applied to a model built on `meta`: one file per technique, composed by `parallelize`.
 
 Order, as in torchtitan: tensor parallel, expert parallel, activation checkpointing, compile, then
-FSDP2. Tensor, expert and pipeline parallelism arrive in later issues; asking for them now is a
+FSDP2/HSDP. The layout (`mesh.py`) is checked against the world and the model before anything is
+built. Tensor, expert and pipeline parallelism arrive in later issues; asking for them now is a
 clear error, not a silent no-op.
 """
 
@@ -19,6 +20,10 @@ __all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    # HSDP: FSDP2 shards over data_parallel_shard ranks and replicates over data_parallel_replicate
+    # groups of them (Marin's racks are replicas); -1 fills the ranks the other degrees leave.
+    data_parallel_replicate: int = 1
+    data_parallel_shard: int = -1
     tensor_parallel: int = 1
     expert_parallel: int = 1
     pipeline_parallel: int = 1
@@ -29,8 +34,13 @@ class ParallelConfig:
     compile: bool = False  # torch.compile each block (regional compilation)
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
-            check(getattr(self, name) == 1, name, "only 1 is implemented so far (TP/EP/PP land in later issues)")
+        for name in ("data_parallel_replicate", "tensor_parallel", "expert_parallel", "pipeline_parallel"):
+            check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        check(
+            self.data_parallel_shard == -1 or self.data_parallel_shard >= 1,
+            "data_parallel_shard",
+            f"must be >= 1, or -1 to fill the ranks the other degrees leave, got {self.data_parallel_shard}",
+        )
         check(
             self.activation_checkpointing in ("none", "full", "every_n"),
             "activation_checkpointing",
@@ -39,8 +49,24 @@ class ParallelConfig:
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
 
 
+NOT_YET = ("tensor_parallel", "expert_parallel", "pipeline_parallel")
+
+
+def refuse_unbuilt(dims) -> None:
+    """Degrees this version does not build yet are an error, not a silent no-op."""
+    for name, size in zip(NOT_YET, (dims.tp, dims.ep, dims.pp)):
+        check(
+            size == 1,
+            f"parallel.{name}",
+            f"{size} is not built yet, only 1 (tensor, expert and pipeline parallel land next)",
+        )
+
+
 def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
-    """Apply activation checkpointing, compile and (under torchrun) FSDP2, in that order."""
+    """Apply activation checkpointing, compile and (under torchrun) FSDP2 or HSDP, in that order.
+
+    Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
+    """
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
     from marinlm.parallel.fsdp import apply_fsdp
 
@@ -49,5 +75,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo)
         for block in model.layers:
             block.compile()
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
-        apply_fsdp(model, info, reshard_after_forward=config.reshard_after_forward, cpu_offload=config.cpu_offload)
+        mesh = info.mesh["dp_replicate", "dp_shard"] if info.mesh.mesh_dim_names[0] == "pp" else info.mesh
+        apply_fsdp(model, mesh, reshard_after_forward=config.reshard_after_forward, cpu_offload=config.cpu_offload)
     return model

@@ -6,8 +6,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, info, *, reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
-    """Shard parameters across `info.mesh`.
+def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+    """Shard parameters across `mesh`: 1-D is FSDP, 2-D `[dp_replicate, dp_shard]` is HSDP
+    (sharded within each replica group, replicated across them).
 
     `reshard_after_forward=True` frees each block's gathered parameters after its forward (ZeRO-3-like);
     False keeps them until backward (ZeRO-2-like: more memory, one all-gather fewer). The root unit
@@ -15,11 +16,11 @@ def apply_fsdp(model: nn.Module, info, *, reshard_after_forward: bool = True, cp
     """
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=info.mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     # The root group holds the embedding, final norm and LM head (tied weights stay together). It
     # is never resharded after forward: backward starts with those very weights. FSDP2 only
     # regathers a resharded unit when its pre-backward hook finds the unit's output tensors, and
     # torch 2.11 does not look inside our CausalLMOutput dataclass: with the root resharded, the
     # final norm's backward read freed memory ("illegal memory access" on an H200; on CPU it went
     # unnoticed). This is also what FSDP2 does for the root when left to choose.
-    fully_shard(model, mesh=info.mesh, reshard_after_forward=False, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)

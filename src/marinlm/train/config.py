@@ -17,7 +17,8 @@ class LoopConfig:
     global_batch: int = 8  # sequences per optimizer step, all ranks together
     micro_batch: int = 0  # sequences per forward on one rank; 0 = global_batch / world_size
     # auto: bf16 where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or AMX), else fp32;
-    # fp32; bf16 (autocast, fp32 master weights)
+    # fp32; bf16 (autocast, fp32 master weights); fp64 (weights and compute in float64, on
+    # model.kernels: reference: for parity tests between layouts, where rounding must not flip routing)
     precision: str = "auto"
     grad_clip: float | None = 1.0  # global-norm clipping; null = off (the hero run used none)
     seed: int = 0
@@ -38,9 +39,9 @@ class LoopConfig:
         check(self.global_batch > 0, "global_batch", f"must be positive, got {self.global_batch}")
         check(self.micro_batch >= 0, "micro_batch", f"must be >= 0, got {self.micro_batch}")
         check(
-            self.precision in ("auto", "fp32", "bf16"),
+            self.precision in ("auto", "fp32", "bf16", "fp64"),
             "precision",
-            f"must be auto, fp32 or bf16, got {self.precision!r}",
+            f"must be auto, fp32, bf16 or fp64, got {self.precision!r}",
         )
         check(
             self.grad_clip is None or self.grad_clip > 0, "grad_clip", f"must be positive or null, got {self.grad_clip}"

@@ -78,7 +78,7 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
     apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
     if info.mesh is not None:
-        apply_fsdp(model, info)
+        apply_fsdp(model, info.mesh)
     model.to_empty(device=info.device)
     model.init_weights(seed=0)  # every tensor is overwritten by the load below
     state = {"model": get_model_state_dict(model)}

@@ -7,6 +7,7 @@ manager and tokenizer hash it loads into; kept apart so that the loop reads on i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from marinlm.config import ConfigError, load_config, to_dict
 from marinlm.parallel.distributed import barrier
+from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
@@ -156,7 +158,11 @@ class ResumeMixin:
         if self.info.is_main:
             saved_world = state.get("world_size", 1)
             regrid = f" (saved by {saved_world} processes, resharded onto {self.world})"
-            regrid = regrid if saved_world != self.world else ""
+            saved = state.get("layout")  # the degrees; checkpoints before layouts had only FSDP
+            if saved is not None and {**saved, "dp_shard": 0} != {**dataclasses.asdict(self.dims), "dp_shard": 0}:
+                regrid = f" (saved under {ParallelDims(**saved).describe()}, resharded onto {self.dims.describe()})"
+            elif saved_world == self.world:
+                regrid = ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
             saved_precision = state.get("precision", self.precision)
             if saved_precision != self.precision:  # e.g. `auto` on another machine

@@ -72,7 +72,7 @@ def train_step(
     """Forward/backward over the rank's micro-batches, then clip, guard and update."""
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
     global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens))).item())
-    sums = torch.zeros(3)  # ce * n, z * n, aux
+    sums = torch.zeros(3, dtype=torch.float64)  # ce * n, z * n, aux; fp64 so that fp64 runs log exactly
     # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
     router_stats: list[RouterStats] = []
     fsdp = hasattr(model, "set_requires_gradient_sync")
@@ -90,7 +90,8 @@ def train_step(
                 out.ce_loss.item() * out.num_tokens,
                 out.z_loss.item() * out.num_tokens,
                 out.aux_loss.item() / len(batches),
-            ]
+            ],
+            dtype=torch.float64,
         )
         fresh = [s.detach() for s in out.router_stats]
         router_stats = fresh if i == 0 else [RouterStats.merge([a, b], [i, 1]) for a, b in zip(router_stats, fresh)]

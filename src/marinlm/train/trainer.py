@@ -10,6 +10,7 @@ another run's weights, nothing) and the roll-back after bad steps are in train/r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -35,8 +36,9 @@ from marinlm.kernels import apply_kernels
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
-from marinlm.parallel import init_distributed, parallelize
+from marinlm.parallel import init_distributed, parallelize, refuse_unbuilt
 from marinlm.parallel.distributed import all_reduce_
+from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.activations import ActivationMonitor
 from marinlm.train.checkpoint import (
     CheckpointManager,
@@ -106,6 +108,12 @@ class Trainer(ResumeMixin):
     def _set_up(self, resume: str) -> None:
         c = self.config
         self.world = self.info.world_size
+        # The layout first: a degree that does not fit the ranks or the model fails before anything is built.
+        self.dims = ParallelDims.resolve(c.parallel, self.world)
+        self.dims.check_model(c.model)
+        refuse_unbuilt(self.dims)
+        if self.info.mesh is not None:
+            self.info.mesh = self.dims.build_mesh(self.device.type)
         micro = c.train.micro_batch or c.train.global_batch // self.world
         if c.train.global_batch % (micro * self.world):
             raise ValueError(
@@ -223,6 +231,10 @@ class Trainer(ResumeMixin):
         c = self.config
         with torch.device("meta"):
             model = MarinForCausalLM(c.model)
+        if self.precision == "fp64":
+            if c.model.kernels != "reference":
+                raise ConfigError("train.precision", "fp64 runs the reference model; set model.kernels: reference")
+            model.to(torch.float64)
         apply_kernels(model, self.device, self.precision)
         init = c.train.init
         if init == "auto":
@@ -272,6 +284,7 @@ class Trainer(ResumeMixin):
             "loader": self.loader.state_dict(),
             "tokenizer_hash": self.tokenizer_hash,
             "world_size": self.world,
+            "layout": dataclasses.asdict(self.dims),
             "precision": self.precision,
         }
 

@@ -1,0 +1,121 @@
+"""The parallel layout: degrees from `ParallelConfig`, checked against the world and the model, and
+the device mesh cut into named views.
+
+    world = pipeline_parallel × data_parallel_replicate × data_parallel_shard × tensor_parallel
+
+Expert parallelism borrows its ranks from data_parallel_shard × tensor_parallel, as in torchtitan:
+it adds no axis. One flat mesh `[pp, dp_replicate, dp_shard, tp]` is cut into views:
+- `dense`: `[dp_replicate, dp_shard]` where FSDP2 shards (dp_shard) and replicates (HSDP);
+- `batch`: the data-parallel ranks, which hold different rows of each batch (`dp`, flattened);
+- `tp`: the tensor-parallel ranks, which hold the same rows and split the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from marinlm.config import ConfigError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each holds different rows of a batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        parts = [f"{name} {size}" for name, size in zip(AXES, (self.pp, self.dp_replicate, self.dp_shard, self.tp))]
+        return " x ".join(parts) + (f", ep {self.ep}" if self.ep > 1 else "")
+
+    @staticmethod
+    def resolve(config, world_size: int) -> ParallelDims:
+        """The degrees of `config` (a `ParallelConfig`) on `world_size` ranks, `data_parallel_shard:
+        -1` filling the rest. Raises ConfigError naming the key and what would be valid."""
+        fixed = config.pipeline_parallel * config.data_parallel_replicate * config.tensor_parallel
+        shard = config.data_parallel_shard
+        if shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    "parallel",
+                    f"pipeline_parallel x data_parallel_replicate x tensor_parallel = {fixed} does not divide "
+                    f"the {world_size} ranks; valid tensor_parallel degrees here: {_divisors(world_size)}",
+                )
+            shard = world_size // fixed
+        dims = ParallelDims(
+            config.data_parallel_replicate,
+            shard,
+            config.tensor_parallel,
+            config.expert_parallel,
+            config.pipeline_parallel,
+        )
+        if dims.world != world_size:
+            raise ConfigError(
+                "parallel",
+                f"{dims.describe()} makes {dims.world} ranks, but {world_size} were launched; set "
+                "data_parallel_shard: -1 to fill the rest",
+            )
+        if (dims.dp_shard * dims.tp) % dims.ep:
+            raise ConfigError(
+                "parallel.expert_parallel",
+                f"{dims.ep} must divide data_parallel_shard x tensor_parallel = {dims.dp_shard * dims.tp} "
+                "(experts borrow those ranks)",
+            )
+        return dims
+
+    def check_model(self, model) -> None:
+        """Raise ConfigError, naming the key, where the model's widths do not split over the degrees."""
+        attn = model.attention
+        for key, count in (
+            ("attention.num_heads", attn.num_heads),
+            ("attention.num_kv_heads", attn.num_kv_heads),
+            ("attention.num_global_kv_heads", attn.global_kv_heads()),
+            ("vocab_size", model.vocab_size),
+        ):
+            if count % self.tp:
+                raise ConfigError(
+                    "parallel.tensor_parallel",
+                    f"{self.tp} must divide model.{key} = {count}; valid degrees: {_common_divisors(model, self)}",
+                )
+        if model.moe.num_experts % self.ep:
+            raise ConfigError(
+                "parallel.expert_parallel",
+                f"{self.ep} must divide model.moe.num_experts = {model.moe.num_experts}; "
+                f"valid degrees: {_divisors(model.moe.num_experts)}",
+            )
+        if self.pp > model.num_layers:
+            raise ConfigError(
+                "parallel.pipeline_parallel", f"{self.pp} stages but model.num_layers = {model.num_layers}"
+            )
+
+    def build_mesh(self, device_type: str):
+        """The flat device mesh with its named axes; the views are `mesh["tp"]`,
+        `mesh["dp_replicate", "dp_shard"]` and `mesh["dp"]` (the flattened data-parallel ranks)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _common_divisors(model, dims: ParallelDims) -> list[int]:
+    attn = model.attention
+    counts = (attn.num_heads, attn.num_kv_heads, attn.global_kv_heads(), model.vocab_size)
+    world = dims.world // (dims.pp * dims.dp_replicate)
+    return [d for d in _divisors(world) if all(c % d == 0 for c in counts)]
