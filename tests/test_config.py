@@ -339,3 +339,20 @@ def test_sub_config_files_fall_back_to_the_shipped_copy_and_a_bare_name_says_how
         load_config(TrainConfig, "train/tiny", ["--model=configs/model/small.yaml", "--model.moe=small"])
     with pytest.raises(ConfigError, match=r"^model\.moe: config file not found: .*nope\.yaml"):
         load_config(TrainConfig, "train/tiny", ["--model.moe=nope.yaml"])
+
+
+def test_a_copy_of_a_shipped_config_elsewhere_finds_the_shipped_configs_it_names(tmp_path):
+    """`configs/train/tiny.yaml` copied into one's own folder names `../model/tiny.yaml`, which is
+    not beside the copy: the shipped one is meant (it failed with 'config file not found')."""
+    import shutil
+
+    from marinlm.train.config import TrainConfig
+
+    copy = tmp_path / "mine" / "tiny.yaml"
+    copy.parent.mkdir()
+    shutil.copy(CONFIGS / "train" / "tiny.yaml", copy)
+    assert load_config(TrainConfig, copy).model == load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml").model
+    (tmp_path / "model").mkdir()  # one's own sibling, where it exists, still wins
+    own = load_config(MarinConfig, CONFIGS / "model" / "tiny.yaml", ["--num_layers=2"])
+    save_config(own, tmp_path / "model" / "tiny.yaml")
+    assert load_config(TrainConfig, copy).model.num_layers == 2

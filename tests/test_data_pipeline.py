@@ -225,6 +225,7 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
         + b'{"id": "bad-utf8", "text": "\xff\xfe"}\n'
         + (json.dumps({"id": "no-text", "body": "x"}) + "\n").encode()
         + (json.dumps({"id": "num", "text": 42}) + "\n").encode()
+        + (json.dumps({"id": "null", "text": None}) + "\n").encode()
         + (json.dumps({"id": "empty", "text": "   "}) + "\n").encode()
         + (json.dumps({"id": "huge", "text": "word " * 3000}) + "\n").encode()
     )
@@ -248,6 +249,7 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
         "mixed.jsonl:3 invalid UTF-8",
         "mixed.jsonl:4 missing field",
         "mixed.jsonl:5 field 'text' is int",
+        "mixed.jsonl:6 field 'text' is null",
         "empty document",
         "document too large",
         "cut.jsonl.gz",
@@ -256,11 +258,55 @@ def test_bad_input_is_rejected_by_file_and_line(tmp_path):
         assert expected in reasons, (expected, reasons)
     a = report["accounting"]["raw"]
     assert a["in"] == a["kept"] + a["dropped"] + a["rejected"]
-    assert a["rejected"] == len(rejected) == 8
+    assert a["rejected"] == len(rejected) == 9
     assert (
         "each rejected record (unreadable, with its file and line) in `rejected/`"
         in (tmp_path / "out" / "report.md").read_text()
     )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_surrogate_and_deep_nesting_in_valid_json_lose_nothing_else(tmp_path, workers):
+    """Two lines found by fault injection: a lone surrogate escaped in valid JSON aborted the whole
+    curation with an encoding error naming no file (the size check encoded the text before
+    normalize), and a line nested 200,000 deep aborted it with a RecursionError. The first is
+    kept with U+FFFD in its place, the second rejected by file and line; the rest is curated."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    good = synthetic_docs(3, seed=5)
+    lines = [json.dumps({"id": f"g{i}", "text": t}) for i, t in enumerate(good)]
+    lines.insert(1, '{"id": "surrogate", "text": "' + good[0][:200] + ' \\ud800 end"}')
+    lines.insert(3, "[" * 200_000 + "]" * 200_000)
+    (raw / "hostile.jsonl").write_text("\n".join(lines) + "\n")
+    config = bare_config(
+        tmp_path / "out",
+        [{"name": "raw", "inputs": [str(raw)]}],
+        workers=workers,
+        dedup={"exact": False, "fuzzy": False},
+    )
+    report = run_pipeline(config)
+    rejected = [json.loads(line) for p in sorted((tmp_path / "out" / "rejected").glob("*.jsonl")) for line in p.open()]
+    assert [r["location"].rsplit("/", 1)[-1] for r in rejected] == ["hostile.jsonl:4"]
+    assert "nested too deeply" in rejected[0]["reason"]
+    shards = sorted((tmp_path / "out" / "shards").glob("*.jsonl.zst"))
+    kept = [r for shard in shards for r in read_records(shard) if r["id"] == "surrogate"]
+    assert kept and "\ufffd end" in kept[0]["text"]
+    a = report["accounting"]["raw"]
+    assert a["in"] == 5 and a["in"] == a["kept"] + a["dropped"] + a["rejected"] and a["rejected"] == 1
+
+
+def test_an_empty_jsonl_source_is_warned_of_as_an_empty_txt_one(tmp_path):
+    (tmp_path / "good").mkdir()
+    write_jsonl(tmp_path / "good" / "a.jsonl", synthetic_docs(3, seed=6), "g")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "nothing.jsonl").write_text("")
+    sources = [
+        {"name": "good", "inputs": [str(tmp_path / "good")]},
+        {"name": "empty", "inputs": [str(tmp_path / "empty")]},
+    ]
+    report = run_pipeline(bare_config(tmp_path / "out", sources, dedup={"exact": False, "fuzzy": False}))
+    assert any(w.startswith("source 'empty' read no documents") for w in report["warnings"]), report["warnings"]
+    assert not any("'good'" in w for w in report["warnings"])
 
 
 def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_else(tmp_path):

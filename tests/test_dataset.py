@@ -725,3 +725,37 @@ def test_a_folder_that_is_not_token_shards_says_what_it_is_and_what_to_give(data
     for folder, message in cases.items():
         with pytest.raises(ShardError, match=f"^{folder}: {message}"):
             TokenDataset(folder)
+
+
+class _FlakyTokens:
+    """A shard's tokens whose reads fail with EIO `failures` times, as network storage may."""
+
+    def __init__(self, tokens, failures: int):
+        self.tokens, self.failures, self.reads = tokens, failures, 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        if self.failures:
+            self.failures -= 1
+            raise OSError(5, "Input/output error")
+        return self.tokens[key]
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+def test_a_transient_read_error_is_retried_and_a_lasting_one_names_the_shard(token_data, monkeypatch):
+    import marinlm.dataset.shards as shards_module
+
+    waits = []
+    monkeypatch.setattr(shards_module.time, "sleep", waits.append)
+    data = TokenDataset(token_data, "train")
+    want = np.array(data.document(0))
+    flaky = _FlakyTokens(data.shards[0].tokens, failures=2)
+    data.shards[0].tokens = flaky
+    assert np.array_equal(data.document(0), want) and flaky.reads == 3
+    assert waits == [0.5, 1.0]  # backoff doubles
+    data.read_retries = 2
+    flaky.failures = 3
+    with pytest.raises(ShardError, match=rf"{data.shards[0].path}: reading document 0 failed 3 times"):
+        data.document(0)

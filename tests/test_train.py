@@ -420,6 +420,8 @@ def test_nan_steps_are_skipped_then_rolled_back(token_data, tmp_path, async_save
     assert rollback["step"] == 7 and rollback["to"].endswith("step-00000004")
     assert summary["steps"] == 12 and summary["final_loss"] == pytest.approx(summary["final_loss"])
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    # The redone steps are logged once (they were there twice: 1..7, 5, 6, 7, 8..12).
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r] == list(range(1, 13))
 
 
 def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data, tmp_path):
@@ -441,8 +443,8 @@ def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data
     trainer.model.register_forward_hook(poison)
     with pytest.raises(
         TrainingDiverged,
-        match=r"^training diverged: 2 non-finite steps in a row at step 6, again after 2 rollback\(s\) to "
-        r"step-00000004, .*\(train.max_rollbacks=2\); lower the learning rate \(optim.lr=0.02\) "
+        match=r"^training diverged: 2 non-finite steps in a row at step 6, again after 2 rollback\(s\) in a row "
+        r"\(the last to step-00000004\), .*\(train.max_rollbacks=2\); lower the learning rate \(optim.lr=0.02\) "
         r".*: --resume .*step-00000004$",
     ):
         trainer.fit()
@@ -1380,3 +1382,158 @@ def test_a_run_trains_alike_on_the_reference_model_and_the_kernels(token_data, t
     assert sorted(runs["auto"]) == sorted(runs["reference"]) == list(range(1, steps + 1))
     worst = max(abs(runs["auto"][s] - runs["reference"][s]) / runs["reference"][s] for s in runs["auto"])
     assert worst < (1e-5 if precision == "fp32" else 1e-2), worst
+
+
+def _two_checkpoints(token_data, run_dir):
+    """A 4-step run with checkpoints at steps 2 and 4; returns the config (of a 6-step run on it)."""
+    run_training(train_config(token_data, run_dir, train={"steps": 4}, checkpoint={"every_steps": 2, "keep_last": 3}))
+    return train_config(token_data, run_dir, train={"steps": 6}, checkpoint={"every_steps": 2, "keep_last": 3})
+
+
+@pytest.mark.parametrize("marker", ["null", '{"files": []}', '{"files": {"config.yaml": {"size": 1}}}', "[1, 2]"])
+def test_a_completion_marker_of_the_wrong_shape_falls_back(token_data, tmp_path, capsys, marker):
+    """Valid JSON of the wrong shape in the newest COMPLETE.json crashed `--resume auto` and
+    `generate` (TypeError, AttributeError, KeyError); now both skip it for the previous checkpoint."""
+    from marinlm.train.inference import load_model
+
+    config = _two_checkpoints(token_data, tmp_path / "run")
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    (newest / "COMPLETE.json").write_text(marker)
+    assert load_model(tmp_path / "run").checkpoint.name == "step-00000002"
+    assert "skipping unusable checkpoint" in capsys.readouterr().err
+    trainer = Trainer(config, resume="auto")
+    assert trainer.step == 2 and f"skipping unusable checkpoint: {newest / 'COMPLETE.json'}" in capsys.readouterr().out
+    trainer.close()
+
+
+def test_a_crafted_pickle_in_the_optimizer_state_runs_nothing_and_the_run_falls_back(token_data, tmp_path, capsys):
+    """A checkpoint whose hashes are consistent but whose optimizer state holds a pickle that runs a
+    command: refused (nothing runs), the message names the checkpoint and never suggests
+    `weights_only=False`, and `--resume auto` falls back to the good checkpoint. DCP's
+    CheckpointException derives from BaseException and escaped `except Exception`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from marinlm.train.checkpoint import file_listing
+
+    config = _two_checkpoints(token_data, tmp_path / "run")
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    tensors = _load_state_dict_from_keys(checkpoint_id=str(newest))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    def plant(tree):  # the first non-tensor leaf of the optimizer state becomes the payload
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                if plant(value):
+                    return True
+            elif not isinstance(value, torch.Tensor):
+                tree[key] = Evil()
+                return True
+        return False
+
+    assert plant(tensors["optim"])
+    dcp.save(tensors, checkpoint_id=str(newest))
+    (newest / "COMPLETE.json").unlink()
+    (newest / "COMPLETE.json").write_text(json.dumps({"files": file_listing(newest), "world_size": 1}))
+    assert (tmp_path / "pwned").exists() is False
+    trainer = Trainer(config, resume="auto")
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert trainer.step == 2 and not (tmp_path / "pwned").exists()
+    assert f"skipping unusable checkpoint: {newest}" in out and "nothing in it was run" in out
+    assert "weights_only" not in out
+    trainer.close()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_diverging_run_stops_whatever_its_checkpoint_interval(token_data, tmp_path, every):
+    """AdamW at lr 1e25 with a checkpoint every step (or two): checkpoints were saved on skipped
+    steps, each rollback landed on one of the bad streak, `max_rollbacks` (then counted per
+    checkpoint) never triggered, and the run ended 'done' with exit 0. Now the CLI exits non-zero
+    naming the learning rate, and every kept checkpoint holds finite weights."""
+    from marinlm.train.inference import load_model
+
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        optim={"type": "adamw", "lr": 1e25},
+        train={"steps": 16},
+        checkpoint={"every_steps": every, "keep_last": 3},
+    )
+    save_config(config, tmp_path / "run.yaml")
+    proc = cli(tmp_path / "run.yaml")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    assert "training diverged" in out and "optim.lr=1e+25" in out, out[-2000:]
+    for folder in list_checkpoints(tmp_path / "run" / "checkpoints"):
+        model = load_model(folder).model
+        assert all(torch.isfinite(p).all() for p in model.parameters()), folder
+
+
+def test_a_resume_with_other_rows_per_forward_says_the_capacity_drops_change(token_data, tmp_path, capsys):
+    """Capacity is computed per forward, so a resume with another number of rows per forward (another
+    world size, with the default micro_batch 0) follows another path: said in one line, with the
+    setting that keeps the numbers."""
+    run_training(train_config(token_data, tmp_path / "run", train={"steps": 4, "micro_batch": 2}))
+    capsys.readouterr()
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6}), resume="auto")
+    out = capsys.readouterr().out
+    assert "ran 2 rows per forward, this run 4" in out and "set train.micro_batch=2 to keep them" in out
+    trainer.close()
+    capsys.readouterr()
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6, "micro_batch": 2}), resume="auto")
+    assert "rows per forward" not in capsys.readouterr().out
+    trainer.close()
+
+
+def test_a_cut_short_write_is_said_in_words():
+    """A disk that filled mid-save surfaced as torch's 'RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598'."""
+    from marinlm.train.checkpoint import _root_cause
+
+    cause = _root_cause(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    assert cause == "a file was cut short while being written (torch's writer: unexpected pos 704 vs 598)"
+
+
+def test_a_step_out_of_memory_is_retried_with_fewer_rows_and_trains_as_before(token_data, tmp_path):
+    """From step 3 a forward of more than one row runs out of memory (raised from a hook): with
+    train.oom_retry the step is abandoned and redone at 2 and then 1 row per forward, the same
+    global batch, so the losses are those of an unchanged run; without it, or at one row, the run
+    stops naming the settings to try."""
+    from marinlm.train.signals import OutOfMemory
+
+    model = {"moe": {"capacity_factor": None}}  # capacity depends on the rows per forward
+    base = train_config(token_data, tmp_path / "base", model=model, train={"steps": 5}, checkpoint={"every_steps": 0})
+    run_training(base, resume="none")
+
+    def oom_from_step_3(trainer):
+        def hook(module, args, output):
+            if module.training and trainer.step >= 2 and args[0].shape[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        trainer.model.register_forward_hook(hook)
+
+    config = train_config(
+        token_data,
+        tmp_path / "retry",
+        model=model,
+        train={"steps": 5, "oom_retry": True},
+        checkpoint={"every_steps": 0},
+    )
+    trainer = Trainer(config, resume="none")
+    oom_from_step_3(trainer)
+    trainer.fit()
+    trainer.close()
+    a, b = losses(tmp_path / "base"), losses(tmp_path / "retry")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert [(e["step"], e["rows"]) for e in trainer.events if e["event"] == "oom_retry"] == [(3, 4), (3, 2)]
+    trainer = Trainer(train_config(token_data, tmp_path / "stop", model=model, train={"steps": 5}), resume="none")
+    oom_from_step_3(trainer)
+    with pytest.raises(OutOfMemory, match=r"out of memory in step 3 at 4 rows per forward \(train.micro_batch auto, "):
+        trainer.fit()
+    trainer.close()

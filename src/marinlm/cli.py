@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from marinlm.config import ConfigError
-from marinlm.train.signals import StoppedBySignal, Terminated, TrainingDiverged, raise_on_sigterm
+from marinlm.train.signals import OutOfMemory, StoppedBySignal, Terminated, TrainingDiverged, raise_on_sigterm
 from marinlm.utils.pool import WorkerDied
 
 
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         collides = isinstance(e, (FileExistsError, NotADirectoryError))
         print(f"error: {where}" + (" (a file stands where a folder must go)" if collides else ""), file=sys.stderr)
         return 2
-    except (WorkerDied, TrainingDiverged) as e:
+    except (WorkerDied, TrainingDiverged, OutOfMemory) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StoppedBySignal as e:

@@ -223,7 +223,12 @@ def _find_ref(name: str, base_dir: Path) -> Path:
 
     ref = Path(name)
     ref = ref if ref.is_absolute() else base_dir / ref
-    return ref if ref.is_file() else shipped_config(name) or ref
+    if ref.is_file():
+        return ref
+    # A copy of a shipped config elsewhere still names its siblings as the shipped tree lays them
+    # out (`../model/tiny.yaml` from configs/train/): those are the shipped ones.
+    sibling = Path(*[part for part in Path(name).parts if part != ".."]) if not Path(name).is_absolute() else None
+    return shipped_config(name) or (shipped_config(sibling) if sibling and sibling.parts else None) or ref
 
 
 def _read_sub_config(name: str, base_dir: Path, cls: type) -> dict[str, Any]:

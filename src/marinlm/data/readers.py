@@ -343,6 +343,9 @@ def chunk_text(text: str, max_chars: int) -> list[str]:
     return [*chunks, text] if text or not chunks else chunks
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Document | Rejected:
     where = f"{path}:{line_no}"
     try:
@@ -353,6 +356,8 @@ def _parse_line(line: bytes, path, line_no, text_field, id_field, source) -> Doc
         record = json.loads(text_line)
     except json.JSONDecodeError as e:
         return Rejected(source, where, f"malformed JSON: {json_error(e)}", _clip(text_line))
+    except RecursionError:  # valid JSON nested deeper than Python's parser goes
+        return Rejected(source, where, "malformed JSON: nested too deeply to parse", _clip(text_line))
     return _from_record(record, where, text_field, id_field, source, {"file": str(path), "line": line_no})
 
 
@@ -376,13 +381,18 @@ def _from_record(record, where, text_field, id_field, source, provenance) -> Doc
         got = _json_kind(record)
         shown = _clip(json.dumps(record, ensure_ascii=False, default=str))
         return Rejected(source, where, f"expected a JSON object (a record) or a string (a text), got {got}", shown)
-    text = record.get(text_field)
-    if text is None:
+    if text_field not in record:
         return Rejected(source, where, f"missing field {text_field!r}", _clip(json.dumps(record, ensure_ascii=False)))
+    text = record[text_field]
+    if text is None:
+        return Rejected(source, where, f"field {text_field!r} is null", _clip(json.dumps(record, ensure_ascii=False)))
     if isinstance(text, list) and all(isinstance(t, str) for t in text):
         text = "\n".join(text)
     if not isinstance(text, str):
         return Rejected(source, where, f"field {text_field!r} is {type(text).__name__}, not a string", "")
+    # Valid JSON may escape a lone surrogate ("\ud800"), which no UTF-8 text can hold: it becomes
+    # U+FFFD, as an undecodable byte would, so the document survives to be written.
+    text = _LONE_SURROGATE.sub("\ufffd", text)
     doc_id = record.get(id_field) if id_field else None
     doc_id = str(doc_id) if doc_id is not None else where
     metadata = {k: v for k, v in record.items() if k not in (text_field, id_field)}
@@ -395,6 +405,9 @@ def _read_json_array(path: Path, text_field, id_field, source):
         records = json.loads(strip_bom(path.read_bytes()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         yield Rejected(source, str(path), f"unreadable JSON file: {e}")
+        return
+    except RecursionError:
+        yield Rejected(source, str(path), "unreadable JSON file: nested too deeply to parse")
         return
     if not isinstance(records, list):
         got = _json_kind(records)

@@ -178,7 +178,10 @@ def _empty_source_warnings(out: Path, steps: list[dict], accounting: dict) -> li
     """One warning per source that read documents and wrote none, naming the step that dropped the most."""
     warnings = []
     for s, a in accounting.items():
-        if a["in"] == 0 or a["output_documents"] > 0:
+        if a["in"] == 0:
+            warnings.append(f"source '{s}' read no documents: its input files hold no records")
+            continue
+        if a["output_documents"] > 0:
             continue
         if a["kept"] > 0:
             warnings.append(

@@ -69,6 +69,10 @@ class DataConfig:
     seed: int = 0
     num_workers: int = 0  # DataLoader worker processes building batches
     verify: str = "size"  # or "full": sha256 and id-range check of every shard at start-up
+    # A shard read that fails with an OSError (EIO from network storage) is retried this many times,
+    # after read_backoff_s, then twice that, and so on, before the run stops naming the shard.
+    read_retries: int = 3
+    read_backoff_s: float = 0.5
     # Where training stores each shuffled epoch's document order, shared by the processes of a
     # machine (16 bytes a document, two epochs); "" = RUN_DIR/data-index.
     index_dir: str = ""
@@ -77,6 +81,8 @@ class DataConfig:
         check(self.seq_len > 0, "seq_len", f"must be positive, got {self.seq_len}")
         check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
         check(self.verify in ("size", "full"), "verify", f"must be 'size' or 'full', got {self.verify!r}")
+        check(self.read_retries >= 0, "read_retries", f"must be >= 0, got {self.read_retries}")
+        check(self.read_backoff_s >= 0, "read_backoff_s", f"must be >= 0, got {self.read_backoff_s}")
         for i, phase in enumerate(self.mixture_phases):
             check(
                 len(phase.weights) == len(self.sources),
@@ -275,7 +281,9 @@ def open_dataset(
     `verify` overrides `config.verify` (a quick look at the manifest need not hash every shard)."""
     try:
         path = config.sources[i].path
-        return TokenDataset(path, split, verify or config.verify, tokenizer_hash, model_vocab_size)
+        dataset = TokenDataset(path, split, verify or config.verify, tokenizer_hash, model_vocab_size)
+        dataset.read_retries, dataset.read_backoff_s = config.read_retries, config.read_backoff_s
+        return dataset
     except ShardError as e:
         raise type(e)(f"data.sources[{i}].path: {e}") from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,11 +232,25 @@ class TokenDataset:
                 out[first + lo : first + lo + len(lengths)] = lengths
         return out
 
+    # A read error of network storage (EIO, a stale handle) is often transient: retried this many
+    # times, waiting read_backoff_s, then twice that, and so on (`data.read_retries`).
+    read_retries: int = 3
+    read_backoff_s: float = 0.5
+
     def document(self, index: int) -> np.ndarray:
         i = int(np.searchsorted(self.first_doc, index, side="right")) - 1
         shard, local = self.shards[i], index - int(self.first_doc[i])
-        start = int(shard.index[local - 1, 0]) if local else 0
-        return shard.tokens[start : int(shard.index[local, 0])]
+        for attempt in range(self.read_retries + 1):
+            try:
+                start = int(shard.index[local - 1, 0]) if local else 0
+                return np.array(shard.tokens[start : int(shard.index[local, 0])])  # read now, where it can fail
+            except OSError as e:
+                if attempt == self.read_retries:
+                    raise ShardError(
+                        f"{shard.path}: reading document {local} failed {attempt + 1} times ({e}); check the "
+                        "storage, then resume with the same command"
+                    ) from None
+                time.sleep(self.read_backoff_s * 2**attempt)
 
     @property
     def num_bytes(self) -> int:

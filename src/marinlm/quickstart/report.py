@@ -88,9 +88,14 @@ def write_report(
 
     plot_loss(metrics, root / "loss.png", "marinlm quickstart: tiny hero-shaped MoE", ("unigram baseline", unigram[0]))
     # Over the whole run's logged steps: a resumed run's summary times only the steps after the resume.
-    tokens_per_s = statistics.median(
-        [r["perf/tokens_per_s"] for r in metrics if "perf/tokens_per_s" in r] or [math.nan]
-    )
+    rates = [r["perf/tokens_per_s"] for r in metrics if "perf/tokens_per_s" in r]
+    rate_kind = "median"
+    if rates:
+        tokens_per_s = statistics.median(rates)
+    else:  # a run too short to log a rate: its mean over the training time
+        rate_kind = "mean"
+        trained = (summary["steps"] - summary["first_step"]) * trainer.config.train.global_batch
+        tokens_per_s = trained * trainer.config.data.seq_len / max(summary["seconds"], 1e-9)
     mfu = trainer.mfu(tokens_per_s)  # against the higher of the peaks measured at the start and the end
     resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
     source = trainer.loader.sources[0]
@@ -125,7 +130,8 @@ def write_report(
         + (f" {verdict}" if verdict else ""),
         "",
         f"Training ({_PRECISION[trainer.precision]}): {summary['steps']} steps{resumed}, {_passes(epochs)} passes "
-        f"over the {train_tokens:,} training tokens, median {tokens_per_s:,.0f} tokens/s, median MFU {mfu:.1%} "
+        f"over the {train_tokens:,} training tokens, {rate_kind} {tokens_per_s:,.0f} tokens/s, "
+        f"{rate_kind} MFU {mfu:.1%} "
         f"against this machine's measured {summary['peak_dtype']} matmul peak "
         f"({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
         "",

@@ -105,6 +105,8 @@ def _root_cause(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "inline_container" in first or "unexpected pos" in first:  # torch's zip writer, cut short
+        return "a file was cut short while being written (torch's writer: " + first.split("] ")[-1].strip(". ") + ")"
     return f"{type(error).__name__}: {first}"[:300]
 
 
@@ -163,9 +165,21 @@ def _validate_share(folder: Path, rank: int, world_size: int) -> None:
     if not marker.is_file():
         raise CheckpointError(f"{folder}: no COMPLETE.json, the save did not finish")
     try:
-        listing = json.loads(marker.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
+        listing = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker}: unreadable completion marker: {e}") from None
+    listing = listing.get("files") if isinstance(listing, dict) else None
+    well_formed = isinstance(listing, dict) and all(
+        isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str)
+        for info in listing.values()
+    )
+    if not well_formed:
+        raise CheckpointError(
+            f'{marker}: a completion marker of the wrong shape (expected {{"files": {{path: {{"size", "sha256"}}}}}})'
+        )
+    for needed in ("trainer_state.json", "config.yaml"):
+        if needed not in listing:
+            raise CheckpointError(f"{marker}: lists no {needed}: not a finished checkpoint")
     for i, (rel, info) in enumerate(sorted(listing.items())):
         path = folder / rel
         if not path.is_file():

@@ -28,6 +28,10 @@ class LoopConfig:
     # Rollbacks to one checkpoint (each skipping other batches) before the run stops as diverged: a
     # learning rate too high fails again whatever the data, and would roll back for ever.
     max_rollbacks: int = 3
+    # A step that runs out of memory is abandoned (weights and optimizer untouched) and, with
+    # oom_retry, retried with half the rows per forward (more accumulation, the same global batch),
+    # down to one row; otherwise the run stops naming the settings to try.
+    oom_retry: bool = False
     device: str = "auto"
     init: str = "auto"  # full (every rank builds all weights, then shards), sharded (init on shards), auto
     # Refuse at start a model whose weights, gradients and optimizer state alone cannot fit in a

@@ -31,10 +31,7 @@ class MetricSinks:
     ):
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step
-            ]
-            write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
+            self._keep_until(resume_step)
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
         if tensorboard:
@@ -90,6 +87,18 @@ class MetricSinks:
         if self.wandb is not None:
             payload = {k: v for k, v in clean.items() if v is not None}
             self.wandb.log(payload, step=step)
+
+    def _keep_until(self, step: int) -> None:
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to `step`: drop the later records, which it is about to redo (the
+        rollback itself is in the run's events). Without this metrics.jsonl held the redone steps
+        twice."""
+        self.file.close()
+        self._keep_until(step)
+        self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def close(self) -> None:
         self.file.close()

@@ -164,6 +164,16 @@ class ResumeMixin:
             elif saved_world == self.world:
                 regrid = ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
+            saved_micro = state.get("micro_batch", self.micro_batch)
+            if saved_micro != self.micro_batch and self.config.model.moe.capacity_factor is not None:
+                # Capacity is per forward: other rows per forward drop other assignments.
+                print(
+                    f"note: {folder} ran {saved_micro} rows per forward, this run {self.micro_batch} "
+                    f"(train.micro_batch {self.config.train.micro_batch or 'auto'} over {self.world} processes): "
+                    "with moe.capacity_factor set, other assignments are dropped and the losses differ from an "
+                    f"unchanged run's; set train.micro_batch={saved_micro} to keep them",
+                    flush=True,
+                )
             saved_precision = state.get("precision", self.precision)
             if saved_precision != self.precision:  # e.g. `auto` on another machine
                 print(
@@ -188,11 +198,16 @@ class ResumeMixin:
         if loaded is None:
             raise TrainingDiverged(f"{stopped}, and no checkpoint to roll back to; {advice}, and start again")
         folder, _ = loaded
-        tries = sum(1 for e in self.events if e["event"] == "rollback" and e["to"] == str(folder))
+        # Rollbacks in a row: one counts unless the run trained well (twice the bad-step limit of
+        # good steps) since the previous one, whichever checkpoint it lands on. Counted per
+        # checkpoint, a run saving every step rolled back for ever onto checkpoints of its bad streak.
+        if self._good_steps >= 2 * self.config.train.max_consecutive_bad_steps:
+            self._recent_rollbacks = 0
+        tries = self._recent_rollbacks
         if tries >= self.config.train.max_rollbacks:
             again = (
-                f", again after {tries} rollback(s) to {folder.name}, each past other batches, so the data is not "
-                "the cause"
+                f", again after {tries} rollback(s) in a row (the last to {folder.name}), each past other "
+                "batches, so the data is not the cause"
                 if tries
                 else ""
             )
@@ -201,8 +216,11 @@ class ResumeMixin:
                 f"from the last good checkpoint: --resume {folder}"
             )
         self.loader.load_state_dict(position)  # skip the offending batches
-        self.bad_steps = 0
+        self.bad_steps, self._good_steps = 0, 0
+        self._recent_rollbacks += 1
         self.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
+        if getattr(self, "sinks", None) is not None:
+            self.sinks.rolled_back(self.step)
         self._log_event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")
 
 

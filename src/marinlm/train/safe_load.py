@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
@@ -69,8 +70,21 @@ def load_tensors(folder: Path, tensors: dict) -> None:
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"{folder}: could not load tensors: {type(e).__name__}: {e}") from None
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"{folder}: could not load tensors: {_first_cause(e)}") from None
+
+
+def _first_cause(error: BaseException) -> str:
+    """The innermost error's type and first line, without torch's advice to load with
+    `weights_only=False`: in a refused pickle that advice would run the payload."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return _first_cause(inner[0] if isinstance(inner, tuple) else inner)
+    lines = [line for line in str(error).strip().splitlines() if "weights_only" not in line]
+    if isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in str(error):
+        return "it holds a pickled object that is not plain data, refused (nothing in it was run)"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 _DCP_METADATA_CLASSES = (

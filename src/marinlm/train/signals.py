@@ -23,6 +23,10 @@ class TrainingDiverged(RuntimeError):
     back for ever."""
 
 
+class OutOfMemory(RuntimeError):
+    """A step ran out of memory and could not be retried smaller; the message names the settings."""
+
+
 class Terminated(BaseException):
     """SIGTERM (a scheduler's preemption, `kill`) outside the training loop, raised in the main thread
     as Ctrl-C raises KeyboardInterrupt: the command's worker processes are stopped and its partial

@@ -33,6 +33,20 @@ class StepResult:
     router_stats: list[RouterStats]
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the host's: Python's MemoryError and the CPU allocator's error."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
+
+
+def split_rows(batches: list[dict], pieces: int) -> list[dict]:
+    """Each micro-batch cut into `pieces` along its rows (more accumulation, the same global batch)."""
+    if pieces == 1:
+        return batches
+    return [{k: v[i::pieces] for k, v in b.items()} for b in batches for i in range(pieces)]
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """`train.precision` as a run computes: `auto` is bf16 where matmuls have bf16 hardware
     (`native_bf16`: GPUs, CPUs with AVX512-BF16 or AMX), fp32 elsewhere."""

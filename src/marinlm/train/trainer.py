@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -48,8 +49,16 @@ from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_metrics
 from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
 from marinlm.train.resume import ResumeMixin
-from marinlm.train.signals import catch_stop_signals
-from marinlm.train.step import StepResult, param_norm, resolve_precision, train_step, validate_sources
+from marinlm.train.signals import OutOfMemory, catch_stop_signals
+from marinlm.train.step import (
+    StepResult,
+    is_out_of_memory,
+    param_norm,
+    resolve_precision,
+    split_rows,
+    train_step,
+    validate_sources,
+)
 from marinlm.utils.device import emulated_bf16, gemm_dtype
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
@@ -153,6 +162,9 @@ class Trainer(ResumeMixin):
             where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
         self.model = self._build_model()
+        self._oom_pieces = 1  # each loaded micro-batch is cut into this many after running out of memory
+        self._good_steps = 0  # successful steps since the last rollback (train/resume.py)
+        self._recent_rollbacks = 0
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
@@ -285,10 +297,51 @@ class Trainer(ResumeMixin):
             "tokenizer_hash": self.tokenizer_hash,
             "world_size": self.world,
             "layout": dataclasses.asdict(self.dims),
+            "micro_batch": self.micro_batch,
             "precision": self.precision,
         }
 
-    def save_checkpoint(self) -> Path:
+    def _step_within_memory(self, micro: list[dict]):
+        """One optimizer step over `micro`; out of memory, the step is abandoned before the update
+        and, with `train.oom_retry`, done again with each micro-batch cut in two, down to one row."""
+        c = self.config
+        while True:
+            batches = split_rows(micro, self._oom_pieces)
+            try:
+                return train_step(
+                    self.model,
+                    self.optimizer,
+                    batches,
+                    device=self.device,
+                    precision=self.precision,
+                    grad_clip=c.train.grad_clip,
+                    world_size=self.world,
+                )
+            except BaseException as e:
+                if not is_out_of_memory(e):
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go; weights were not touched
+                rows = batches[0]["input_ids"].shape[0]
+                if not c.train.oom_retry or rows == 1:
+                    retry = "" if c.train.oom_retry else "set train.oom_retry: true to retry it with fewer rows, or "
+                    raise OutOfMemory(
+                        f"out of memory in step {self.step + 1} at {rows} rows per forward "
+                        f"(train.micro_batch {c.train.micro_batch or 'auto'}, parallel.activation_checkpointing "
+                        f"{c.parallel.activation_checkpointing}): {retry}lower train.micro_batch or set "
+                        "parallel.activation_checkpointing: full"
+                    ) from None
+                self._oom_pieces *= 2
+                self.events.append({"step": self.step + 1, "event": "oom_retry", "rows": rows})
+                self._log_event(
+                    f"out of memory at {rows} rows per forward in step {self.step + 1}: retrying the step at "
+                    f"{max(1, rows // 2)} rows, accumulating over {len(batches) * 2} forwards"
+                )
+
+    def save_checkpoint(self) -> Path | None:
+        """Save this step, unless it is in a streak of skipped steps or its weights are not finite:
+        a rollback must land before the trouble, not on a checkpoint written during it."""
+        if self.bad_steps or not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            return None
         path = self.checkpoints.save(
             self.step,
             self._state_tensors(),
@@ -437,15 +490,7 @@ class Trainer(ResumeMixin):
                 micro = [next(batches) for _ in range(self.accum)]
                 self._data_wait = time.perf_counter() - t0
                 with self.activations.watch(self.step + 1):
-                    result = train_step(
-                        self.model,
-                        self.optimizer,
-                        micro,
-                        device=self.device,
-                        precision=self.precision,
-                        grad_clip=c.train.grad_clip,
-                        world_size=self.world,
-                    )
+                    result = self._step_within_memory(micro)
                 if self.activations.due(self.step + 1):
                     scalars, samples = self.activations.report()  # every rank: a reduction
                     if self.sinks is not None:
@@ -463,8 +508,10 @@ class Trainer(ResumeMixin):
                 if result.skipped:
                     self.bad_steps += 1
                     self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
+                    what = "loss" if not math.isfinite(result.loss) else "gradient"
                     self._log_event(
-                        f"non-finite loss/grad (loss={result.loss}); update skipped ({self.bad_steps} in a row)"
+                        f"non-finite {what} (loss={result.loss:.6g}, grad norm={result.grad_norm:.6g}); update "
+                        f"skipped ({self.bad_steps} in a row)"
                     )
                     if self.bad_steps >= c.train.max_consecutive_bad_steps:
                         self._rollback()
@@ -472,6 +519,7 @@ class Trainer(ResumeMixin):
                         continue
                 else:
                     self.bad_steps = 0
+                    self._good_steps += 1
                 for every, fn in self.hooks:
                     if self.step % every == 0:
                         fn(result)
