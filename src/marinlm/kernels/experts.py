@@ -103,7 +103,7 @@ def _sum_slots(
     if not dropped and dtype == rows_PD.dtype:
         return F.embedding_bag(row_S.view(-1, k), rows_PD, mode="sum")
     rows_SD = _take(rows_PD, row_S, pad=dropped)
-    return rows_SD.view(-1, k, rows_SD.shape[1]).sum(1, dtype=torch.float32).to(dtype)
+    return rows_SD.view(-1, k, rows_SD.shape[1]).sum(1, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -202,7 +202,7 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
         return impl
     if device.type == "cpu" and dtype == torch.bfloat16 and not emulated_bf16(device):
         return "chunked"
-    return "grouped_mm" if aligned else "bmm"
+    return "grouped_mm" if aligned and dtype != torch.float64 else "bmm"  # no float64 grouped GEMM
 
 
 def _chunk_plan(

@@ -59,7 +59,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, labels_N, z_weight, chunk, compute_dtype):
         valid_N = labels_N != IGNORE_INDEX
-        denominator = valid_N.sum().clamp_min(1).float()
+        # fp32 accumulation (fp64 for fp64 parity runs)
+        acc = torch.promote_types(compute_dtype, torch.float32)
+        denominator = valid_N.sum().clamp_min(1).to(acc)
         # Where bf16 GEMMs are emulated, bf16 operands and results are held in fp32 (cpu_bf16.py).
         gemm = gemm_dtype(compute_dtype, h_ND.device)
         rounded = compute_dtype != gemm  # results must be rounded to compute_dtype by hand
@@ -71,24 +73,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         V = w_cd.shape[0]
         dh_ND = torch.empty_like(h_cd)
         # The first chunk writes every row of dW, later ones add to it: no zero fill.
-        dw_VD = torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
-        ce_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        dw_VD = torch.empty(weight_VD.shape, dtype=acc, device=weight_VD.device)
+        ce_sum = torch.zeros((), dtype=acc, device=h_ND.device)
         z_sum = torch.zeros_like(ce_sum)
         for start in range(0, h_ND.shape[0], chunk):
             h_CD, labels_C = h_cd[start : start + chunk], labels_N[start : start + chunk]
             C = h_CD.shape[0]
-            valid_C = valid_N[start : start + chunk].float()
+            valid_C = valid_N[start : start + chunk].to(acc)
             # The logits are held transposed, [V, C], so that each vocabulary block is contiguous.
             rows = vocab_block_rows(V, C, h_ND.device)
             blocks = [(s, min(s + rows, V)) for s in range(0, V, rows)]
-            logits_VC = torch.empty(V, C, dtype=torch.float32, device=h_ND.device)
-            max_C = torch.full((C,), float("-inf"), device=h_ND.device)
-            sumexp_C = torch.zeros(C, device=h_ND.device)
-            target_C = torch.zeros(C, device=h_ND.device)
+            logits_VC = torch.empty(V, C, dtype=acc, device=h_ND.device)
+            max_C = torch.full((C,), float("-inf"), dtype=acc, device=h_ND.device)
+            sumexp_C = torch.zeros(C, dtype=acc, device=h_ND.device)
+            target_C = torch.zeros(C, dtype=acc, device=h_ND.device)
             done = []  # per block: its rows, the running max it was exponentiated against, its labels
             for s, e in blocks:  # logits, target logits and an online logsumexp, block by block
                 block_BC = logits_VC[s:e]
-                if gemm == torch.float32:
+                if gemm == acc:
                     torch.mm(w_cd[s:e], h_CD.t(), out=block_BC)
                 else:
                     block_BC.copy_(w_cd[s:e] @ h_CD.t())
@@ -111,24 +113,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # The gradient of (ce + w·z) / count over each block's logits, in place, and at once
             # the block's share of dh = gᵀ·W and its rows of dW = g·h.
             scale_C = valid_C * (1 + 2 * z_weight * lse_C) / denominator
-            dh_CD = torch.zeros(C, h_CD.shape[1], dtype=torch.float32, device=h_ND.device)
+            dh_CD = torch.zeros(C, h_CD.shape[1], dtype=acc, device=h_ND.device)
             for s, e, block_max_C, inside_C, in_block_1C in done:
                 # softmax = exp(logits - block max) · exp(block max - lse)
                 grad_BC = logits_VC[s:e].mul_(torch.exp(block_max_C - lse_C) * scale_C)
                 grad_BC.scatter_add_(0, in_block_1C, (-valid_C / denominator * inside_C).unsqueeze(0))
                 grad_BC = cast(grad_BC)
-                if gemm == torch.float32:
+                if gemm == acc:
                     dh_CD.addmm_(grad_BC.t(), w_cd[s:e])
                 else:
-                    dh_CD += (grad_BC.t() @ w_cd[s:e]).float()
-                if compute_dtype == torch.float32 and start == 0:
+                    dh_CD += (grad_BC.t() @ w_cd[s:e]).to(acc)
+                if compute_dtype == acc and start == 0:
                     torch.mm(grad_BC, h_CD, out=dw_VD[s:e])
-                elif compute_dtype == torch.float32:
+                elif compute_dtype == acc:
                     dw_VD[s:e].addmm_(grad_BC, h_CD)
                 elif start == 0:
                     dw_VD[s:e].copy_(cast(grad_BC @ h_CD))
                 else:
-                    dw_VD[s:e] += cast(grad_BC @ h_CD).float()
+                    dw_VD[s:e] += cast(grad_BC @ h_CD).to(acc)
             dh_ND[start : start + chunk] = cast(dh_CD)
         ctx.save_for_backward(dh_ND.to(h_ND.dtype), dw_VD.to(weight_VD.dtype))
         ce, z = ce_sum / denominator, z_weight * z_sum / denominator
@@ -159,16 +161,17 @@ def fused_chunked_loss(
         with torch.autocast(device, enabled=False):
             loss, ce, z = _FusedLinearCrossEntropy.apply(h_ND, weight_VD, labels_N, z_weight, chunk, dtype)
         return loss, ce, z, count, None
-    denominator = count.clamp_min(1).float()
-    nll_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
-    z_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    acc = torch.promote_types(dtype, torch.float32)
+    denominator = count.clamp_min(1).to(acc)
+    nll_N = torch.empty(h_ND.shape[0], dtype=acc, device=h_ND.device)
+    z_sum = torch.zeros((), dtype=acc, device=h_ND.device)
     gemm = gemm_dtype(dtype, h_ND.device)
     w_cd = weight_VD.to(dtype).to(gemm)
     for start in range(0, h_ND.shape[0], chunk):
         labels_C = labels_N[start : start + chunk]
         with torch.autocast(device, enabled=False):
-            logits_CV = (h_ND[start : start + chunk].to(dtype).to(gemm) @ w_cd.t()).to(dtype).float()
-        nll_N[start : start + chunk], z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).float())
+            logits_CV = (h_ND[start : start + chunk].to(dtype).to(gemm) @ w_cd.t()).to(dtype).to(acc)
+        nll_N[start : start + chunk], z_c = _chunk_stats(logits_CV, labels_C, (labels_C != IGNORE_INDEX).to(acc))
         z_sum = z_sum + z_c
     ce, z = nll_N.sum() / denominator, z_weight * z_sum / denominator
     return ce + z, ce, z, count, nll_N

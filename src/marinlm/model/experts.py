@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from marinlm.model.layers import bincount, trunc_normal_
+from marinlm.model.layers import bincount, compute_dtype, trunc_normal_
 
 REFERENCE_IMPLS = ("auto", "grouped_mm", "loop")
 
@@ -133,4 +133,4 @@ class RoutedExperts(nn.Module):
         y_AD = y_AD * weights_NK.reshape(-1)[slot_A].unsqueeze(-1).to(y_AD.dtype)
         # Each slot holds at most one row, so the combine is a plain sum over each token's k slots.
         y_SD = y_AD.new_zeros(N * k, y_AD.shape[-1]).index_copy(0, slot_A, y_AD)
-        return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=torch.float32).to(dtype), dropped
+        return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=compute_dtype(y_SD)).to(dtype), dropped

@@ -17,8 +17,8 @@ class LoopConfig:
     global_batch: int = 8  # sequences per optimizer step, all ranks together
     micro_batch: int = 0  # sequences per forward on one rank; 0 = global_batch / world_size
     # auto: bf16 where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or AMX), else fp32;
-    # fp32; bf16 (autocast, fp32 master weights); fp64 (weights and compute in float64, on
-    # model.kernels: reference: for parity tests between layouts, where rounding must not flip routing)
+    # fp32; bf16 (autocast, fp32 master weights); fp64 (weights and compute in float64: for parity
+    # tests between layouts and kernels, where rounding must not flip routing)
     precision: str = "auto"
     grad_clip: float | None = 1.0  # global-norm clipping; null = off (the hero run used none)
     seed: int = 0

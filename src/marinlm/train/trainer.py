@@ -244,8 +244,6 @@ class Trainer(ResumeMixin):
         with torch.device("meta"):
             model = MarinForCausalLM(c.model)
         if self.precision == "fp64":
-            if c.model.kernels != "reference":
-                raise ConfigError("train.precision", "fp64 runs the reference model; set model.kernels: reference")
             model.to(torch.float64)
         apply_kernels(model, self.device, self.precision)
         init = c.train.init
