@@ -209,6 +209,74 @@ def test_adam_and_adamh_groups_match_torch_adam():
     torch.testing.assert_close(params[2].detach(), head, rtol=1e-5, atol=1e-6)
 
 
+def reference_muon(params, grads_per_step, lr, wd, momentum=0.95):
+    """Plain Muon as Moonshot spells it (arXiv 2502.16982, Algorithm 1): Nesterov momentum,
+    Newton-Schulz, decoupled weight decay, update scaled by 0.2 * sqrt(max(A, B)); one matrix (or
+    expert) at a time."""
+    weights = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(w) for w in weights]
+    for grads in grads_per_step:
+        for i, g in enumerate(grads):
+            bufs[i] = momentum * bufs[i] + g
+            direction = g + momentum * bufs[i]
+            matrices = direction.reshape(-1, *direction.shape[-2:])
+            update = torch.stack([newton_schulz(m) for m in matrices]).reshape(direction.shape)
+            scale = 0.2 * max(direction.shape[-2:]) ** 0.5
+            weights[i] = weights[i] * (1 - lr * wd) - lr * scale * update
+    return weights
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_plain_muon_matches_its_reference_spelling(wd):
+    """`matrix_update: muon`: three steps on a matrix and on stacked experts, against Muon written out."""
+    from marinlm.optim.marin import MarinOptimizer
+
+    torch.manual_seed(6)
+    params = [torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(3, 12, 8))]
+    steps = [[torch.randn_like(p) for p in params] for _ in range(3)]
+    expected = reference_muon(params, steps, lr=0.05, wd=wd)
+    opt = MarinOptimizer([{"params": params, "kind": "muon"}], lr=0.05, adam_lr=0.0, weight_decay=wd)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_decoupled_weight_decay_of_the_adam_group_matches_torch_adamw():
+    """With `weight_decay` the Adam group's matrices step as torch.optim.AdamW; its gains take none."""
+    from marinlm.optim.marin import MarinOptimizer
+
+    torch.manual_seed(7)
+    matrix, gain = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))
+    peer_matrix, peer_gain = (torch.nn.Parameter(p.detach().clone()) for p in (matrix, gain))
+    opt = MarinOptimizer([{"params": [matrix, gain], "kind": "adam"}], lr=0.0, adam_lr=0.01, weight_decay=0.1)
+    peers = torch.optim.AdamW(
+        [{"params": [peer_matrix], "weight_decay": 0.1}, {"params": [peer_gain], "weight_decay": 0.0}],
+        lr=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    for _ in range(4):
+        for p, q in ((matrix, peer_matrix), (gain, peer_gain)):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        peers.step()
+    torch.testing.assert_close(matrix.detach(), peer_matrix.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gain.detach(), peer_gain.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_config_picks_plain_muon_for_the_matrices():
+    model = build(tiny_config(num_layers=1))
+    opt = build_optimizer(model, MarinOptimizerConfig(matrix_update="muon", weight_decay=0.1), "cpu")
+    kinds = {g["kind"] for g in opt.param_groups}
+    assert kinds == {"muon", "adamh", "adam"} and all(g["weight_decay"] == 0.1 for g in opt.param_groups)
+    with pytest.raises(ConfigError, match="matrix_update: must be muonh or muon"):
+        MarinOptimizerConfig(matrix_update="sgd")
+
+
 @pytest.mark.parametrize(
     "kind, checks",
     [

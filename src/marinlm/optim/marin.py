@@ -5,7 +5,14 @@
   batched over same-shaped matrices), then the hyperball step
   `W' = W - lr * U * ||W||_F / ||U||_F`, rescaled to keep `||W||_F`.
 - **AdamH**: the Adam direction (bias-corrected) with the same norm-preserving step.
-- **Adam**: plain Adam (no weight decay) at its own learning rate.
+- **Adam**: plain Adam at its own learning rate.
+- **Muon** (`matrix_update: muon`, the widely used variant beside MuonH): the same momentum and
+  Newton-Schulz direction, then `W' = W·(1 - lr·wd) - lr·0.2·sqrt(max(rows, cols))·U`, the scale
+  that gives the update the RMS of AdamW's (Liu et al., "Muon is Scalable for LLM Training",
+  arXiv 2502.16982).
+- **Decoupled weight decay** (`weight_decay`): `W *= 1 - lr·wd` before the step, on Muon matrices and
+  on the Adam group's matrices (embeddings, router), as AdamW; the hyperball steps keep each
+  matrix's norm, so they take none.
 
 Works on plain tensors and on FSDP2 `DTensor` parameters. Newton-Schulz needs whole matrices, so
 a matrix sharded along one of its own two dims is all-gathered, orthogonalised on every rank (the
@@ -143,6 +150,15 @@ def _gather(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     ).full_tensor()
 
 
+def _muon_step(p: torch.Tensor, update_local: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """W <- W·(1 - lr·wd) - lr·0.2·sqrt(max(rows, cols))·U on the local shard (U from Newton-Schulz)."""
+    w = _local(p)
+    if weight_decay:
+        w.mul_(1 - lr * weight_decay)
+    rows, cols = p.shape[-2:]
+    w.add_(update_local.to(w.dtype), alpha=-lr * 0.2 * max(rows, cols) ** 0.5)
+
+
 class MarinOptimizer(torch.optim.Optimizer):
     """One optimizer over param groups tagged `kind` = "muonh", "adamh" or "adam".
 
@@ -164,8 +180,10 @@ class MarinOptimizer(torch.optim.Optimizer):
         nesterov=True,
         ns_steps=5,
         ns_dtype=torch.float32,
+        weight_decay=0.0,
     ):
         defaults = dict(
+            weight_decay=weight_decay,
             lr=lr,
             betas=betas,
             eps=eps,
@@ -176,7 +194,7 @@ class MarinOptimizer(torch.optim.Optimizer):
             kind="adam",
         )
         for group in groups:
-            if group["kind"] not in ("muonh", "adamh", "adam"):
+            if group["kind"] not in ("muonh", "muon", "adamh", "adam"):
                 raise ValueError(f"unknown parameter group kind {group['kind']!r}")
             group.setdefault("lr", adam_lr if group["kind"] == "adam" else lr)
         super().__init__(groups, defaults)
@@ -188,15 +206,17 @@ class MarinOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            if group["kind"] == "muonh":
+            if group["kind"] in ("muonh", "muon"):
                 self._muonh(params, group)
             elif group["kind"] == "adamh":
                 for p, direction in zip(params, self._adam_directions(params, group)):
                     _hyperball_step(p, direction, group["lr"])
             else:
-                torch._foreach_add_(
-                    [_local(p) for p in params], self._adam_directions(params, group), alpha=-group["lr"]
-                )
+                directions = self._adam_directions(params, group)
+                decayed = [_local(p) for p in params if p.ndim >= 2]
+                if group["weight_decay"] and decayed:
+                    torch._foreach_mul_(decayed, 1 - group["lr"] * group["weight_decay"])
+                torch._foreach_add_([_local(p) for p in params], directions, alpha=-group["lr"])
 
     def _muonh(self, params: list[torch.Tensor], group: dict) -> None:
         """Momentum, Newton-Schulz batched over same-shaped matrices, hyperball step.
@@ -220,7 +240,11 @@ class MarinOptimizer(torch.optim.Optimizer):
                     u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
                 # Under FSDP2 CPU offload the parameter lives on the host while the gathered
                 # matrix comes back on the mesh's GPU (where Newton-Schulz is fast).
-                _hyperball_step(q, u.to(_local(q).device), group["lr"])
+                u = u.to(_local(q).device)
+                if group["kind"] == "muon":
+                    _muon_step(q, u, group["lr"], group["weight_decay"])
+                else:
+                    _hyperball_step(q, u, group["lr"])
             window, size = [], 0
 
     def _muon_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

@@ -82,7 +82,7 @@ def estimate_local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimize
     if any(optimizer.state.values()):
         return tensors + local_bytes({i: dict(st) for i, st in enumerate(optimizer.state.values())})
     for group in optimizer.param_groups:
-        tensors += local_bytes(list(group["params"])) * (1 if group.get("kind") == "muonh" else 2)
+        tensors += local_bytes(list(group["params"])) * (1 if group.get("kind") in ("muonh", "muon") else 2)
     return tensors
 
 
