@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint quickstart clean
+.PHONY: install test test-fast lint quickstart clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,14 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# Unit tests only (no training runs, no spawned processes): the tier for your own loop.
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow"
 
 quickstart: $(STAMP)
 	$(BIN)/marinlm quickstart

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +21,7 @@ from conftest import ROOT
 GPU_CHECK = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_compares_kernels_packed_batches_and_attention(tmp_path):
     out = subprocess.run(
         [*GPU_CHECK, "--parts", "kernels,packed,attention", "--out", str(tmp_path)],
@@ -39,6 +41,7 @@ def test_gpu_check_dry_run_compares_kernels_packed_batches_and_attention(tmp_pat
     assert (tmp_path / "kernels.log").is_file() and (tmp_path / "packed.log").is_file()
 
 
+@pytest.mark.slow
 def test_gpu_check_stops_a_part_at_its_timeout_and_fails(tmp_path):
     start = time.perf_counter()
     out = subprocess.run(

@@ -106,6 +106,7 @@ def test_the_hero_training_config_is_the_runs_recipe(capsys):
     assert float(run[2]) == pytest.approx(2.70e24, rel=0.02)
 
 
+@pytest.mark.slow
 def test_training_a_finished_run_again_reports_instead_of_crashing(token_data, tmp_path, capsys):
     from marinlm.config import save_config
 
@@ -217,6 +218,7 @@ def test_version(capsys):
     assert run.returncode == 0 and run.stdout.startswith("marinlm "), run.stderr
 
 
+@pytest.mark.slow
 def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, tmp_path, capsys, monkeypatch):
     """`--run_dir`/`--output_dir` naming a file was a FileExistsError traceback; `marinlm eval --output`
     under a file failed only when writing, after all the scoring."""
@@ -312,6 +314,7 @@ def test_a_folder_of_runs_names_the_runs_inside(tmp_path, capsys):
     assert "no usable checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path, monkeypatch, capsys):
     """The stages' default configs did not meet: `data run` wrote runs/curated-shared and
     `tokenizer train` ./tokenizer, where the next stage did not look. Runs the README's lines as

@@ -375,6 +375,7 @@ def test_bf16_fpmath_mode_only_for_bf16_inputs_and_restored(monkeypatch):
     assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
+@pytest.mark.slow
 def test_compiles_without_a_graph_break_for_the_fpmath_mode():
     """Setting oneDNN's mode is a graph break; under torch.compile the products stay plain fp32."""
     from torch._dynamo.testing import CompileCounterWithBackend

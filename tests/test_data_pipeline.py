@@ -508,6 +508,7 @@ def test_progress_has_a_total_so_a_rate_and_an_eta(tmp_path, capsys, monkeypatch
     assert any(re.fullmatch(r"curate: dedup and mixture plan done in [\d.]+ s", line) for line in lines)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_gives_identical_output(tmp_path):
     for i in range(6):
         write_jsonl(tmp_path / "in" / f"part{i}.jsonl", synthetic_docs(150, seed=20 + i, words=400), f"p{i}-")
@@ -594,6 +595,7 @@ def test_ray_executor_without_ray_is_a_config_error(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()  # refused before any output folder is made
 
 
+@pytest.mark.slow
 def test_ray_address_is_checked_before_ray_waits_for_a_missing_head(tmp_path, monkeypatch):
     """`ray_address` naming a host:port where no Ray head runs left `ray.init` retrying for
     minutes with GCS warnings; a malformed one reached Ray."""
@@ -635,6 +637,7 @@ def test_ray_executor_matches_local(tmp_path):
     assert local["accounting"] == ray_report["accounting"]
 
 
+@pytest.mark.slow
 def test_parquet_in_and_out_and_hf_datasets_reader(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -45,6 +45,7 @@ def corpus_config(root, tok_dir, output_dir, **overrides) -> TokenizeConfig:
     return TokenizeConfig(inputs=[str(root / "corpus")], tokenizer=str(tok_dir), output_dir=str(output_dir), **settings)
 
 
+@pytest.mark.slow
 def test_tokenize_writes_exact_documents_and_manifest(dataset, tok_dir):
     root, texts, manifest = dataset
     tok = MarinTokenizer.load(tok_dir)

@@ -458,6 +458,7 @@ def test_limit_is_a_deterministic_subset(tmp_path):
     assert len(a) == 7 and [i.requests[0].context for i in a] != [f"c{i}" for i in range(7)]
 
 
+@pytest.mark.slow
 def test_lm_eval_adapter(tmp_path, loaded):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
@@ -503,6 +504,7 @@ def strip_checkpoint_tokenizer(folder: Path) -> None:
     (folder / "COMPLETE.json").write_text(json.dumps(complete))
 
 
+@pytest.mark.slow
 def test_eval_hook_logs_during_training(token_data, tmp_path):
     from marinlm.train.metrics import read_metrics
     from marinlm.train.trainer import run_training
@@ -532,6 +534,7 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
         load_model(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path, capsys):
     """A run killed while its newest checkpoint was copied, or a disk that lost its tail: `marinlm
     eval/generate RUN` warn and use the newest good one; naming the damaged one is an error."""
@@ -554,6 +557,7 @@ def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path
     assert resolve_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000002"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token_data, tmp_path):
     """`marinlm generate/eval CHECKPOINT` on a checkpoint copied elsewhere was "no tokenizer.json at
     tokenizer": the tokenizer lived in the run folder only. Each checkpoint now keeps a copy."""
@@ -579,6 +583,7 @@ def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token
         load_model(tmp_path / "elsewhere")
 
 
+@pytest.mark.slow
 def test_each_sources_validation_loss_is_logged_in_training_and_scored_by_eval(token_data, tmp_path):
     """With a mixture, validation covered the first source only; now each source and all of them."""
     import shutil
@@ -613,6 +618,7 @@ def test_each_sources_validation_loss_is_logged_in_training_and_scored_by_eval(t
         assert results[f"val:{n}"]["bits_per_byte"] == pytest.approx(logged[f"val/{n}/bpb"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_val_of_a_run_trained_with_relative_paths_scores_from_another_folder(token_data, tmp_path, monkeypatch):
     """`marinlm eval /a/runs/tiny --tasks val` from another folder was "runs/tokens/manifest.json: no
     manifest": the run's data path is relative to the folder training ran from, /a."""

@@ -89,6 +89,7 @@ def test_sampling_with_seed_is_reproducible():
     assert torch.equal(generate(model, prompt, sampling), generate(model, prompt, sampling))
 
 
+@pytest.mark.slow
 def test_generation_produces_only_ids_below_the_vocab_size_it_is_given():
     """A model's vocabulary padded past its tokenizer's (qwen3-moe-style's 16,384 rows over a
     4,096-token tokenizer) sampled 152 of 200 ids the tokenizer cannot decode."""

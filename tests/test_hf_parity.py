@@ -20,6 +20,7 @@ def small_qwen_config() -> MarinConfig:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
 def test_qwen3_style_matches_hf_logits(kernels):
     """Our qwen3-moe-style model and HF Qwen3MoeForCausalLM compute the same function, on the

@@ -92,6 +92,7 @@ def _square_or_fail(x: int) -> int:
     return x * x
 
 
+@pytest.mark.slow
 def test_process_map_leaves_no_worker_behind():
     """A failing task (or Ctrl-C) used to leave the spawned pool's workers running on their tasks."""
     import multiprocessing as mp

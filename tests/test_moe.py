@@ -117,6 +117,7 @@ def keep_first(experts, capacity, num_experts):
     return keep
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     impl=st.sampled_from(["grouped_mm", "chunked", "bmm", "loop", "ref-grouped_mm", "ref-loop"]),
@@ -389,6 +390,7 @@ def test_incremental_merge_equals_merging_all():
         torch.testing.assert_close(getattr(running, name), getattr(whole, name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "moe",
     [

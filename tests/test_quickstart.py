@@ -22,6 +22,7 @@ from marinlm.utils.device import native_bf16
 from conftest import write_corpus
 
 
+@pytest.mark.slow
 def test_default_corpus_ships_with_python(tmp_path):
     counts = build_default_corpus(tmp_path)
     assert counts["python_code"] > 500 and counts["python_docs"] > 50
@@ -32,6 +33,7 @@ def test_default_corpus_ships_with_python(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
 
 
+@pytest.mark.slow
 def test_step_time_is_measured_over_a_window_not_a_few_slow_steps():
     """A host busy for the first calls (the warm-up and two more) and idle after: the planned step
     time is the idle one, because the median runs over a window of seconds."""
@@ -261,6 +263,7 @@ def test_a_run_that_ends_above_the_unigram_baseline_is_told_why():
     assert "at most once (0.02 passes)" in short and "too few steps" in short and "too little" not in short
 
 
+@pytest.mark.slow
 def test_a_corpus_nothing_of_which_is_kept_names_the_reason_and_the_flag(tmp_path):
     """A user's JSON records with another text field, or text in another language, ended in "kept
     none ... needs more text", with the reasons one file away and no way to change either."""

@@ -178,6 +178,7 @@ def test_the_command_line_trains_in_a_child_with_a_clean_log(tmp_path):
     assert "tokenizer: read: 100%" in out.stderr and "leaked" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
     """HF tokenizers' training holds the main thread and Python sees no signal until it ends: Ctrl-C
     took effect only after the whole training (8 s later on this corpus; hours on a real one)."""

@@ -24,6 +24,9 @@ from marinlm.utils.io import folder_lock
 
 from conftest import ROOT, tiny_config, train_config
 
+# Every test here but a few trains a model: the whole file is the slow tier (`make test`).
+pytestmark = pytest.mark.slow
+
 
 def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
