@@ -283,12 +283,12 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
 def test_a_key_newer_than_the_checkpoints_config_is_named_absent(token_data, tmp_path, capsys, monkeypatch):
     """The warning compared today's defaults for keys an older config.yaml lacks: a run from before
     data.shuffle_rows (rows drawn in sequence) read as `data.shuffle_rows: True -> False`."""
-    import marinlm.train.trainer as trainer_module
+    import marinlm.train.resume as resume_module  # where checkpoints are saved
     from marinlm.train.trainer import Trainer, run_training
 
-    written_before_the_key = trainer_module.dump_config
+    written_before_the_key = resume_module.dump_config
     monkeypatch.setattr(
-        trainer_module, "dump_config", lambda c: written_before_the_key(c).replace("  shuffle_rows: true\n", "")
+        resume_module, "dump_config", lambda c: written_before_the_key(c).replace("  shuffle_rows: true\n", "")
     )
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 2}, checkpoint={"every_steps": 2}))
     monkeypatch.undo()

@@ -1,5 +1,6 @@
-"""Where a run starts: its own newest checkpoint (`--resume auto`), a named one, another run's
-weights (`checkpoint.init_from`), or nothing; and the roll-back after too many bad steps.
+"""Checkpoints of a run: saving them, where a run starts (its own newest checkpoint with `--resume
+auto`, a named one, another run's weights with `checkpoint.init_from`, or nothing), and the
+roll-back after too many bad steps.
 
 A mixin of `Trainer` (train/trainer.py), whose model, optimizer, scheduler, loader, checkpoint
 manager and tokenizer hash it loads into; kept apart so that the loop reads on its own.
@@ -12,11 +13,18 @@ import json
 import time
 from pathlib import Path
 
+import torch
 import yaml
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
-from marinlm.config import ConfigError, load_config, to_dict
-from marinlm.parallel.distributed import barrier
+from marinlm.config import ConfigError, dump_config, load_config, to_dict
+from marinlm.parallel.distributed import all_reduce_, barrier
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.checkpoint import (
     CheckpointError,
@@ -183,6 +191,45 @@ class ResumeMixin:
                     flush=True,
                 )
         return folder
+
+    def _state_tensors(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "bad_steps": self.bad_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "tokenizer_hash": self.tokenizer_hash,
+            "world_size": self.world,
+            "layout": dataclasses.asdict(self.dims),
+            "micro_batch": self.micro_batch,
+            "precision": self.precision,
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        """Save this step, unless it is in a streak of skipped steps or its weights are not finite:
+        a rollback must land before the trouble, not on a checkpoint written during it."""
+        if self.bad_steps or not self._weights_finite():
+            return None
+        path = self.checkpoints.save(
+            self.step,
+            self._state_tensors(),
+            self._trainer_state(),
+            dump_config(self.config),
+            tokenizer=self.run_dir / "tokenizer",
+        )
+        self._last_checkpoint_step, self._last_checkpoint_time = self.step, time.perf_counter()
+        self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
+        return path
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite on every rank (the ranks decide together: a save is collective)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in local)))
+        return not all_reduce_(bad, op="max").item()
 
     def _rollback(self) -> None:
         """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""

@@ -10,7 +10,6 @@ another run's weights, nothing) and the roll-back after bad steps are in train/r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -25,9 +24,6 @@ from pathlib import Path
 import psutil
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-)
 from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, to_dict
@@ -282,23 +278,6 @@ class Trainer(ResumeMixin):
                 )
         return epochs
 
-    def _state_tensors(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def _trainer_state(self) -> dict:
-        return {
-            "step": self.step,
-            "bad_steps": self.bad_steps,
-            "scheduler": self.scheduler.state_dict(),
-            "loader": self.loader.state_dict(),
-            "tokenizer_hash": self.tokenizer_hash,
-            "world_size": self.world,
-            "layout": dataclasses.asdict(self.dims),
-            "micro_batch": self.micro_batch,
-            "precision": self.precision,
-        }
-
     def _step_within_memory(self, micro: list[dict]):
         """One optimizer step over `micro`; out of memory, the step is abandoned before the update
         and, with `train.oom_retry`, done again with each micro-batch cut in two, down to one row."""
@@ -334,22 +313,6 @@ class Trainer(ResumeMixin):
                     f"out of memory at {rows} rows per forward in step {self.step + 1}: retrying the step at "
                     f"{max(1, rows // 2)} rows, accumulating over {len(batches) * 2} forwards"
                 )
-
-    def save_checkpoint(self) -> Path | None:
-        """Save this step, unless it is in a streak of skipped steps or its weights are not finite:
-        a rollback must land before the trouble, not on a checkpoint written during it."""
-        if self.bad_steps or not all(torch.isfinite(p).all() for p in self.model.parameters()):
-            return None
-        path = self.checkpoints.save(
-            self.step,
-            self._state_tensors(),
-            self._trainer_state(),
-            dump_config(self.config),
-            tokenizer=self.run_dir / "tokenizer",
-        )
-        self._last_checkpoint_step, self._last_checkpoint_time = self.step, time.perf_counter()
-        self.events.append({"step": self.step, "event": "checkpoint", "path": str(path)})
-        return path
 
     def _write_run_record(self, resumed_from) -> None:
         write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
