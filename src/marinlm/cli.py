@@ -432,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
 
+    from marinlm.hf.commands import add_commands as add_hf_commands
+
+    add_hf_commands(commands)
+
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")
     _add_print_config(tok, "tokenize")

@@ -104,18 +104,26 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, len
 class MarinTokenizer:
     """The tokenizer as marinlm uses it: ids, special ids, a content hash, save/load."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, names: dict[str, str] | None = None):
+        """`names`: the bos/eos/pad token strings of a tokenizer from elsewhere (an imported HF
+        model); marinlm's own (<|bos|>, <|eos|>, <|pad|>) by default."""
         self.backend = tokenizer
         vocab = tokenizer.get_vocab()
-        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        self.names = {"bos": BOS, "eos": EOS, "pad": PAD, **(names or {})}
+        ours = names is None
+        missing = [t for t in (SPECIAL_TOKENS if ours else self.names.values()) if t not in vocab]
         if missing:
-            raise ValueError(f"tokenizer lacks special tokens {missing}; was it trained by marinlm?")
-        self.bos_id, self.eos_id, self.pad_id = vocab[BOS], vocab[EOS], vocab[PAD]
-        self.special_ids = {t: vocab[t] for t in SPECIAL_TOKENS}
+            hint = "was it trained by marinlm?" if ours else "its tokenizer_config.json names tokens it lacks"
+            raise ValueError(f"tokenizer lacks special tokens {missing}; {hint}")
+        self.bos_id, self.eos_id, self.pad_id = (vocab[self.names[k]] for k in ("bos", "eos", "pad"))
+        # The Jinja chat template saved with the tokenizer (tokenizer_config.json), as transformers
+        # reads it; `load` takes a folder's own (a fine-tuning template, or an imported model's).
+        self.chat_template: str | None = CHAT_TEMPLATE if ours else None
+        self.special_ids = {t: vocab[t] for t in [*SPECIAL_TOKENS, *self.names.values()] if t in vocab}
         # Text is text: a document that happens to contain "<|eos|>" must not end there. (Not
         # saved with the tokenizer, so the hash and what transformers loads are unchanged.)
         self.backend.encode_special_tokens = True
-        self._special_split = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+        self._special_split = re.compile("(" + "|".join(re.escape(t) for t in self.special_ids) + ")")
 
     @property
     def vocab_size(self) -> int:
@@ -157,24 +165,25 @@ class MarinTokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(folder / "tokenizer.json", self.backend.to_str(pretty=True))
+        bos, eos, pad = self.names["bos"], self.names["eos"], self.names["pad"]
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "pad_token": PAD,
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": pad,
             "unk_token": None,
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": model_max_length,
-            "chat_template": CHAT_TEMPLATE,
-            "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
+            **({"chat_template": self.chat_template} if self.chat_template else {}),
+            "additional_special_tokens": [t for t in self.special_ids if t not in (bos, eos, pad)],
         }
         write_text_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         special = {
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "pad_token": PAD,
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": pad,
             "additional_special_tokens": config["additional_special_tokens"],
         }
         write_text_atomic(folder / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
@@ -185,9 +194,35 @@ class MarinTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {folder}{_copies_inside(Path(folder))}")
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            backend = Tokenizer.from_file(str(path))
         except Exception as e:
             raise ValueError(f"{path}: not a valid tokenizers file: {e}") from None
+        config_path = path.parent / "tokenizer_config.json"
+        ours = all(t in backend.get_vocab() for t in SPECIAL_TOKENS)
+        tok = cls(backend) if ours else cls(backend, _foreign_names(config_path))
+        template = path.parent / "chat_template.jinja"
+        if template.is_file():
+            tok.chat_template = template.read_text()
+        elif config_path.is_file():
+            tok.chat_template = json.loads(config_path.read_text()).get("chat_template") or tok.chat_template
+        return tok
+
+
+def _foreign_names(config_path: Path) -> dict[str, str]:
+    """bos/eos/pad of a tokenizer marinlm did not train, from its tokenizer_config.json: one
+    without BOS starts documents with EOS (GPT-2's convention), one without PAD pads with EOS."""
+    if not config_path.is_file():
+        raise ValueError(f"{config_path.parent}: no marinlm special tokens, and no tokenizer_config.json")
+    config = json.loads(config_path.read_text())
+
+    def name(key):
+        value = config.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos = name("eos_token")
+    if not eos:
+        raise ValueError(f"{config_path}: eos_token: a tokenizer from elsewhere needs one")
+    return {"bos": name("bos_token") or eos, "eos": eos, "pad": name("pad_token") or eos}
 
 
 def _copies_inside(folder: Path) -> str:

@@ -9,6 +9,9 @@ gate_proj/up_proj [E, D, F] and down_proj [E, F, D] (x @ W).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
@@ -78,9 +81,12 @@ def _direct_names(config: MarinConfig) -> list[tuple[str, str]]:
         pairs += [
             (f"{ours}attn.{n}.weight", f"{hf}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
         ]
+        if config.attention.qk_norm:  # Mixtral has none
+            pairs += [
+                (f"{ours}attn.q_norm_weight", f"{hf}self_attn.q_norm.weight"),
+                (f"{ours}attn.k_norm_weight", f"{hf}self_attn.k_norm.weight"),
+            ]
         pairs += [
-            (f"{ours}attn.q_norm_weight", f"{hf}self_attn.q_norm.weight"),
-            (f"{ours}attn.k_norm_weight", f"{hf}self_attn.k_norm.weight"),
             (f"{ours}attn_norm.weight", f"{hf}input_layernorm.weight"),
             (f"{ours}mlp_norm.weight", f"{hf}post_attention_layernorm.weight"),
             (f"{ours}mlp.router.weight", f"{hf}mlp.gate.weight"),
@@ -88,28 +94,106 @@ def _direct_names(config: MarinConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the HF checkpoint: its name, the marinlm tensors it is made from, and how."""
+
+    name: str
+    sources: tuple[str, ...]
+    build: Callable[..., torch.Tensor]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _router_weight(name: str):
+    def build(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # HF's softmax router has no bias: a trained one would silently pick other experts.
+        if bias.device.type != "meta" and bool(bias.abs().max() > 0):
+            raise ValueError(
+                f"{name}: the router bias is not zero, and Qwen3-MoE's router has none; export as remote code"
+            )
+        return weight
+
+    return build
+
+
+def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up], dim=2).transpose(1, 2).contiguous()  # [E, D, 2F] -> [E, 2F, D]
+
+
+def _down(down: torch.Tensor) -> torch.Tensor:
+    return down.transpose(1, 2).contiguous()
+
+
+def _expert(e: int):
+    def build(stack: torch.Tensor) -> torch.Tensor:
+        return stack[e].t().contiguous()  # ours x @ W [in, out] -> nn.Linear [out, in]
+
+    return build
+
+
+def hf_tensor_plan(config: MarinConfig, fused: bool = False) -> list[HFTensor]:
+    """Every tensor of the Qwen3MoeForCausalLM checkpoint, in order, as a function of ours: the
+    export reads only each one's sources, so it never needs the whole model at once.
+
+    The files use the Hub's layout, one nn.Linear per expert (`experts.{e}.gate_proj.weight`), which
+    transformers itself writes and every reader of Qwen3-MoE folders expects; `fused` gives the
+    in-memory layout of transformers 5's modules instead (gate_up_proj [E, 2F, D]) for load_state_dict."""
     check_qwen3_compatible(config)
-    out = {hf: state[ours] for ours, hf in _direct_names(config)}
+    plan = []
+    for ours, hf in _direct_names(config):
+        if ours.endswith("mlp.router.weight"):
+            bias = ours.replace(".weight", ".bias")
+            plan.append(HFTensor(hf, (ours, bias), _router_weight(bias)))
+        elif not (config.tie_embeddings and ours == "lm_head.weight"):
+            plan.append(HFTensor(hf, (ours,), _same))
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
-        gate_up = torch.cat([state[f"{ours}gate_proj"], state[f"{ours}up_proj"]], dim=2)  # [E, D, 2F]
-        out[f"{hf}gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
-        out[f"{hf}down_proj"] = state[f"{ours}down_proj"].transpose(1, 2).contiguous()
-    return out
+        if fused:
+            plan.append(HFTensor(f"{hf}gate_up_proj", (f"{ours}gate_proj", f"{ours}up_proj"), _gate_up))
+            plan.append(HFTensor(f"{hf}down_proj", (f"{ours}down_proj",), _down))
+            continue
+        for e in range(config.moe.num_experts):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                plan.append(HFTensor(f"{hf}{e}.{name}.weight", (f"{ours}{name}",), _expert(e)))
+    return plan
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
+    """The state dict of transformers' Qwen3MoeForCausalLM module (fused experts), for load_state_dict."""
+    return {t.name: t.build(*(state[s] for s in t.sources)) for t in hf_tensor_plan(config, fused=True)}
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
-    check_qwen3_compatible(config)
+    """Our tensors from a Qwen3-MoE or Mixtral state dict: the Hub's files (one nn.Linear per expert;
+    Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`) or transformers 5's fused modules."""
+    if config.attention.qk_norm:
+        check_qwen3_compatible(config)
     hf_state = dict(hf_state)
     hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])  # tied checkpoints
-    out = {ours: hf_state[hf] for ours, hf in _direct_names(config)}
-    F = config.moe.expert_dim
+    for i in range(config.num_layers):  # Mixtral's files name the MoE block apart
+        for old, new in ((f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."),):
+            for key in [k for k in hf_state if k.startswith(old)]:
+                renamed = key.replace(old, new).replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.")
+                hf_state[renamed.replace(".w2.", ".down_proj.")] = hf_state.pop(key)
+    out = {ours: hf_state.pop(hf) for ours, hf in _direct_names(config)}
+    F, E = config.moe.expert_dim, config.moe.num_experts
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.mlp.", f"model.layers.{i}.mlp.experts."
-        out[f"{ours}router.bias"] = torch.zeros(config.moe.num_experts)
-        gate_up = hf_state[f"{hf}gate_up_proj"].transpose(1, 2)  # [E, D, 2F]
-        out[f"{ours}experts.gate_proj"] = gate_up[..., :F].contiguous()
-        out[f"{ours}experts.up_proj"] = gate_up[..., F:].contiguous()
-        out[f"{ours}experts.down_proj"] = hf_state[f"{hf}down_proj"].transpose(1, 2).contiguous()
+        out[f"{ours}router.bias"] = torch.zeros(E)
+        if f"{hf}gate_up_proj" in hf_state:
+            gate_up = hf_state.pop(f"{hf}gate_up_proj").transpose(1, 2)  # [E, D, 2F]
+            out[f"{ours}experts.gate_proj"] = gate_up[..., :F].contiguous()
+            out[f"{ours}experts.up_proj"] = gate_up[..., F:].contiguous()
+            out[f"{ours}experts.down_proj"] = hf_state.pop(f"{hf}down_proj").transpose(1, 2).contiguous()
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            per_expert = [hf_state.pop(f"{hf}{e}.{name}.weight").t() for e in range(E)]
+            out[f"{ours}experts.{name}"] = torch.stack(per_expert).contiguous()
+    if hf_state:
+        raise ValueError(
+            f"{len(hf_state)} tensors of the checkpoint have no place in the model, e.g. {next(iter(hf_state))}"
+        )
     return out
