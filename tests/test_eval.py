@@ -449,13 +449,19 @@ def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
     assert report["results"]["lambada_openai"]["perplexity"] > 1
 
 
-def test_limit_is_a_deterministic_subset(tmp_path):
+def test_limit_takes_the_first_items_as_lm_eval_does_and_sample_a_seeded_subset(tmp_path):
     rows = [{"ctx": f"c{i}", "endings": ["a", "b"], "label": 0} for i in range(50)]
     (tmp_path / "hellaswag_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    a = prepare(EvalOptions(tasks=["hellaswag"], data_dir=str(tmp_path), limit=7))[0][2]
-    b = prepare(EvalOptions(tasks=["hellaswag"], data_dir=str(tmp_path), limit=7))[0][2]
-    assert [i.requests[0].context for i in a] == [i.requests[0].context for i in b]
-    assert len(a) == 7 and [i.requests[0].context for i in a] != [f"c{i}" for i in range(7)]
+
+    def contexts(**kw):
+        return [
+            i.requests[0].context for i in prepare(EvalOptions(tasks=["hellaswag"], data_dir=str(tmp_path), **kw))[0][2]
+        ]
+
+    assert contexts(limit=7) == [f"c{i}" for i in range(7)]
+    a = contexts(sample=7)
+    assert a == contexts(sample=7) and len(a) == 7 and a != [f"c{i}" for i in range(7)]
+    assert a == sorted(a, key=lambda c: int(c[1:]))  # in file order
 
 
 @pytest.mark.slow

@@ -253,3 +253,38 @@ def test_a_checkpoint_written_by_two_ranks_exports_and_matches(token_data, tmp_p
     assert report.checkpoint.name == "step-00000002"
     check = parity_check(tmp_path / "hf")
     assert check["max_abs_logit_diff"] < 1e-5 and check["max_kl"] < 1e-6 and check["greedy_equal"], check
+
+
+@pytest.mark.slow
+def test_lm_eval_on_the_export_scores_every_item_as_marinlm_eval_does(tmp_path, tokenizer):
+    """A slice of bench/lm_eval_crosscheck.py: lm-eval's hf backend on the exported folder and
+    `marinlm eval` on the run, the first items of each local task, through the shipped task YAMLs."""
+    pytest.importorskip("lm_eval")
+    from marinlm.eval.crosscheck import crosscheck
+
+    from conftest import shared_data
+
+    data = shared_data("eval")
+    make_run(tmp_path / "run", preset_config("tiny", num_layers=2), tokenizer)
+    export(tmp_path / "run", tmp_path / "hf", quiet=True)
+    rows = crosscheck(
+        tmp_path / "run", tmp_path / "hf", data, tasks=("arc_easy", "piqa", "winogrande", "lambada_openai"), limit=4
+    )
+    for row in rows:
+        assert row["items"] == 4 and row["marinlm_acc"] == row["lm_eval_acc"], row
+        assert row["max_ll_diff"] < 1e-4, row
+
+
+@pytest.mark.slow
+def test_marinlm_lm_eval_runs_the_harness_with_our_model_on_the_cpu(tmp_path, tokenizer, capsys):
+    pytest.importorskip("lm_eval")
+    from marinlm.cli import main
+
+    from conftest import shared_data
+
+    data = shared_data("eval")
+    make_run(tmp_path / "run", preset_config("tiny", num_layers=1), tokenizer)
+    argv = ["lm-eval", "--data-dir", str(data), "--model", "marinlm", "--model_args", f"pretrained={tmp_path / 'run'}"]
+    assert main([*argv, "--tasks", "local_arc_easy", "--limit", "3", "--device", "cuda"]) == 0
+    out = capsys.readouterr()
+    assert "local_arc_easy" in out.out and "no CUDA device here: running on the CPU" in out.err

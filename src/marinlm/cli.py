@@ -146,6 +146,30 @@ def _generate(args, overrides) -> int:
     return 0
 
 
+def _lm_eval(args, overrides) -> int:
+    """Reached only for `marinlm lm-eval --help`-style parsing; `main` hands the arguments over as given."""
+    from marinlm.eval.harness import run_cli
+
+    return run_cli(args.lm_eval_args + list(overrides), data_dir=args.data_dir)
+
+
+def _lm_eval_passthrough(argv: list[str]) -> int:
+    """`marinlm lm-eval ARGS`: ARGS go to lm-eval's parser untouched (ours would reorder its flags),
+    less our `--data-dir`."""
+    from marinlm.eval.harness import run_cli
+
+    data_dir, rest = None, []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--data-dir":
+            data_dir = next(it, None)
+        elif arg.startswith("--data-dir="):
+            data_dir = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return run_cli(rest, data_dir=data_dir)
+
+
 def _data_run(args, overrides) -> int:
     from marinlm.data.pipeline import PipelineConfig, run_pipeline
 
@@ -188,6 +212,7 @@ def _eval(args, overrides) -> int:
         tasks=args.tasks,
         data_dir=args.data_dir,
         limit=args.limit,
+        sample=args.sample,
         batch_size=args.batch_size,
         num_fewshot=args.num_fewshot,
         predictions=args.predictions,
@@ -331,10 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=(
-            "score a deterministic subset of N items per task (val: N rows; bpb: a .jsonl(.gz/.zst), .json or "
-            ".parquet file's first N texts, "
-            "a text file's first N windows of the model's context, cut at a line end)"
+            "score the first N items of each task, as lm-eval's --limit does (val: N rows; bpb: a .jsonl(.gz/.zst), "
+            ".json or .parquet file's first N texts, a text file's first N windows of the model's context, cut at "
+            "a line end)"
         ),
+    )
+    ev.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        help="score N items of each multiple-choice or lambada task drawn with a fixed seed (a subset spread over "
+        "the whole file, which the first N may not be)",
     )
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")
@@ -432,6 +464,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
 
+    harness = commands.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's command line, with the marinlm model and the local tasks registered",
+        description="Everything after `lm-eval` goes to lm_eval, e.g. `marinlm lm-eval --model marinlm "
+        "--model_args pretrained=RUN --tasks local_hellaswag --limit 100`, or `--model hf --model_args "
+        "pretrained=EXPORT,trust_remote_code=True`. The local tasks (local_hellaswag, local_arc_easy, local_piqa, "
+        "local_winogrande, local_lambada_openai) read --data-dir.",
+    )
+    harness.add_argument(
+        "--data-dir", default=None, help="the eval files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval)"
+    )
+    harness.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    harness.set_defaults(func=_lm_eval, takes_overrides=True)
+
     from marinlm.hf.commands import add_commands as add_hf_commands
 
     add_hf_commands(commands)
@@ -444,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
+        return _lm_eval_passthrough(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     config = getattr(args, "config", None)

@@ -76,7 +76,9 @@ class Scorer:
         if not cont:  # the continuation merged into the context's last token: score it on its own
             ctx, cont = ctx, self.tok.encode(continuation)
         ctx = [self.start_id, *ctx]
-        keep = self.max_length - len(cont)
+        # The model reads at most max_length inputs: the context and all but the last continuation
+        # token, as the harness's window `(ctx + cont)[-(max_length + 1):][:-1]`.
+        keep = self.max_length + 1 - len(cont)
         if keep < 1:  # the continuation alone fills the window: all of the context, for `_score_long`
             return ctx, cont
         return ctx[-keep:], cont
@@ -87,7 +89,7 @@ class Scorer:
         # A continuation that fills the window by itself (PIQA's longest solutions against a
         # 256-token model) is rare: it is scored on its own, in windows, by every rank, so that every
         # rank runs the same forwards. The others are batched.
-        long = {i for i, (ctx, cont) in enumerate(encoded) if len(ctx) + len(cont) > self.max_length}
+        long = {i for i, (ctx, cont) in enumerate(encoded) if len(ctx) + len(cont) > self.max_length + 1}
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, (ctx, _) in enumerate(encoded):
             if i not in long:
@@ -127,7 +129,7 @@ class Scorer:
         return merged
 
     def _score_long(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
-        """A continuation of `max_length` tokens or more, in windows of at most `max_length` inputs:
+        """A continuation of more than `max_length` tokens, in windows of at most `max_length` inputs:
         each predicts the next disjoint run of up to `max_length` continuation tokens from as much of
         what precedes it as fits, as `loglikelihood_rolling`'s windows do."""
         L, stream = self.max_length, ctx + cont
@@ -138,7 +140,7 @@ class Scorer:
             n = end - start  # the last n inputs predict stream[start:end]
             logp_NV = torch.log_softmax(self.model(inputs, logits_to_keep=n).logits[0].float(), dim=-1)
             target_N = torch.tensor(stream[start:end], device=self.device)
-            total += float(logp_NV.gather(1, target_N[:, None]).sum())
+            total += float(logp_NV.gather(1, target_N[:, None]).double().sum())
             greedy = greedy and bool((logp_NV.argmax(-1) == target_N).all())
         return total, greedy
 
@@ -189,7 +191,9 @@ class Scorer:
         counted_RL = (
             torch.arange(Lt, device=self.device) < torch.tensor([len(c) for c in conts], device=self.device)[:, None]
         )
-        sums = torch.where(counted_RL, torch.cat(token_logp, 1), 0.0).sum(1).tolist()
+        sums = (
+            torch.where(counted_RL, torch.cat(token_logp, 1), 0.0).double().sum(1).tolist()
+        )  # fp64: no rounding of the total
         greedy = ((torch.cat(top, 1) == target_RL) | ~counted_RL).all(1).tolist()
         for r, (_, i) in enumerate(members):
             results[i] = (sums[r], greedy[r])

@@ -39,7 +39,8 @@ BPB_RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 class EvalOptions:
     tasks: list[str]
     data_dir: str = ""
-    limit: int | None = None
+    limit: int | None = None  # the first N items of each task, as lm-eval's --limit
+    sample: int | None = None  # N items of each task drawn by a fixed seed (multiple-choice tasks)
     batch_size: int = 32
     num_fewshot: int = 0
     predictions: bool = False
@@ -49,6 +50,7 @@ class EvalOptions:
     def __post_init__(self):
         check(len(self.tasks) > 0, "tasks", "give at least one task")
         check(self.limit is None or self.limit >= 1, "limit", f"must be >= 1 items per task, got {self.limit}")
+        check(self.sample is None or self.sample >= 1, "sample", f"must be >= 1 items per task, got {self.sample}")
         check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         check(self.num_fewshot >= 0, "num_fewshot", f"must be >= 0, got {self.num_fewshot}")
         check(
@@ -129,13 +131,13 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
                 ) from None
             if not items:
                 raise TaskDataError(f"{_data_dir(options) / task.files[0]}: task {spec!r} has no items")
-            if isinstance(task, MMLU) and options.limit:  # the harness limits each subject
+            if isinstance(task, MMLU) and (options.limit or options.sample):  # the harness limits each subject
                 by_subject: dict[str, list] = {}
                 for item in items:
                     by_subject.setdefault(item.meta["subject"], []).append(item)
-                items = [i for group in by_subject.values() for i in subset(group, options.limit)]
+                items = [i for group in by_subject.values() for i in subset(group, options.limit, options.sample)]
             else:
-                items = subset(items, options.limit)
+                items = subset(items, options.limit, options.sample)
             prepared.append((spec, task, items))
         else:
             raise TaskDataError(f"unknown task {spec!r}; known: {sorted(registry)}, 'val', 'bpb:PATH'")
@@ -208,6 +210,7 @@ def run_eval(
             "checkpoint": str(loaded.checkpoint),
             "tokenizer_hash": loaded.tokenizer_hash,
             "limit": options.limit,
+            "sample": options.sample,
             "num_fewshot": options.num_fewshot,
             "batch_size": options.batch_size,
             "data_dir": str(_data_dir(options)),

@@ -31,7 +31,7 @@ import numpy as np
 from marinlm.eval.lm import Request
 from marinlm.utils.io import json_error, read_utf8
 
-SEED = 1234  # deterministic --limit subsets
+SEED = 1234  # deterministic --sample subsets
 
 
 class TaskDataError(ValueError):
@@ -294,12 +294,13 @@ def task_registry(num_fewshot: int = 0) -> dict[str, Task]:
     return {t.name: t for t in tasks}
 
 
-def subset(items: list[Item], limit: int | None) -> list[Item]:
-    """A deterministic, representative subset: `limit` items of a seeded shuffle, in original order."""
-    if limit is None or limit >= len(items):
-        return items
-    keep = sorted(random.Random(SEED).sample(range(len(items)), limit))
-    return [items[i] for i in keep]
+def subset(items: list[Item], limit: int | None = None, sample: int | None = None) -> list[Item]:
+    """The first `limit` items, as lm-evaluation-harness's `--limit` takes them (so both tools score
+    the same items), or `sample` items of a seeded shuffle, in original order (a subset that
+    represents the whole file)."""
+    if sample is not None and sample < len(items):
+        items = [items[i] for i in sorted(random.Random(SEED).sample(range(len(items)), sample))]
+    return items if limit is None else items[:limit]
 
 
 def _mean_stderr(values: list[float]) -> tuple[float, float]:

@@ -63,12 +63,13 @@ def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> 
     raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
 
 
-def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
+def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> LoadedModel:
     """Build the model of a run on `device` and load the model tensors of its checkpoint.
 
     Under torchrun the model is sharded over all ranks with FSDP2 (built on meta, then each rank
     loads its shards through DCP): a model too big for one device can be evaluated. Every rank
-    then takes part in each forward.
+    then takes part in each forward. `kernels=False` keeps the reference modules (the code an export
+    runs in transformers), whatever the run's `model.kernels`.
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
@@ -76,7 +77,8 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)
     # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
-    apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
+    if kernels:
+        apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
     if info.mesh is not None:
         apply_fsdp(model, info.mesh)
     model.to_empty(device=info.device)
