@@ -22,6 +22,7 @@ def config_classes() -> dict[str, type]:
     """The config class of each folder under configs/ (and of the command of that name)."""
     from marinlm.data.pipeline import PipelineConfig
     from marinlm.dataset.tokenize import TokenizeConfig
+    from marinlm.finetune.config import FinetuneConfig
     from marinlm.model.config import MarinConfig
     from marinlm.tokenizer import TokenizerTrainConfig
     from marinlm.train.config import TrainConfig
@@ -32,6 +33,7 @@ def config_classes() -> dict[str, type]:
         "tokenize": TokenizeConfig,
         "data": PipelineConfig,
         "train": TrainConfig,
+        "finetune": FinetuneConfig,
     }
 
 
@@ -140,8 +142,9 @@ def _generate(args, overrides) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    sys.stdout.write(args.prompt)
-    generate_text(loaded, args.prompt, sampling, stream=sys.stdout)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    generate_text(loaded, args.prompt, sampling, stream=sys.stdout, chat=args.chat)
     sys.stdout.write("\n")
     return 0
 
@@ -461,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--repetition-penalty", type=float, default=1.0, help="> 1 makes tokens already seen less likely (1 = off)"
     )
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user turn under the run's chat template (a fine-tuned run's own); print the answer",
+    )
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
 
@@ -481,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     from marinlm.hf.commands import add_commands as add_hf_commands
 
     add_hf_commands(commands)
+    from marinlm.finetune.commands import add_commands as add_finetune_commands
+
+    add_finetune_commands(commands)
 
     tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")

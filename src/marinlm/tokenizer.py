@@ -47,10 +47,14 @@ CHAT_ROLES = ("system", "user", "assistant")
 END_OF_TURN = "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, *(f"<|{r}|>" for r in CHAT_ROLES), END_OF_TURN]
 
-# Jinja, as transformers renders it: <|bos|><|user|>\n{content}<|end|>\n ... <|assistant|>\n
+# Jinja, as transformers renders it: <|bos|><|user|>\n{content}<|end|>\n ... <|assistant|>\n. Each
+# assistant turn's content and its <|end|> sit in {% generation %}: the tokens fine-tuning learns
+# (transformers' `return_assistant_tokens_mask`); the markers render no text.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n' }}{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 

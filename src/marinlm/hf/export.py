@@ -169,6 +169,23 @@ def export(
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
     folder = resolve_checkpoint(source)
+    from marinlm.finetune.trainer import is_finetune_config, merge_run
+
+    if is_finetune_config(folder / "config.yaml"):
+        # A fine-tuning checkpoint holds only what trained: fold it into the base weights first (in
+        # memory: the whole model), then export that plain checkpoint.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            merged = merge_run(folder, Path(tmp) / "merged")
+            report = export(
+                merged, out_dir, fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet
+            )
+        manifest = json.loads((report.out_dir / MANIFEST).read_text())
+        manifest.update(checkpoint=str(folder.resolve()), merged_from_finetune=True)
+        write_json_atomic(report.out_dir / MANIFEST, manifest)
+        report.checkpoint = folder
+        return report
     train = load_config(TrainConfig, folder / "config.yaml")
     model = train.model
     fmt = choose_format(model, fmt)

@@ -73,19 +73,26 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
-    config = load_config(TrainConfig, folder / "config.yaml")
-    with torch.device("meta"):
-        model = MarinForCausalLM(config.model)
-    # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
-    if kernels:
-        apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
-    if info.mesh is not None:
-        apply_fsdp(model, info.mesh)
-    model.to_empty(device=info.device)
-    model.init_weights(seed=0)  # every tensor is overwritten by the load below
-    state = {"model": get_model_state_dict(model)}
-    load_tensors(folder, state)  # its config.yaml must still describe its tensors
-    set_model_state_dict(model, state["model"])
+    from marinlm.finetune.trainer import finetuned_model, is_finetune_config
+
+    if is_finetune_config(folder / "config.yaml"):  # base weights + trained tensors, merged
+        model, config = finetuned_model(folder, info.device, kernels=kernels)
+        if info.mesh is not None:
+            apply_fsdp(model, info.mesh)
+    else:
+        config = load_config(TrainConfig, folder / "config.yaml")
+        with torch.device("meta"):
+            model = MarinForCausalLM(config.model)
+        # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
+        if kernels:
+            apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
+        if info.mesh is not None:
+            apply_fsdp(model, info.mesh)
+        model.to_empty(device=info.device)
+        model.init_weights(seed=0)  # every tensor is overwritten by the load below
+        state = {"model": get_model_state_dict(model)}
+        load_tensors(folder, state)  # its config.yaml must still describe its tensors
+        set_model_state_dict(model, state["model"])
     model.eval()
     tokenizer_dir = checkpoint_tokenizer(folder)
     tokenizer = MarinTokenizer.load(tokenizer_dir)
@@ -121,12 +128,32 @@ def document_start_id(loaded: LoadedModel) -> int:
     return tok.bos_id if loaded.config.data.add_bos else tok.eos_id
 
 
-def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, stream=None) -> str:
-    """Generate a continuation of `prompt`; write text to `stream` as tokens arrive."""
+def chat_prompt_ids(loaded: LoadedModel, prompt: str) -> list[int]:
+    """`prompt` as one user turn under the run's chat template (the one fine-tuning trained with),
+    ready for the assistant's answer; rendered by transformers, as training rendered it."""
+    from transformers import AutoTokenizer
+
     tok = loaded.tokenizer
-    ids = torch.tensor(
-        [[document_start_id(loaded), *tok.encode(prompt)]], device=next(loaded.model.parameters()).device
+    if not tok.chat_template:
+        raise ValueError(f"{loaded.checkpoint}: the run's tokenizer has no chat template; --chat needs one")
+    hf = AutoTokenizer.from_pretrained(str(checkpoint_tokenizer(loaded.checkpoint)))
+    messages = [{"role": "user", "content": prompt}]
+    return list(
+        hf.apply_chat_template(
+            messages, chat_template=tok.chat_template, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
     )
+
+
+def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, stream=None, chat: bool = False) -> str:
+    """Generate a continuation of `prompt` (with `chat`, the assistant's answer to it, which ends at
+    the end-of-turn token); write text to `stream` as tokens arrive."""
+    tok = loaded.tokenizer
+    prompt_ids = chat_prompt_ids(loaded, prompt) if chat else [document_start_id(loaded), *tok.encode(prompt)]
+    ids = torch.tensor([prompt_ids], device=next(loaded.model.parameters()).device)
+    stops = {tok.eos_id}
+    if chat and "<|end|>" in tok.special_ids:
+        stops.add(tok.special_ids["<|end|>"])
     limit = loaded.model.config.max_seq_len
     if ids.shape[1] + sampling.max_new_tokens > limit:
         print(
@@ -138,7 +165,7 @@ def generate_text(loaded: LoadedModel, prompt: str, sampling: SamplingConfig, st
     generated: list[int] = []
     shown = ""
     for token in stream_generate(loaded.model, ids, sampling, eos_token_id=tok.eos_id, vocab_size=tok.vocab_size):
-        if int(token[0]) == tok.eos_id:
+        if int(token[0]) in stops:
             break
         generated.append(int(token[0]))
         text = tok.decode(generated)

@@ -128,8 +128,16 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
         ax.plot(*zip(*train), label="train loss", alpha=0.7)
     if val:
         ax.plot(*zip(*val), marker="o", label="validation loss")
+    answers = [(m["step"], m["val/answer_loss"]) for m in metrics if "val/answer_loss" in m]  # fine-tuning
+    if answers:
+        ax.plot(*zip(*answers), marker="o", label="held-out answer loss")
     # With several sources, each one's validation loss too (`val/NAME/loss`).
-    names = dict.fromkeys(k.split("/")[1] for m in metrics for k in m if k.startswith("val/") and k.count("/") == 2)
+    names = dict.fromkeys(
+        k.split("/")[1]
+        for m in metrics
+        for k in m
+        if k.startswith("val/") and k.count("/") == 2 and k.endswith("/loss")
+    )
     for name in names:
         points = [(m["step"], m[f"val/{name}/loss"]) for m in metrics if f"val/{name}/loss" in m]
         ax.plot(*zip(*points), marker=".", linestyle=":", label=f"validation loss: {name}")
@@ -138,7 +146,8 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -89,7 +90,13 @@ class ResumeMixin:
         if self.info.is_main and (changes := self._config_changes(folder)):
             settings = "setting" if len(changes) == 1 else "settings"
             print(f"warning: resuming {folder.name} with changed {settings}: {'; '.join(changes)}", flush=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=tensors["model"],
+            optim_state_dict=tensors["optim"],
+            options=self._state_dict_options(),
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self._last_checkpoint_step = self.step
@@ -192,8 +199,12 @@ class ResumeMixin:
                 )
         return folder
 
+    def _state_dict_options(self) -> StateDictOptions:
+        """What a checkpoint holds: everything (fine-tuning keeps only the trained tensors)."""
+        return StateDictOptions()
+
     def _state_tensors(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_dict_options())
         return {"model": model_sd, "optim": optim_sd}
 
     def _trainer_state(self) -> dict:

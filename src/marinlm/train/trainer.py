@@ -127,20 +127,7 @@ class Trainer(ResumeMixin):
             )
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.world)
 
-        first = open_dataset(c.data, 0, verify="size") if c.data.sources else None
-        if first is None:
-            raise ValueError("data.sources: give at least one tokenized dataset")
-        self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
-        padded = -(-first.vocab_size // 128) * 128  # a multiple of 128 above the tokenizer's is usual padding
-        if c.model.vocab_size > padded and self.info.is_main:
-            unused = c.model.vocab_size - first.vocab_size
-            params = unused * c.model.d_model * (1 if c.model.tie_embeddings else 2)
-            print(
-                f"note: model.vocab_size {c.model.vocab_size:,} is larger than the tokenizer's {first.vocab_size:,}: "
-                f"{unused:,} rows of the embedding and the output layer ({params / 1e6:.2f}M parameters) are never "
-                f"used; set model.vocab_size={first.vocab_size} (or a multiple of 128 above it)",
-                flush=True,
-            )
+        self._open_data()
         warmup = c.schedule.warmup_steps
         if warmup is not None and warmup >= c.train.steps and self.info.is_main:
             print(
@@ -149,10 +136,6 @@ class Trainer(ResumeMixin):
                 "rises all run, peaks at the last step and never decays; shorten the warmup or lengthen the run",
                 flush=True,
             )
-        # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
-        # path may be relative to another folder, or gone).
-        recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
-        self._tokenizer_source = next((p for p in (recorded, str(carried)) if p and Path(p).is_dir()), recorded)
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
             where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
@@ -164,17 +147,7 @@ class Trainer(ResumeMixin):
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
-        # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
-        self.loader = build_loader(
-            c.data,
-            micro * self.world,
-            self.info.rank,
-            self.world,
-            self.tokenizer_hash,
-            c.model.vocab_size,
-            index_dir=self.run_dir / "data-index",
-            rows_per_step=c.train.global_batch,
-        )
+        self.loader = self._make_loader()
         self.val_sources = self._val_sources()
         self.epochs_planned = self._epochs_planned()
         self.checkpoints = CheckpointManager(
@@ -235,6 +208,44 @@ class Trainer(ResumeMixin):
 
     # --- set-up ---------------------------------------------------------------------------------
 
+    def _open_data(self) -> None:
+        """The training data's tokenizer (its hash, the folder to copy into the run), checked against
+        the model. Fine-tuning (marinlm.finetune) reads other data and overrides the data hooks:
+        this, `_make_loader`, `_val_sources`, `_epochs_planned`, `_data_record` and `validate`."""
+        c = self.config
+        first = open_dataset(c.data, 0, verify="size") if c.data.sources else None
+        if first is None:
+            raise ValueError("data.sources: give at least one tokenized dataset")
+        self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
+        padded = -(-first.vocab_size // 128) * 128  # a multiple of 128 above the tokenizer's is usual padding
+        if c.model.vocab_size > padded and self.info.is_main:
+            unused = c.model.vocab_size - first.vocab_size
+            params = unused * c.model.d_model * (1 if c.model.tie_embeddings else 2)
+            print(
+                f"note: model.vocab_size {c.model.vocab_size:,} is larger than the tokenizer's {first.vocab_size:,}: "
+                f"{unused:,} rows of the embedding and the output layer ({params / 1e6:.2f}M parameters) are never "
+                f"used; set model.vocab_size={first.vocab_size} (or a multiple of 128 above it)",
+                flush=True,
+            )
+        # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
+        # path may be relative to another folder, or gone).
+        recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
+        self._tokenizer_source = next((p for p in (recorded, str(carried)) if p and Path(p).is_dir()), recorded)
+
+    def _make_loader(self):
+        c = self.config
+        # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
+        return build_loader(
+            c.data,
+            self.micro_batch * self.world,
+            self.info.rank,
+            self.world,
+            self.tokenizer_hash,
+            c.model.vocab_size,
+            index_dir=self.run_dir / "data-index",
+            rows_per_step=c.train.global_batch,
+        )
+
     def _build_model(self) -> torch.nn.Module:
         c = self.config
         with torch.device("meta"):
@@ -248,11 +259,16 @@ class Trainer(ResumeMixin):
         if init == "full":  # identical on every rank (same seed), then sharded: matches 1-process init
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
+            model = self._before_parallelize(model)
             parallelize(model, c.parallel, self.info)
         else:  # shard on meta first, then initialise each rank's shards
             parallelize(model, c.parallel, self.info)
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
+        return model
+
+    def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The whole, initialised model before it is sharded (fine-tuning loads and adapts it here)."""
         return model
 
     def _val_sources(self) -> dict:
@@ -322,14 +338,20 @@ class Trainer(ResumeMixin):
             "device": str(self.device),
             "precision": self.precision,
             "tokenizer_hash": self.tokenizer_hash,
-            "data": data_record(self.config.data.sources, self.epochs_planned),
+            "data": self._data_record(),
             "command": sys.argv,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "initialized_from": self.initialized_from,
             "peak_flops_measured": self.peak_flops,
         }
         write_json_atomic(self.run_dir / "run_info.json", record)
-        copy_tokenizer(self._tokenizer_source, self.run_dir, Path(self.config.data.sources[0].path) / "manifest.json")
+        copy_tokenizer(self._tokenizer_source, self.run_dir, self._tokenizer_manifest())
+
+    def _data_record(self) -> list[dict]:
+        return data_record(self.config.data.sources, self.epochs_planned)
+
+    def _tokenizer_manifest(self) -> Path:
+        return Path(self.config.data.sources[0].path) / "manifest.json"
 
     # --- hooks ----------------------------------------------------------------------------------
 

@@ -1,0 +1,251 @@
+"""Which weights fine-tuning trains: LoRA (peft for linear layers, a grouped LoRA of our own for the
+routed experts), QLoRA (bitsandbytes NF4 base) and partial unfreezing; merging and saving adapters.
+
+The routed experts are 3-D stacks [E, in, out]. peft's `target_parameters` adapts them by building
+the whole delta stack B·A for every expert in every forward (E x in x out values per projection).
+`GroupedLoraExperts` instead computes x·A·B for each expert's rows with the same grouped GEMM as
+the experts, so its extra memory is the rows times the rank (bench/expert_lora.py compares the two).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marinlm.finetune.config import FinetuneConfig
+from marinlm.model.experts import REFERENCE_IMPLS, RoutedExperts, grouped_mm_aligned
+from marinlm.model.router import Router
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class GroupedLoraExperts(RoutedExperts):
+    """Routed experts plus a rank-r adapter per expert and projection: W_e + scale * A_e B_e, applied
+    as (x A_e) B_e on the expert's own rows."""
+
+    def add_lora(self, r: int, alpha: float, dropout: float) -> None:
+        E = self.num_experts
+        self.lora_r, self.lora_scale, self.lora_dropout = r, alpha / r, dropout
+        if self.impl not in REFERENCE_IMPLS:
+            self.impl = "auto"  # a kernel's name: the adapter runs on the reference grouped GEMM
+        for name in EXPERT_PROJECTIONS:
+            base = getattr(self, name)
+            a = nn.Parameter(torch.empty(E, base.shape[1], r, device=base.device, dtype=base.dtype))
+            nn.init.kaiming_uniform_(a.view(E * base.shape[1], r).t(), a=math.sqrt(5))  # as peft's lora_A
+            setattr(self, f"lora_A_{name}", a)
+            setattr(
+                self,
+                f"lora_B_{name}",
+                nn.Parameter(torch.zeros(E, r, base.shape[2], device=base.device, dtype=base.dtype)),
+            )
+
+    def run_experts(self, x_AD, counts_E, impl):
+        if impl == "grouped_mm" and not grouped_mm_aligned((self.lora_r,), x_AD.dtype):
+            impl = "loop"
+        offsets = torch.cumsum(counts_E, 0).to(torch.int32) if impl == "grouped_mm" else None
+        splits = None if offsets is not None else counts_E.tolist()
+
+        def mm(x, w):
+            w = w.to(x.dtype)
+            if offsets is not None:
+                return F.grouped_mm(x, w, offs=offsets)
+            return torch.cat([x_e @ w[e] for e, x_e in enumerate(x.split(splits))])
+
+        def project(x, name):
+            a, b = getattr(self, f"lora_A_{name}"), getattr(self, f"lora_B_{name}")
+            x_in = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+            return mm(x, getattr(self, name)) + self.lora_scale * mm(mm(x_in, a), b)
+
+        h_AF = F.silu(project(x_AD, "gate_proj")) * project(x_AD, "up_proj")
+        return project(h_AF, "down_proj")
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapters into the stacks and become plain RoutedExperts."""
+        for name in EXPERT_PROJECTIONS:
+            a, b = getattr(self, f"lora_A_{name}"), getattr(self, f"lora_B_{name}")
+            getattr(self, name).add_(self.lora_scale * torch.bmm(a, b).to(getattr(self, name).dtype))
+            delattr(self, f"lora_A_{name}")
+            delattr(self, f"lora_B_{name}")
+        self.__class__ = RoutedExperts
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def lora_targets(model: nn.Module, config: FinetuneConfig) -> list[str]:
+    """Names of the nn.Linear modules the LoRA config adapts."""
+    patterns = list(config.lora.target_modules) + (["lm_head"] if config.lora.lm_head else [])
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, patterns)]
+    if not names and not config.lora.experts:
+        raise ValueError(f"lora.target_modules: {patterns} match no linear layer of the model")
+    return names
+
+
+def quantize_base(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """QLoRA: every frozen nn.Linear (not the LM head) becomes bitsandbytes NF4 with bf16 compute.
+    The routed experts stay bf16: bitsandbytes' 4-bit layers wrap nn.Linear only, and a
+    dequantise-per-forward of the 3-D stacks is not written yet."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or full in skip:
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4"
+            )
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(torch.bfloat16), requires_grad=False, quant_type="nf4")
+            q = q.to(child.weight.device)  # quantises on the move
+            # In eval mode on AVX512-BF16 CPUs bitsandbytes repacks the weight in place for its CPU
+            # kernel, which needs out_features % 32 == 0 (not the head gate's) and changes the
+            # tensors a checkpoint or merge reads; the plain dequantise-and-matmul path is kept.
+            q.support_avx512bf16_for_cpu = False
+            setattr(module, child_name, q)
+            count += 1
+    for name, p in model.named_parameters():
+        if "experts." in name and p.ndim == 3:
+            p.data = p.data.to(torch.bfloat16)
+    return count
+
+
+def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
+    """Freeze, adapt or quantise `model` in place for `config.method`; returns what was done."""
+    method = config.method
+    info: dict = {"method": method}
+    if method == "full":
+        return info
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if method == "freeze":
+        n = config.model.num_layers
+        keep = [f"layers.{i}.*" for i in range(n - config.freeze.last_layers, n)] if config.freeze.last_layers else []
+        if config.freeze.last_layers:
+            keep += ["final_norm.*", "lm_head.*"]
+        keep += list(config.freeze.patterns)
+        trained = [n for n, p in model.named_parameters() if _matches(n, keep)]
+        if not trained:
+            raise ValueError(f"freeze: {keep} match no parameter of the model")
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trained)
+        info["trained"] = trained
+        return info
+    lora = config.lora
+    targets = lora_targets(model, config)
+    if method == "qlora":
+        info["quantized_linears"] = quantize_base(model, skip=tuple(n for n in ("lm_head",) if not lora.lm_head))
+    if targets:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        peft_config = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none"
+        )
+        inject_adapter_in_model(peft_config, model)
+        info["peft_config"] = peft_config
+    if lora.experts:
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.__class__ = GroupedLoraExperts
+                module.add_lora(lora.r, lora.alpha, lora.dropout)
+    info["lora_targets"] = targets
+    for n, p in model.named_parameters():
+        if "lora_" in n or lora.train_router and ".router." in n or lora.train_norms and "norm" in n and p.ndim == 1:
+            p.requires_grad_(True)
+    return info
+
+
+def freeze_router_biases(model: nn.Module) -> None:
+    """Routers frozen: their load-balancing bias stays as the base model left it."""
+    if not any(isinstance(m, Router) and m.weight.requires_grad for m in model.modules()):
+        model.update_router_biases = lambda stats: None
+
+
+def trainable_summary(model: nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    return trainable, total
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> int:
+    """Fold every LoRA adapter into its base weight, leaving the plain model; returns how many."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = 0
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, LoraLayer):
+                setattr(module, child_name, _merged_linear(child))
+                merged += 1
+    for module in model.modules():
+        if isinstance(module, GroupedLoraExperts):
+            module.merge()
+            merged += 1
+    return merged
+
+
+def _merged_linear(layer) -> nn.Linear:
+    """W + scale * B A as a plain fp32 nn.Linear; a 4-bit base is dequantised first (peft's own merge
+    would quantise the sum again, and the merged model would not compute what the adapter did)."""
+    base = layer.get_base_layer()
+    weight = base.weight
+    if type(weight).__name__ == "Params4bit":
+        import bitsandbytes.functional as bnbF
+
+        weight = bnbF.dequantize_4bit(weight.data, weight.quant_state)
+    delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+    out = nn.Linear(base.in_features, base.out_features, bias=False, device=weight.device)
+    out.weight.data = (weight.float() + delta.float()).contiguous()
+    return out
+
+
+@torch.no_grad()
+def dequantize_base(model: nn.Module) -> int:
+    """Every remaining 4-bit linear layer as a plain fp32 nn.Linear holding its dequantised weight
+    (what QLoRA training computed with); returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(getattr(child, "weight", None)).__name__ == "Params4bit":
+                import bitsandbytes.functional as bnbF
+
+                out = nn.Linear(child.in_features, child.out_features, bias=False, device=child.weight.device)
+                out.weight.data = bnbF.dequantize_4bit(child.weight.data, child.weight.quant_state).float()
+                setattr(module, child_name, out)
+                count += 1
+    return count
+
+
+def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors under peft's names (`base_model.model.<module>.lora_A.weight`); the expert
+    adapters as `<experts>.lora_A_gate_proj` ... (peft has no grouped layout to name them by)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            continue
+        key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        out[f"base_model.model.{key}"] = p.detach().cpu().contiguous()
+    return out
+
+
+def save_peft_adapter(model: nn.Module, info: dict, folder: Path, base: str) -> None:
+    """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = info.get("peft_config")
+    data = config.to_dict() if config is not None else {"peft_type": "LORA"}
+    data = {k: (sorted(v) if isinstance(v, set) else v) for k, v in data.items()}
+    data["base_model_name_or_path"] = base
+    (folder / "adapter_config.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    save_file(peft_state(model), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,67 @@
+"""`marinlm finetune CONFIG` and `marinlm finetune merge RUN`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def load_finetune_config(path: str | None, overrides: list[str]):
+    """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
+    run's (keys given under `model:` change it, e.g. model.kernels)."""
+    from marinlm.config import ConfigError, from_dict, load_config, merge, parse_overrides, read_yaml, to_dict
+    from marinlm.config.files import resolve_file_refs
+    from marinlm.finetune.config import FinetuneConfig
+    from marinlm.presets import find_config
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.inference import resolve_checkpoint
+
+    data, base_dir = {}, Path.cwd()
+    if path is not None:
+        found = find_config(path)
+        data, base_dir = read_yaml(found), found.parent
+    data = resolve_file_refs(data, base_dir, FinetuneConfig)
+    if overrides:
+        data = merge(data, parse_overrides(overrides))
+    if not data.get("base"):
+        raise ConfigError("base", "name the run or checkpoint to fine-tune (--base=RUN)")
+    base = load_config(TrainConfig, resolve_checkpoint(data["base"]) / "config.yaml")
+    data["model"] = merge(to_dict(base.model), data.get("model") or {})
+    try:
+        return from_dict(FinetuneConfig, data)
+    except ConfigError as e:
+        raise ConfigError(e.key, e.reason + (f" (in {path})" if path else "")) from None
+
+
+def add_commands(commands) -> None:
+    ft = commands.add_parser(
+        "finetune",
+        help="SFT from a run: full, LoRA (experts included), QLoRA or the last layers; `finetune merge RUN`",
+        description="`marinlm finetune CONFIG [--key=value ...]` fine-tunes (configs/finetune/*.yaml); "
+        "`marinlm finetune merge RUN [--out DIR]` folds a LoRA run's adapters into plain weights.",
+    )
+    ft.add_argument("config", help="a fine-tuning YAML, or `merge`")
+    ft.add_argument("run", nargs="?", help="with merge: the fine-tuning run")
+    ft.add_argument("--resume", default="auto", help="auto, none, or a checkpoint or run folder")
+    ft.add_argument("--out", default=None, help="with merge: the folder of the merged run (default RUN/merged)")
+    ft.set_defaults(func=_finetune, takes_overrides=True)
+
+
+def _finetune(args: argparse.Namespace, overrides) -> int:
+    if args.config == "merge":
+        from marinlm.finetune.trainer import merge_run
+
+        if not args.run:
+            raise ValueError("finetune merge: name the fine-tuning run")
+        saved = merge_run(args.run, args.out)
+        print(f"merged run: {saved.parent.parent} (generate, eval and export take it)")
+        return 0
+    from marinlm.finetune.trainer import run_finetune
+
+    config = load_finetune_config(args.config, list(overrides))
+    summary = run_finetune(config, resume=args.resume)
+    if summary.get("validation"):
+        print(f"held-out answer loss {summary['validation']['val/answer_loss']:.4f}")
+    if summary.get("adapter"):
+        print(f"adapter (peft format): {summary['adapter']}")
+    return 0

@@ -1,0 +1,280 @@
+"""`marinlm finetune`: the trainer on SFT rows, from a base run's weights, with LoRA/QLoRA/freezing.
+
+Everything else is the pre-training loop (train/trainer.py): checkpoints, exact resume, metrics,
+progress, validation, torchrun with FSDP2. What differs is overridden here: the data (packed chat
+examples, finetune/data.py), the model (the base run's weights, then finetune/adapters.py, before
+the model is sharded), validation (the loss on held-out answers), and checkpoints, which keep only
+the tensors that train (the frozen base is the base run's, named by path).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from marinlm.config import ConfigError, dump_config
+from marinlm.finetune.adapters import (
+    apply_method,
+    dequantize_base,
+    freeze_router_biases,
+    merge_adapters,
+    save_peft_adapter,
+)
+from marinlm.finetune.config import FinetuneConfig
+from marinlm.finetune.data import SFTLoader, load_sft
+from marinlm.model.loss import IGNORE_INDEX
+from marinlm.tokenizer import MarinTokenizer
+from marinlm.train.checkpoint import load_tensors
+from marinlm.train.trainer import Trainer
+from marinlm.utils.io import write_text_atomic
+
+
+def base_checkpoint(config: FinetuneConfig) -> Path:
+    from marinlm.train.inference import resolve_checkpoint
+
+    return resolve_checkpoint(config.base).resolve()
+
+
+def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
+    """The base run's model tensors into the (plain, unsharded) model."""
+    tensors = {"model": get_model_state_dict(model)}
+    load_tensors(folder, tensors)
+    set_model_state_dict(model, tensors["model"])
+
+
+# The template marinlm tokenizers carried before it marked the assistant turns: it renders the same
+# text as today's CHAT_TEMPLATE, which therefore stands in for it.
+LEGACY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def chat_template(config: FinetuneConfig, tokenizer: MarinTokenizer, tokenizer_dir: Path) -> tuple[str, str]:
+    """(template, its name for messages): sft.chat_template's file, else the base tokenizer's own."""
+    from marinlm.tokenizer import CHAT_TEMPLATE
+
+    if config.sft.chat_template:
+        path = Path(config.sft.chat_template)
+        if not path.is_file():
+            raise ConfigError("sft.chat_template", f"{path}: no such template file")
+        return path.read_text(), str(path)
+    if not tokenizer.chat_template:
+        raise ConfigError("sft.chat_template", f"{tokenizer_dir}: the base tokenizer has no chat template; give one")
+    if tokenizer.chat_template == LEGACY_CHAT_TEMPLATE:
+        return (
+            CHAT_TEMPLATE,
+            "marinlm's chat template (configs/chat/marin.jinja; the base tokenizer's older copy renders alike)",
+        )
+    return tokenizer.chat_template, f"the chat_template of {tokenizer_dir / 'tokenizer_config.json'}"
+
+
+class FinetuneTrainer(Trainer):
+    config: FinetuneConfig
+
+    def __init__(self, config: FinetuneConfig, resume: str = "auto"):
+        if config.train.init == "sharded":
+            raise ConfigError(
+                "train.init", "fine-tuning loads the base weights whole before sharding; use full or auto"
+            )
+        self.base_folder = base_checkpoint(config)
+        super().__init__(config, resume)
+
+    # --- data -----------------------------------------------------------------------------------
+
+    def _open_data(self) -> None:
+        from marinlm.train.inference import checkpoint_tokenizer
+
+        c = self.config
+        tokenizer_dir = checkpoint_tokenizer(self.base_folder)
+        tokenizer = MarinTokenizer.load(tokenizer_dir)
+        trained_with = json.loads((self.base_folder / "trainer_state.json").read_text()).get("tokenizer_hash")
+        if trained_with is not None and trained_with != tokenizer.hash:
+            raise ValueError(f"{tokenizer_dir}: not the tokenizer {self.base_folder} was trained with")
+        self.tokenizer_hash = tokenizer.hash
+        self._tokenizer_source = str(tokenizer_dir)
+        self.chat_template, template_name = chat_template(c, tokenizer, tokenizer_dir)
+        self.sft_rows, self.sft_val, lines = load_sft(
+            c.sft, tokenizer_dir, self.chat_template, template_name, c.data.seq_len, tokenizer.pad_id, c.data.seed
+        )
+        if self.info.is_main:
+            for line in lines:
+                print(line, flush=True)
+
+    def _make_loader(self):
+        return SFTLoader(
+            self.sft_rows, self.micro_batch * self.world, self.info.rank, self.world, self.config.data.seed
+        )
+
+    def _val_sources(self) -> dict:
+        return {} if self.sft_val is None else {"sft": self.sft_val}
+
+    def _epochs_planned(self) -> list[float]:
+        c = self.config
+        epochs = self.loader.planned_epochs(c.train.steps * c.train.global_batch)
+        if self.info.is_main:
+            print(f"{self.loader.num_rows} packed rows of {c.data.seq_len} tokens; {epochs[0]:.2f} epochs", flush=True)
+        return epochs
+
+    def _data_record(self) -> list[dict]:
+        return [
+            {
+                "sft_train_files": self.config.sft.train_files,
+                "rows": self.loader.num_rows,
+                "epochs": self.epochs_planned[0],
+            }
+        ]
+
+    def _tokenizer_manifest(self) -> Path:
+        return self.base_folder / "trainer_state.json"
+
+    def _write_run_record(self, resumed_from) -> None:
+        super()._write_run_record(resumed_from)
+        # The template fine-tuning rendered with travels with the run: `generate --chat` and the
+        # export use it, not the base tokenizer's.
+        write_text_atomic(self.run_dir / "tokenizer" / "chat_template.jinja", self.chat_template)
+
+    # --- model ----------------------------------------------------------------------------------
+
+    def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        load_base_weights(model, self.base_folder)
+        self.adapt_info = apply_method(model, self.config)
+        freeze_router_biases(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+        self.trainable_parameters = trainable
+        if self.info.is_main:
+            print(
+                f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%), "
+                f"method {self.config.method}",
+                flush=True,
+            )
+        return model
+
+    def _state_dict_options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=True)
+
+    def _trainer_state(self) -> dict:
+        return {**super()._trainer_state(), "base_checkpoint": str(self.base_folder)}
+
+    # --- validation and the end -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self, result=None) -> dict[str, float] | None:
+        """Mean loss on the held-out examples' assistant tokens (every rank runs every batch: a
+        sharded model needs all of them in each forward)."""
+        if self.sft_val is None:
+            return None
+        rows = self.sft_val
+        v = self.config.validation
+        n = min(rows["input_ids"].shape[0], v.max_rows)
+        was_training = self.model.training
+        self.model.eval()
+        total, tokens = 0.0, 0
+        autocast = self.precision == "bf16"
+        for start in range(0, n, v.batch_size):
+            batch = {k: t[start : min(n, start + v.batch_size)].to(self.device) for k, t in rows.items()}
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                out = self.model(batch["input_ids"], batch["segment_ids"], batch["labels"], return_logits=False)
+            counted = int((batch["labels"] != IGNORE_INDEX).sum())
+            total += float(out.ce_loss) * counted
+            tokens += counted
+        self.model.train(was_training)
+        metrics = {"val/answer_loss": total / max(tokens, 1), "val/answer_tokens": float(tokens)}
+        self._last_validation_step, self.last_validation = self.step, metrics
+        if self.sinks is not None:
+            self.sinks.log(self.step, metrics)
+        return metrics
+
+    def fit(self) -> dict:
+        if self.step == 0 and self.sft_val is not None:  # the base model's answer loss, to compare with
+            base = self.validate()
+            if self.info.is_main:
+                print(f"base model: held-out answer loss {base['val/answer_loss']:.4f}", flush=True)
+        summary = super().fit()
+        summary["trainable_parameters"] = self.trainable_parameters
+        if self.info.is_main and self.config.method in ("lora", "qlora"):
+            save_peft_adapter(self.model, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
+            summary["adapter"] = str(self.run_dir / "adapter")
+        return summary
+
+
+def run_finetune(config: FinetuneConfig, resume: str = "auto") -> dict:
+    from marinlm.parallel import shutdown_distributed
+
+    trainer = None
+    try:
+        trainer = FinetuneTrainer(config, resume)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()
+
+
+def is_finetune_config(path: Path) -> bool:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    return isinstance(data, dict) and "method" in data and "base" in data
+
+
+def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True):
+    """(plain merged model, config) of a fine-tuning checkpoint: the base weights, the method's
+    adapters with this checkpoint's trained tensors, folded together."""
+    from marinlm.config import load_config
+    from marinlm.kernels import apply_kernels
+    from marinlm.model import MarinForCausalLM
+
+    config = load_config(FinetuneConfig, folder / "config.yaml")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    base = Path(state.get("base_checkpoint") or base_checkpoint(config))
+    if not base.is_dir():
+        raise FileNotFoundError(f"{folder}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
+    with torch.device("meta"):
+        model = MarinForCausalLM(config.model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    load_base_weights(model, base)
+    apply_method(model, config)
+    options = StateDictOptions(ignore_frozen_params=True)
+    tensors = {"model": get_model_state_dict(model, options=options)}
+    load_tensors(folder, tensors)
+    set_model_state_dict(model, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    merge_adapters(model)
+    dequantize_base(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model = model.float()
+    if kernels:
+        apply_kernels(model, torch.device(device), "fp32" if torch.device(device).type == "cpu" else "bf16")
+    return model.to(device).eval(), config
+
+
+def merge_run(run: str | Path, out_dir: str | Path | None = None) -> Path:
+    """`marinlm finetune merge RUN`: the newest checkpoint with its adapters folded in, written as a
+    plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft."""
+    from marinlm.hf.importer import save_run
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.inference import checkpoint_tokenizer, resolve_checkpoint
+
+    folder = resolve_checkpoint(run)
+    model, config = finetuned_model(folder)
+    out_dir = Path(out_dir) if out_dir else Path(run) / "merged"
+    if (out_dir / "checkpoints").exists():
+        raise ValueError(f"{out_dir}: already holds a run; remove it or give another folder")
+    plain = {k: v for k, v in vars(config).items() if k in TrainConfig.__dataclass_fields__}
+    train = TrainConfig(**{**plain, "run_dir": str(out_dir)})
+    train.checkpoint.init_from = None
+    tokenizer_dir = checkpoint_tokenizer(folder)
+    tokenizer = MarinTokenizer.load(tokenizer_dir)
+    step = json.loads((folder / "trainer_state.json").read_text())["step"]
+    saved = save_run(out_dir, train, model.state_dict(), tokenizer, {"merged_from": str(folder), "finetune_step": step})
+    print(f"merged {folder} -> {saved}", file=sys.stderr)
+    (out_dir / "config.yaml").write_text(dump_config(train))
+    return saved
