@@ -224,19 +224,55 @@ def dequantize_base(model: nn.Module) -> int:
     return count
 
 
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as one CPU tensor; a DTensor shard is gathered (a collective: every rank calls)."""
+    p = p.detach()
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).cpu()
+
+
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors under peft's names (`base_model.model.<module>.lora_A.weight`); the expert
-    adapters as `<experts>.lora_A_gate_proj` ... (peft has no grouped layout to name them by)."""
+    """The adapter tensors as peft names and lays them out: linear layers as
+    `base_model.model.<module>.lora_A.weight`; each experts stack as the ParamWrappers that peft's
+    `target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"]` nests (gate
+    innermost), A [E*r, in] and B [out, r*E], so peft loads our grouped adapters as its own."""
     out = {}
     for name, p in model.named_parameters():
-        if "lora_" not in name:
+        if ".lora_A.default." in name or ".lora_B.default." in name:
+            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            out[f"base_model.model.{key}"] = _whole(p).contiguous()
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedLoraExperts):
             continue
-        key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-        out[f"base_model.model.{key}"] = p.detach().cpu().contiguous()
+        for depth, proj in zip((2, 1, 0), EXPERT_PROJECTIONS):
+            a, b = _whole(getattr(module, f"lora_A_{proj}")), _whole(getattr(module, f"lora_B_{proj}"))
+            E, d_in, r = a.shape
+            prefix = f"base_model.model.{name}." + "base_layer." * depth
+            out[prefix + "lora_A.weight"] = a.permute(0, 2, 1).reshape(E * r, d_in).contiguous()
+            out[prefix + "lora_B.weight"] = b.permute(2, 1, 0).reshape(b.shape[2], r * E).contiguous()
     return out
 
 
-def save_peft_adapter(model: nn.Module, info: dict, folder: Path, base: str) -> None:
+def load_peft_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The inverse of `peft_state`, into a model adapted by `apply_method`."""
+    params = dict(model.named_parameters())
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedLoraExperts):
+            continue
+        for depth, proj in zip((2, 1, 0), EXPERT_PROJECTIONS):
+            prefix = f"base_model.model.{name}." + "base_layer." * depth
+            a, b = getattr(module, f"lora_A_{proj}"), getattr(module, f"lora_B_{proj}")
+            E, d_in, r = a.shape
+            with torch.no_grad():
+                a.copy_(state.pop(prefix + "lora_A.weight").view(E, r, d_in).permute(0, 2, 1))
+                b.copy_(state.pop(prefix + "lora_B.weight").view(b.shape[2], r, E).permute(2, 1, 0))
+    for key, tensor in state.items():
+        name = key.removeprefix("base_model.model.").replace(".lora_A.", ".lora_A.default.")
+        name = name.replace(".lora_B.", ".lora_B.default.")
+        with torch.no_grad():
+            params[name].copy_(tensor)
+
+
+def save_peft_adapter(state: dict[str, torch.Tensor], info: dict, folder: Path, base: str) -> None:
     """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
     import json
 
@@ -247,5 +283,7 @@ def save_peft_adapter(model: nn.Module, info: dict, folder: Path, base: str) -> 
     data = config.to_dict() if config is not None else {"peft_type": "LORA"}
     data = {k: (sorted(v) if isinstance(v, set) else v) for k, v in data.items()}
     data["base_model_name_or_path"] = base
+    if any(".experts." in k and ".lora_A." in k for k in state):
+        data["target_parameters"] = [f"experts.{p}" for p in EXPERT_PROJECTIONS]
     (folder / "adapter_config.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    save_file(peft_state(model), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

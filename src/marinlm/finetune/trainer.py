@@ -22,6 +22,7 @@ from marinlm.finetune.adapters import (
     dequantize_base,
     freeze_router_biases,
     merge_adapters,
+    peft_state,
     save_peft_adapter,
 )
 from marinlm.finetune.config import FinetuneConfig
@@ -157,7 +158,8 @@ class FinetuneTrainer(Trainer):
         return model
 
     def _state_dict_options(self) -> StateDictOptions:
-        return StateDictOptions(ignore_frozen_params=True)
+        # The frozen base is the base run's; a load checks the saved keys first (check_same_structure).
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def _trainer_state(self) -> dict:
         return {**super()._trainer_state(), "base_checkpoint": str(self.base_folder)}
@@ -198,8 +200,10 @@ class FinetuneTrainer(Trainer):
                 print(f"base model: held-out answer loss {base['val/answer_loss']:.4f}", flush=True)
         summary = super().fit()
         summary["trainable_parameters"] = self.trainable_parameters
-        if self.info.is_main and self.config.method in ("lora", "qlora"):
-            save_peft_adapter(self.model, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
+        if self.config.method in ("lora", "qlora"):  # every rank gathers its shards; the first writes
+            state = peft_state(self.model)
+            if self.info.is_main:
+                save_peft_adapter(state, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
             summary["adapter"] = str(self.run_dir / "adapter")
         return summary
 

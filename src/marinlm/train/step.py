@@ -142,7 +142,8 @@ def unwrap(model):
 
 
 def param_norm(model) -> float:
-    return _full_norm(torch.nn.utils.get_total_norm(list(model.parameters()))).item()
+    """The global norm of the floating-point weights (a 4-bit QLoRA base stores bytes: left out)."""
+    return _full_norm(torch.nn.utils.get_total_norm([p for p in model.parameters() if p.is_floating_point()])).item()
 
 
 def validate(model, batches, *, device, precision: str) -> dict[str, float]:

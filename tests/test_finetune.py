@@ -1,0 +1,408 @@
+"""Fine-tuning: masks from the chat template, packing, LoRA (grouped experts against peft), QLoRA,
+partial unfreezing, merging, and `marinlm finetune` end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from marinlm.config import from_dict, to_dict
+from marinlm.finetune.adapters import (
+    GroupedLoraExperts,
+    apply_method,
+    load_peft_state,
+    merge_adapters,
+    peft_state,
+)
+from marinlm.finetune.config import FinetuneConfig
+from marinlm.finetune.data import ChatRenderer, Examples, SFTDataError, pack, render_all
+from marinlm.hf.importer import save_run
+from marinlm.model.experts import RoutedExperts
+from marinlm.tokenizer import CHAT_TEMPLATE, MarinTokenizer, train_bpe
+from marinlm.train.config import TrainConfig
+
+from conftest import CONFIGS, SAMPLE_TEXTS, build, randomize_identity_inits, shared_data, tiny_config
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TWO_TURNS = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "It is 8."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    MarinTokenizer(train_bpe(SAMPLE_TEXTS * 20 + ["What is 2 + 3? It is 8. And 4 + 4?"] * 20, 450)).save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return MarinTokenizer.load(tok_dir)
+
+
+def sft_config(**overrides) -> FinetuneConfig:
+    data = {"base": "unused", "sft": {"train_files": ["unused.jsonl"]}, "model": to_dict(tiny_config(num_layers=2))}
+    for key, value in overrides.items():
+        data[key] = value
+    return from_dict(FinetuneConfig, data)
+
+
+def test_the_loss_mask_is_transformers_assistant_mask_token_for_token(tok_dir, tokenizer):
+    """Two assistant turns under the shipped template: the mask is HF's return_assistant_tokens_mask,
+    the ids are those marinlm's own renderer encodes, the labels of a packed row follow the mask
+    shifted by one, and the first answer token is a label (no off-by-one)."""
+    shipped = (CONFIGS / "chat" / "marin.jinja").read_text().rstrip("\n")
+    assert shipped == CHAT_TEMPLATE
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    expected = hf.apply_chat_template(
+        TWO_TURNS, chat_template=shipped, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = ChatRenderer(tok_dir, shipped, "marin.jinja").render(TWO_TURNS)
+    assert ids == list(expected["input_ids"]) and mask == list(expected["assistant_masks"])
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(TWO_TURNS), allow_special=True)
+    # the masked tokens spell the two answers and their end-of-turn tokens, nothing else
+    masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert masked == "2 + 3 = 5.<|end|>It is 8.<|end|>"
+    rows = pack(Examples([ids], [mask]), 128, tokenizer.pad_id)
+    labels = rows["labels"][0, : len(ids) - 1].tolist()
+    assert labels == [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
+    first = mask.index(1)
+    assert labels[first - 1] == ids[first]  # predicted from the token before it
+
+
+def test_a_template_without_generation_markers_is_refused_naming_it(tok_dir):
+    plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    with pytest.raises(SFTDataError, match=r"my.jinja: the chat template has no \{% generation %\} block"):
+        ChatRenderer(tok_dir, plain, "my.jinja")
+
+
+def test_examples_with_nothing_to_learn_are_skipped_and_mostly_empty_data_is_refused(tok_dir):
+    # a template whose markers cover system turns only: examples without one train nothing
+    plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    wrong = plain.replace(
+        "{% else %}{{ '<|' + message['role']",
+        "{% elif message['role'] == 'system' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+        "{% else %}{{ '<|' + message['role']",
+    )
+    renderer = ChatRenderer(tok_dir, wrong, "wrong.jinja")
+    config = sft_config().sft
+
+    def records(with_system: int, without: int):
+        pair = {"prompt": "What is 2 + 3?", "completion": "5"}
+        chat = {"messages": TWO_TURNS}
+        return [(f"f:{i}", chat) for i in range(with_system)] + [(f"g:{i}", pair) for i in range(without)]
+
+    kept = render_all(records(9, 1), config, renderer, 256, "train")
+    assert (len(kept.ids), kept.empty) == (9, 1)
+    with pytest.raises(
+        SFTDataError, match=r"7 of 10 examples have no trainable token under the chat template wrong.jinja"
+    ):
+        render_all(records(3, 7), config, renderer, 256, "train")
+
+
+def test_a_packed_row_has_the_token_weighted_loss_of_its_examples_run_one_by_one(tok_dir, tokenizer):
+    renderer = ChatRenderer(tok_dir, CHAT_TEMPLATE, "marin")
+    chats = [
+        TWO_TURNS,
+        [{"role": "user", "content": "Shall I compare thee?"}, {"role": "assistant", "content": "To a summer's day."}],
+        [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "    return x + 1"}],
+    ]
+    rendered = [renderer.render(c) for c in chats]
+    examples = Examples([r[0] for r in rendered], [r[1] for r in rendered])
+    model = build(tiny_config(num_layers=2, vocab_size=512, attention={"sliding_window": 8}), seed=0).eval()
+    randomize_identity_inits(model)
+    row = pack(examples, 200, tokenizer.pad_id)
+    assert row["input_ids"].shape[0] == 1  # all three in one row
+    with torch.no_grad():
+        packed = model(row["input_ids"], row["segment_ids"], row["labels"])
+        total, count = 0.0, 0
+        for ex in rendered:
+            alone = pack(Examples([ex[0]], [ex[1]]), len(ex[0]), tokenizer.pad_id)
+            out = model(alone["input_ids"], None, alone["labels"])
+            total += float(out.ce_loss) * out.num_tokens
+            count += out.num_tokens
+    assert packed.num_tokens == count
+    assert float(packed.ce_loss) == pytest.approx(total / count, rel=1e-5)
+
+
+def grouped_and_peft(E=4, D=16, F=8, r=4, alpha=8.0):
+    """Our grouped expert LoRA and peft's target_parameters on the same experts and adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    ours = RoutedExperts(E, D, F, 0.02, impl="loop")
+    ours.reset_parameters()
+
+    class Box(torch.nn.Module):
+        def __init__(self, experts):
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, x, e, w):
+            return self.experts(x, e, w)[0]
+
+    theirs = RoutedExperts(E, D, F, 0.02, impl="loop")
+    theirs.load_state_dict(ours.state_dict())
+    theirs.is_transposed = True  # ours are [E, in, out]; peft's default reading is [E, out, in]
+    targets = [f"experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    peft_model = get_peft_model(Box(theirs), LoraConfig(r=r, lora_alpha=alpha, target_parameters=targets))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    ours.__class__ = GroupedLoraExperts
+    ours.add_lora(r, alpha, 0.0)
+    box = Box(ours)
+    state = {k.replace(".default", ""): v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    load_peft_state(box, dict(state))
+    return box, peft_model, state
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_grouped_expert_lora_matches_peft_target_parameters(impl):
+    """Same adapters (moved into our layout by the same mapping that saves them in peft's), same
+    outputs and gradients, on either expert path."""
+    ours, theirs, state = grouped_and_peft()
+    ours.experts.impl = impl
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 16, generator=g)
+    experts = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12)])
+    weights = torch.rand(12, 2, generator=g)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa, experts, weights), theirs(xb, experts, weights)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-6)
+    (ya.square().sum()).backward()
+    (yb.square().sum()).backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
+    # the adapters' gradients, read back in peft's layout
+    grads_ours = peft_state(_grads_as_params(ours))
+    grads_theirs = {k.replace(".default", ""): p.grad for k, p in theirs.named_parameters() if "lora_" in k}
+    assert sorted(grads_ours) == sorted(grads_theirs) == sorted(state)
+    for key, grad in grads_theirs.items():  # fp32 sums in another order: relative to the largest entry
+        assert (grads_ours[key] - grad).abs().max() <= 1e-5 * grad.abs().max(), key
+
+
+def _grads_as_params(box):
+    """A copy of `box` whose adapter parameters hold their gradients (for peft_state's layout)."""
+    import copy
+
+    twin = copy.deepcopy(box)
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(box.named_parameters(), twin.named_parameters()):
+            if p.grad is not None:
+                q.copy_(p.grad)
+    return twin
+
+
+def test_merged_lora_computes_what_the_adapters_did(tokenizer):
+    config = sft_config(method="lora", lora={"r": 4, "alpha": 8.0, "experts": True})
+    model = build(config.model, seed=0).eval()
+    randomize_identity_inits(model)
+    info = apply_method(model, config)
+    assert info["lora_targets"] and any(isinstance(m, GroupedLoraExperts) for m in model.modules())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids = torch.randint(0, 400, (2, 40))
+    with torch.no_grad():
+        adapted = model(ids).logits
+        assert merge_adapters(model) == len(info["lora_targets"]) + config.model.num_layers
+        merged = model(ids).logits
+    assert not any("lora_" in n for n, _ in model.named_parameters())
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
+
+
+def expected_lora_count(config: FinetuneConfig, model) -> int:
+    """r * (in + out) for each adapted linear layer (attention, shared experts, latent projections:
+    the default targets), and per expert for each of the three routed stacks."""
+    r, n = config.lora.r, 0
+    adapted = r"\.attn\.[qkvo]_proj$|\.mlp\.shared\.\d+\.(gate|up|down)_proj$|\.mlp\.latent_(down|up)$"
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and re.search(adapted, name):
+            n += r * (m.in_features + m.out_features)
+        if isinstance(m, RoutedExperts):
+            E, D, F = m.gate_proj.shape
+            n += 3 * E * r * (D + F)
+    return n
+
+
+# --- end to end ------------------------------------------------------------------------------------
+
+
+def gsm8k_slice(tmp_path, train: int, test: int):
+    out = {}
+    for split, n in (("train", train), ("test", test)):
+        lines = shared_data("sft", f"gsm8k_{split}.jsonl").read_text().splitlines()[:n]
+        (tmp_path / f"gsm8k_{split}.jsonl").write_text("\n".join(lines) + "\n")
+        out[split] = str(tmp_path / f"gsm8k_{split}.jsonl")
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A tiny base model trained for nothing: random weights, a tokenizer that knows some digits."""
+    root = tmp_path_factory.mktemp("base")
+    texts = SAMPLE_TEXTS * 20 + [json.loads(line)["answer"] for line in _gsm8k_lines(200)]
+    tok = MarinTokenizer(train_bpe(texts, 800))
+    # dropless experts: capacity would depend on the rows per forward, which differ between layouts
+    config = tiny_config(num_layers=2, vocab_size=896, attention={"sliding_window": 64}, moe={"capacity_factor": None})
+    model = build(config, seed=0)
+    save_run(root / "run", replace(TrainConfig(model=config), run_dir=str(root / "run")), model.state_dict(), tok, {})
+    return root / "run"
+
+
+def _gsm8k_lines(n):
+    return shared_data("sft", "gsm8k_train.jsonl").read_text().splitlines()[-n:]
+
+
+def finetune_args(base_run, files, run_dir, method, steps=12, **extra):
+    args = [
+        f"--base={base_run}",
+        f"--run_dir={run_dir}",
+        f"--method={method}",
+        f"--sft.train_files=[{files['train']}]",
+        f"--sft.val_files=[{files['test']}]",
+        f"--train.steps={steps}",
+        "--train.global_batch=4",
+        "--validation.every_steps=0",
+        "--checkpoint.every_steps=6",
+        "--logging.every_steps=1",
+        "--logging.tensorboard=false",
+    ]
+    return args + [f"--{k}={v}" for k, v in extra.items()]
+
+
+MODES = {
+    "full": {"optim.lr": 1e-3},
+    "lora": {"optim.lr": 1e-2, "lora.r": 8},
+    "qlora": {"optim.lr": 1e-2, "lora.r": 8},
+    "freeze": {"optim.lr": 3e-3, "freeze.last_layers": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(MODES))
+def test_finetuning_lowers_the_held_out_answer_loss(tmp_path, base_run, method, capsys):
+    """Each mode, a few steps of SFT on GSM8K answers: the held-out answer loss falls below the base
+    model's; the trainable count printed at start is the one the method implies; the run generates
+    with its chat template, evaluates and exports."""
+    from marinlm.cli import main
+    from marinlm.train.inference import load_model
+
+    files = gsm8k_slice(tmp_path, 64, 16)
+    config_file = CONFIGS / "finetune" / "gsm8k-lora.yaml"
+    run = tmp_path / "run"
+    assert main(["finetune", str(config_file), *finetune_args(base_run, files, run, method, **MODES[method])]) == 0
+    out = capsys.readouterr().out
+    base = float(re.search(r"base model: held-out answer loss ([\d.]+)", out).group(1))
+    final = float(re.search(r"^held-out answer loss ([\d.]+)", out, re.M).group(1))
+    assert final < base - 0.1, (base, final)
+    trainable = int(re.search(r"trainable parameters: ([\d,]+)", out).group(1).replace(",", ""))
+    model = build(load_model(base_run).config.model, seed=0)
+    if method == "full":
+        assert trainable == sum(p.numel() for p in model.parameters())
+    elif method == "freeze":
+        expected = sum(
+            p.numel() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm", "lm_head"))
+        )
+        assert trainable == expected  # 2 layers of 2: every block, the final norm and the head
+    else:
+        config = replace(sft_config(), lora=replace(sft_config().lora, r=8))
+        assert trainable == expected_lora_count(config, model)
+        saved = json.loads((run / "adapter" / "adapter_config.json").read_text())
+        assert saved["r"] == 8 and saved["target_parameters"] == [
+            f"experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+        ]
+    # the fine-tuned run, merged on load, computes what the merged run does
+    loaded = load_model(run)
+    assert main(["finetune", "merge", str(run)]) == 0
+    merged = load_model(run / "merged")
+    ids = torch.randint(0, 800, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, merged.model(ids).logits, rtol=0, atol=1e-5)
+    assert main(["generate", str(run), "--chat", "--prompt", "What is 2 + 3?", "--max-new-tokens", "4"]) == 0
+    assert (run / "tokenizer" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+
+
+@pytest.mark.slow
+def test_a_finetune_resumes_exactly(tmp_path, base_run):
+    """A second run resumed from the first one's step-4 checkpoint takes steps 5-8 exactly as the
+    first did: the trained tensors, the optimizer, the schedule and the SFT loader's position."""
+    from marinlm.cli import main
+    from marinlm.train.metrics import read_metrics
+
+    files = gsm8k_slice(tmp_path, 48, 8)
+    config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
+    straight = finetune_args(base_run, files, tmp_path / "a", "lora", steps=8, **{"checkpoint.every_steps": 4})
+    assert main(["finetune", config_file, *straight, "--checkpoint.keep_last=2"]) == 0
+    resumed = finetune_args(base_run, files, tmp_path / "b", "lora", steps=8, **{"checkpoint.every_steps": 4})
+    assert (
+        main(["finetune", config_file, *resumed, "--resume", str(tmp_path / "a" / "checkpoints" / "step-00000004")])
+        == 0
+    )
+
+    def losses(run):
+        return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
+
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == [5, 6, 7, 8] and all(a[step] == b[step] for step in b), (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_under_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, base_run):
+    import subprocess
+    import sys
+
+    from marinlm.cli import main
+    from marinlm.train.metrics import read_metrics
+
+    from conftest import ROOT
+
+    files = gsm8k_slice(tmp_path, 48, 8)
+    config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
+    common = {"checkpoint.every_steps": 3, "optim.lr": 1e-2}
+    assert (
+        main(["finetune", config_file, *finetune_args(base_run, files, tmp_path / "one", "lora", steps=3, **common)])
+        == 0
+    )
+    two = finetune_args(base_run, files, tmp_path / "two", "lora", steps=3, **common)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={29671 + len(tmp_path.name) % 40}",
+    ]
+    done = subprocess.run(
+        [*cmd, "-m", "marinlm.cli", "finetune", config_file, *two],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def losses(run):
+        return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
+
+    one, two_ranks = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(one) == sorted(two_ranks) == [1, 2, 3]
+    for step, loss in one.items():
+        assert two_ranks[step] == pytest.approx(loss, rel=1e-5), step
+    # the 2-rank checkpoint goes on in one process
+    more = finetune_args(base_run, files, tmp_path / "two", "lora", steps=4, **common)
+    assert main(["finetune", config_file, *more]) == 0
+    assert 4 in losses(tmp_path / "two")
