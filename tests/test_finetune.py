@@ -3,6 +3,7 @@ partial unfreezing, merging, and `marinlm finetune` end to end."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import replace
@@ -12,11 +13,13 @@ import torch
 
 from marinlm.config import from_dict, to_dict
 from marinlm.finetune.adapters import (
+    ExpertsBox,
     GroupedLoraExperts,
     apply_method,
     load_peft_state,
     merge_adapters,
     peft_state,
+    peft_twin,
 )
 from marinlm.finetune.config import FinetuneConfig
 from marinlm.finetune.data import ChatRenderer, Examples, SFTDataError, pack, render_all
@@ -137,36 +140,25 @@ def test_a_packed_row_has_the_token_weighted_loss_of_its_examples_run_one_by_one
 
 
 def grouped_and_peft(E=4, D=16, F=8, r=4, alpha=8.0):
-    """Our grouped expert LoRA and peft's target_parameters on the same experts and adapters."""
-    from peft import LoraConfig, get_peft_model
-
+    """Our grouped expert LoRA (random adapters) and peft's target_parameters twin of it."""
     torch.manual_seed(0)
-    ours = RoutedExperts(E, D, F, 0.02, impl="loop")
-    ours.reset_parameters()
-
-    class Box(torch.nn.Module):
-        def __init__(self, experts):
-            super().__init__()
-            self.experts = experts
-
-        def forward(self, x, e, w):
-            return self.experts(x, e, w)[0]
-
-    theirs = RoutedExperts(E, D, F, 0.02, impl="loop")
-    theirs.load_state_dict(ours.state_dict())
-    theirs.is_transposed = True  # ours are [E, in, out]; peft's default reading is [E, out, in]
-    targets = [f"experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    peft_model = get_peft_model(Box(theirs), LoraConfig(r=r, lora_alpha=alpha, target_parameters=targets))
+    experts = RoutedExperts(E, D, F, 0.02, impl="loop")
+    experts.reset_parameters()
+    experts.__class__ = GroupedLoraExperts
+    experts.add_lora(r, alpha, 0.0)
     with torch.no_grad():
-        for name, p in peft_model.named_parameters():
+        for name, p in experts.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.3)
-    ours.__class__ = GroupedLoraExperts
-    ours.add_lora(r, alpha, 0.0)
-    box = Box(ours)
-    state = {k.replace(".default", ""): v for k, v in peft_model.state_dict().items() if "lora_" in k}
-    load_peft_state(box, dict(state))
-    return box, peft_model, state
+    box = ExpertsBox(experts)
+    twin = peft_twin(box)
+    state = {k.replace(".default", ""): v for k, v in twin.state_dict().items() if "lora_" in k}
+    # and back: peft's tensors load into ours (as a saved adapter does)
+    again = ExpertsBox(copy.deepcopy(experts))
+    load_peft_state(again, dict(state))
+    for (name, a), (_, b) in zip(box.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+    return box, twin, state
 
 
 @pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
@@ -195,8 +187,6 @@ def test_grouped_expert_lora_matches_peft_target_parameters(impl):
 
 def _grads_as_params(box):
     """A copy of `box` whose adapter parameters hold their gradients (for peft_state's layout)."""
-    import copy
-
     twin = copy.deepcopy(box)
     with torch.no_grad():
         for (_, p), (_, q) in zip(box.named_parameters(), twin.named_parameters()):

@@ -68,6 +68,20 @@ def _tokenizer_train(args, overrides) -> int:
     return 0
 
 
+def _tokenizer_template(args, overrides) -> int:
+    from marinlm.tokenizer import with_chat_template
+
+    template = Path(args.template).read_text() if args.template else None
+    tok = with_chat_template(args.tokenizer, args.out, template, args.add_special_tokens)
+    added = (
+        f", {len(args.add_special_tokens)} special tokens added (vocab {tok.vocab_size})"
+        if args.add_special_tokens
+        else ""
+    )
+    print(f"{args.out}: tokenizer {tok.hash[:12]}…{added}; chat template {'set' if template else 'kept'}")
+    return 0
+
+
 def _tokenize(args, overrides) -> int:
     from marinlm.dataset.tokenize import TokenizeConfig, document_ids, fraction_holding_out_one, tokenize
 
@@ -440,6 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
     train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
     _add_print_config(train_tok, "tokenizer")
     train_tok.set_defaults(func=_tokenizer_train, takes_overrides=True)
+    chat_tok = tokenizer.add_parser(
+        "template", help="give a trained tokenizer a chat template and/or new special tokens (for fine-tuning)"
+    )
+    chat_tok.add_argument(
+        "tokenizer", help="a tokenizer folder (a run's tokenizer/, or marinlm tokenizer train's output)"
+    )
+    chat_tok.add_argument("--template", default=None, help="a Jinja chat template file, e.g. configs/chat/marin.jinja")
+    chat_tok.add_argument("--add-special-tokens", nargs="+", default=[], metavar="TOKEN")
+    chat_tok.add_argument("--out", required=True, help="the folder to write (the original is left as it is)")
+    chat_tok.set_defaults(func=_tokenizer_template)
 
     train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
     train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")

@@ -124,6 +124,9 @@ class MarinTokenizer:
         # reads it; `load` takes a folder's own (a fine-tuning template, or an imported model's).
         self.chat_template: str | None = CHAT_TEMPLATE if ours else None
         self.special_ids = {t: vocab[t] for t in [*SPECIAL_TOKENS, *self.names.values()] if t in vocab}
+        for i, token in sorted(tokenizer.get_added_tokens_decoder().items()):  # e.g. `tokenizer template`'s
+            if token.special:
+                self.special_ids.setdefault(token.content, i)
         # Text is text: a document that happens to contain "<|eos|>" must not end there. (Not
         # saved with the tokenizer, so the hash and what transformers loads are unchanged.)
         self.backend.encode_special_tokens = True
@@ -210,6 +213,35 @@ class MarinTokenizer:
         elif config_path.is_file():
             tok.chat_template = json.loads(config_path.read_text()).get("chat_template") or tok.chat_template
         return tok
+
+
+def with_chat_template(
+    folder: str | Path, out: str | Path, template: str | None = None, add_special_tokens: list[str] = ()
+) -> MarinTokenizer:
+    """A copy of tokenizer `folder` in `out` with a chat template and extra special tokens. New tokens
+    get the next ids, so every existing id means what it did: a model trained with the original
+    keeps its embeddings, and its vocab_size must exceed the new ids (fine-tuning checks)."""
+    from tokenizers import AddedToken
+
+    tok = MarinTokenizer.load(folder)
+    if template is not None:
+        if "{{" not in template and "{%" not in template:
+            raise ValueError("--template: that file is not a Jinja template")
+        tok.chat_template = template
+    if add_special_tokens:
+        known = [t for t in add_special_tokens if t in tok.backend.get_vocab()]
+        if known:
+            raise ValueError(f"--add-special-tokens: {known} already in the vocabulary")
+        tok.backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in add_special_tokens])
+        tok = MarinTokenizer(tok.backend, None if tok.names == {"bos": BOS, "eos": EOS, "pad": PAD} else tok.names)
+        tok.chat_template = template or MarinTokenizer.load(folder).chat_template
+    out = Path(out)
+    if out.resolve() == Path(folder).resolve():
+        raise ValueError("--out: write a new folder; runs and token shards name the original by its hash")
+    tok.save(out)
+    if tok.chat_template:
+        write_text_atomic(out / "chat_template.jinja", tok.chat_template)
+    return tok
 
 
 def _foreign_names(config_path: Path) -> dict[str, str]:

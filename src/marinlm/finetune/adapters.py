@@ -272,6 +272,45 @@ def load_peft_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             params[name].copy_(tensor)
 
 
+class ExpertsBox(nn.Module):
+    """One experts module as a model of its own: forward(x, experts, weights) -> y."""
+
+    def __init__(self, experts: RoutedExperts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, experts_NK, weights_NK):
+        return self.experts(x, experts_NK, weights_NK)[0]
+
+
+def peft_twin(box: ExpertsBox) -> nn.Module:
+    """The same base experts under peft's `target_parameters` LoRA, holding our grouped adapters'
+    values (the `peft_state` layout): the peer that tests and bench/expert_lora.py compare with."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    grouped = box.experts
+    base = copy.deepcopy(grouped)
+    for proj in EXPERT_PROJECTIONS:
+        delattr(base, f"lora_A_{proj}")
+        delattr(base, f"lora_B_{proj}")
+    base.__class__ = RoutedExperts
+    base.is_transposed = True  # ours are [E, in, out]; peft's default reading is [E, out, in]
+    config = LoraConfig(
+        r=grouped.lora_r,
+        lora_alpha=grouped.lora_scale * grouped.lora_r,
+        target_parameters=[f"experts.{p}" for p in EXPERT_PROJECTIONS],
+    )
+    twin = get_peft_model(ExpertsBox(base), config)
+    ours = peft_state(box)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if "lora_" in name:
+                p.copy_(ours[name.replace(".default", "")])
+    return twin
+
+
 def save_peft_adapter(state: dict[str, torch.Tensor], info: dict, folder: Path, base: str) -> None:
     """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
     import json

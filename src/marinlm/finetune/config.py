@@ -32,7 +32,10 @@ class SFTDataConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     system_prompt: str | None = None  # put first in prompt/completion examples
-    chat_template: str | None = None  # a .jinja file; None = the base tokenizer's own
+    chat_template: str | None = None  # a .jinja file; None = the tokenizer's own
+    # A tokenizer folder extending the base run's (`marinlm tokenizer template --add-special-tokens`):
+    # every base id unchanged, the new ones below model.vocab_size. None = the base run's.
+    tokenizer: str | None = None
     max_examples: int = 0  # the first N training examples (0 = all)
     max_val_examples: int = 0
     # Share of examples with no trainable token above which the data is refused (a template

@@ -75,6 +75,22 @@ def chat_template(config: FinetuneConfig, tokenizer: MarinTokenizer, tokenizer_d
     return tokenizer.chat_template, f"the chat_template of {tokenizer_dir / 'tokenizer_config.json'}"
 
 
+def extended_tokenizer(base: MarinTokenizer, folder: Path, config: FinetuneConfig) -> MarinTokenizer:
+    """sft.tokenizer, checked to extend the base run's: its embeddings must still mean the same tokens."""
+    new = MarinTokenizer.load(folder)
+    new_vocab = new.backend.get_vocab()
+    changed = [t for t, i in base.backend.get_vocab().items() if new_vocab.get(t) != i]
+    if changed:
+        raise ConfigError("sft.tokenizer", f"{folder}: {len(changed)} base tokens have other ids, e.g. {changed[0]!r}")
+    if new.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            "sft.tokenizer",
+            f"{folder}: {new.vocab_size} tokens, more than the model's vocab_size {config.model.vocab_size}; the new "
+            "special tokens need rows of the embedding the base model has",
+        )
+    return new
+
+
 class FinetuneTrainer(Trainer):
     config: FinetuneConfig
 
@@ -97,6 +113,8 @@ class FinetuneTrainer(Trainer):
         trained_with = json.loads((self.base_folder / "trainer_state.json").read_text()).get("tokenizer_hash")
         if trained_with is not None and trained_with != tokenizer.hash:
             raise ValueError(f"{tokenizer_dir}: not the tokenizer {self.base_folder} was trained with")
+        if c.sft.tokenizer:
+            tokenizer_dir, tokenizer = Path(c.sft.tokenizer), extended_tokenizer(tokenizer, Path(c.sft.tokenizer), c)
         self.tokenizer_hash = tokenizer.hash
         self._tokenizer_source = str(tokenizer_dir)
         self.chat_template, template_name = chat_template(c, tokenizer, tokenizer_dir)
@@ -144,10 +162,10 @@ class FinetuneTrainer(Trainer):
 
     def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         load_base_weights(model, self.base_folder)
+        total = sum(p.numel() for p in model.parameters())  # the base's, before 4-bit packing halves numel()
         self.adapt_info = apply_method(model, self.config)
         freeze_router_biases(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
         self.trainable_parameters = trainable
         if self.info.is_main:
             print(
