@@ -396,3 +396,49 @@ def test_lora_under_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_one(t
     more = finetune_args(base_run, files, tmp_path / "two", "lora", steps=4, **common)
     assert main(["finetune", config_file, *more]) == 0
     assert 4 in losses(tmp_path / "two")
+
+
+def test_answers_cut_off_by_seq_len_are_blamed_on_the_length_not_the_template(tok_dir):
+    renderer = ChatRenderer(tok_dir, CHAT_TEMPLATE, "marin")
+    long = {"prompt": "What is two plus three? " * 30, "completion": "5"}
+    with pytest.raises(SFTDataError, match=r"in 3 of 3 examples the answer starts past data.seq_len=32 tokens"):
+        render_all([(f"f:{i}", long) for i in range(3)], sft_config().sft, renderer, 32, "train")
+    kept = render_all(
+        [("f:0", {"prompt": "What is 2 + 3?", "completion": "It is five. " * 20})], sft_config().sft, renderer, 32, "t"
+    )
+    assert kept.truncated == 1 and len(kept.ids[0]) == 32
+
+
+def test_tokenizer_template_adds_a_template_and_special_tokens_keeping_every_id(tok_dir, tokenizer, tmp_path):
+    from marinlm.cli import main
+
+    template = tmp_path / "t.jinja"
+    template.write_text(CHAT_TEMPLATE.replace("<|end|>", "<|end|><|tool|>"))
+    out = tmp_path / "ext"
+    assert (
+        main(
+            [
+                "tokenizer",
+                "template",
+                str(tok_dir),
+                "--template",
+                str(template),
+                "--add-special-tokens",
+                "<|tool|>",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    ext = MarinTokenizer.load(out)
+    assert ext.vocab_size == tokenizer.vocab_size + 1 and ext.special_ids["<|tool|>"] == tokenizer.vocab_size
+    assert all(ext.backend.get_vocab()[t] == i for t, i in tokenizer.backend.get_vocab().items())
+    assert ext.chat_template == template.read_text()
+    assert ext.encode("<|tool|>", allow_special=True) == [tokenizer.vocab_size]
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert hf("<|tool|>", add_special_tokens=False).input_ids == [tokenizer.vocab_size]
+    assert (
+        main(["tokenizer", "template", str(tok_dir), "--add-special-tokens", "<|user|>", "--out", str(tmp_path / "x")])
+        == 2
+    )

@@ -121,11 +121,15 @@ class Examples:
 
     ids: list[list[int]]
     masks: list[list[int]]
-    empty: int = 0  # no trainable token (within seq_len): skipped
-    truncated: int = 0  # longer than seq_len: cut to it
+    empty: int = 0  # no trainable token under the template: skipped
+    cut_off: int = 0  # trainable tokens only past seq_len: skipped
+    truncated: int = 0  # longer than seq_len, trainable tokens within it: cut to it
 
     def report(self, name: str) -> str:
-        left_out = f"{self.empty} skipped with no trainable token, {self.truncated} cut to seq_len"
+        left_out = (
+            f"{self.empty} skipped with no trainable token, {self.cut_off} whose answer starts past seq_len, "
+            f"{self.truncated} cut to seq_len"
+        )
         return f"{name}: {len(self.ids)} examples, {left_out}"
 
 
@@ -133,20 +137,28 @@ def render_all(records, config: SFTDataConfig, renderer: ChatRenderer, seq_len: 
     out = Examples([], [])
     for where, record in records:
         ids, mask = renderer.render(to_messages(record, config, where))
-        if len(ids) > seq_len:  # the answer's end is lost, its start still trains
-            ids, mask = ids[:seq_len], mask[:seq_len]
-            out.truncated += 1
         if not any(mask[1:]):  # the first token is never predicted
             out.empty += 1
-        else:
-            out.ids.append(ids)
-            out.masks.append(mask)
-    total = out.empty + len(out.ids)
+            continue
+        if len(ids) > seq_len:  # the answer's end is lost, its start still trains
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            if not any(mask[1:]):
+                out.cut_off += 1
+                continue
+            out.truncated += 1
+        out.ids.append(ids)
+        out.masks.append(mask)
+    total = out.empty + out.cut_off + len(out.ids)
     if total and out.empty / total > config.max_empty_fraction:
         raise SFTDataError(
             f"{name}: {out.empty} of {total} examples have no trainable token under the chat template "
             f"{renderer.template_name}: its {{% generation %}} blocks do not cover the assistant turns "
             f"(sft.max_empty_fraction {config.max_empty_fraction})"
+        )
+    if total and out.cut_off / total > config.max_empty_fraction:
+        raise SFTDataError(
+            f"{name}: in {out.cut_off} of {total} examples the answer starts past data.seq_len={seq_len} tokens; "
+            "raise data.seq_len (up to the model's max_seq_len) or shorten the prompts"
         )
     if not out.ids:
         raise SFTDataError(f"{name}: no usable example ({out.report(name)})")
