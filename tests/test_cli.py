@@ -133,7 +133,7 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, cap
 
 
 def test_a_diverged_run_ends_with_its_message_and_no_traceback(monkeypatch, capsys):
-    import marinlm.train.trainer as trainer
+    import marinlm.train.run as trainer
     from marinlm.train.signals import TrainingDiverged
 
     def diverge(config, resume):
@@ -366,19 +366,28 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
         ("_quickstart", ["quickstart"], "interrupted; the same command carries on from the last finished unit"),
         ("_train", ["train", "x.yaml"], "interrupted; the same command carries on from the last finished unit"),
         ("_generate", ["generate", "run", "--prompt", "a"], "interrupted"),
-        ("_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
+        ("marinlm.eval.commands:_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
+        (
+            "marinlm.finetune.commands:_finetune",
+            ["finetune", "x.yaml"],
+            "interrupted; the same command carries on from the last finished unit",
+        ),
     ],
 )
 def test_ctrl_c_outside_training_exits_130_and_says_whether_a_rerun_carries_on(
     command, argv, says, monkeypatch, capsys
 ):
-    """Ctrl-C in `generate` said the same command would carry on 'curation and tokenization'."""
-    import marinlm.cli as cli
+    """Ctrl-C in `generate` said the same command would carry on 'curation and tokenization'. Which
+    commands resume comes from the command table (marinlm/commands.py)."""
+    import importlib
+
+    module, _, name = command.rpartition(":")
+    owner = importlib.import_module(module or "marinlm.cli")
 
     def interrupted(args, overrides):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, command, interrupted)
+    monkeypatch.setattr(owner, name, interrupted)
     assert main(argv) == 130
     assert capsys.readouterr().err.strip() == says
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import pytest
@@ -118,19 +118,22 @@ def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):
 
 
 def test_a_config_given_to_the_wrong_command_says_what_it_is(tmp_path):
+    from marinlm.commands import config_kinds
     from marinlm.data.pipeline import PipelineConfig
     from marinlm.train.config import TrainConfig
+
+    kinds = config_kinds()  # the commands' table, as the CLI passes it (config/ knows no commands)
 
     with pytest.raises(
         ConfigError, match=r"that file is a data curation config \(for `marinlm data run`\), not a Train"
     ):
-        load_config(TrainConfig, CONFIGS / "data" / "quickstart.yaml")
+        load_config(TrainConfig, CONFIGS / "data" / "quickstart.yaml", kinds=kinds)
     with pytest.raises(
         ConfigError, match=r"that file is a training config \(for `marinlm train`\), not a PipelineConfig"
     ):
-        load_config(PipelineConfig, CONFIGS / "train" / "tiny.yaml")
+        load_config(PipelineConfig, CONFIGS / "train" / "tiny.yaml", kinds=kinds)
     with pytest.raises(ConfigError, match=r"that file is a model config"):
-        load_config(TrainConfig, CONFIGS / "model" / "tiny.yaml")
+        load_config(TrainConfig, CONFIGS / "model" / "tiny.yaml", kinds=kinds)
     # A typo in a file of the right kind is only the unknown key, with no guess at another kind.
     typo = tmp_path / "typo.yaml"
     typo.write_text((CONFIGS / "model" / "tiny.yaml").read_text() + "d_modle: 64\n")
@@ -356,3 +359,21 @@ def test_a_copy_of_a_shipped_config_elsewhere_finds_the_shipped_configs_it_names
     own = load_config(MarinConfig, CONFIGS / "model" / "tiny.yaml", ["--num_layers=2"])
     save_config(own, tmp_path / "model" / "tiny.yaml")
     assert load_config(TrainConfig, copy).model.num_layers == 2
+
+
+def test_a_file_given_for_a_section_replaces_it():
+    """`--model=FILE` on a training config is FILE's model, not tiny's with FILE's keys merged in
+    (which kept tiny's num_global_kv_heads: 1 in a "qwen3-moe-style" run); keys after it edit it."""
+    from marinlm.train.config import TrainConfig
+
+    qwen = load_config(MarinConfig, CONFIGS / "model" / "qwen3-moe-style.yaml")
+    swapped = load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--model=configs/model/qwen3-moe-style.yaml"])
+    assert swapped.model == qwen
+    edited = load_config(
+        TrainConfig,
+        CONFIGS / "train" / "tiny.yaml",
+        ["--model=configs/model/qwen3-moe-style.yaml", "--model.num_layers=2"],
+    )
+    assert edited.model == replace(qwen, num_layers=2)
+    # the rest of the training config stays the file's
+    assert swapped.optim == load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml").optim

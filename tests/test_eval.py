@@ -513,7 +513,7 @@ def strip_checkpoint_tokenizer(folder: Path) -> None:
 @pytest.mark.slow
 def test_eval_hook_logs_during_training(token_data, tmp_path):
     from marinlm.train.metrics import read_metrics
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     write_tasks(tmp_path / "tasks")
     config = train_config(
@@ -546,7 +546,7 @@ def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path
     eval/generate RUN` warn and use the newest good one; naming the damaged one is an error."""
     from marinlm.train.checkpoint import CheckpointError
     from marinlm.train.inference import load_model, resolve_checkpoint
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}, checkpoint={"every_steps": 2}))
     newest = tmp_path / "run" / "checkpoints" / "step-00000004"
@@ -570,7 +570,7 @@ def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token
     import shutil
 
     from marinlm.train.inference import load_model
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 2}, checkpoint={"every_steps": 2}))
     saved = tmp_path / "run" / "checkpoints" / "step-00000002"
@@ -596,7 +596,7 @@ def test_each_sources_validation_loss_is_logged_in_training_and_scored_by_eval(t
 
     from marinlm.train.inference import load_model
     from marinlm.train.metrics import read_metrics
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     shutil.copytree(token_data, tmp_path / "other")  # a second source: the same documents, other rows drawn
     sources = [{"path": str(token_data)}, {"path": str(tmp_path / "other"), "weight": 0.5}]
@@ -631,7 +631,7 @@ def test_val_of_a_run_trained_with_relative_paths_scores_from_another_folder(tok
     import shutil
 
     from marinlm.train.inference import load_model
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     shutil.copytree(token_data, project / "runs" / "tokens")
@@ -739,6 +739,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):
     """A missing task file used to surface at step N, ending the run with the steps since the last
     checkpoint lost."""
+    from marinlm.train.run import attach_eval_hook
     from marinlm.train.trainer import Trainer
 
     config = train_config(
@@ -747,8 +748,10 @@ def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_p
         train={"steps": 4},
         eval={"every_n_steps": 3, "tasks": ["hellaswag"], "data_dir": str(tmp_path / "missing")},
     )
+    trainer = Trainer(config, resume="none")
     with pytest.raises(TaskDataError, match=r"missing/hellaswag_val.jsonl: task file not found"):
-        Trainer(config, resume="none")
+        attach_eval_hook(trainer)  # as run_training does, before the first step
+    trainer.close()
 
 
 @pytest.mark.slow

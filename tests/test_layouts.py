@@ -13,7 +13,7 @@ from marinlm.config import ConfigError, save_config
 from marinlm.parallel import ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.metrics import read_metrics
-from marinlm.train.trainer import run_training
+from marinlm.train.run import run_training
 
 from conftest import ROOT, tiny_config, train_config
 

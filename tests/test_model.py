@@ -502,6 +502,9 @@ def test_model_package_has_no_distributed_code():
             else:
                 continue
             assert not any("torch.distributed" in n for n in names), (path, names)
+            # nor anything of the layers built on it: the model is what they train, evaluate and shard
+            upward = ("marinlm.train", "marinlm.data", "marinlm.eval", "marinlm.parallel", "marinlm.kernels")
+            assert not any(n.startswith(upward) for n in names), (path, names)
 
 
 def test_the_reference_model_reads_in_one_sitting():

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from marinlm.config import save_config, to_dict
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
-from marinlm.train.trainer import Trainer, run_training
+from marinlm.train.run import Trainer, run_training
 from marinlm.utils.io import folder_lock
 
 from conftest import ROOT, tiny_config, train_config
@@ -284,7 +284,7 @@ def test_a_key_newer_than_the_checkpoints_config_is_named_absent(token_data, tmp
     """The warning compared today's defaults for keys an older config.yaml lacks: a run from before
     data.shuffle_rows (rows drawn in sequence) read as `data.shuffle_rows: True -> False`."""
     import marinlm.train.resume as resume_module  # where checkpoints are saved
-    from marinlm.train.trainer import Trainer, run_training
+    from marinlm.train.run import Trainer, run_training
 
     written_before_the_key = resume_module.dump_config
     monkeypatch.setattr(

@@ -13,28 +13,10 @@ import signal
 import sys
 from pathlib import Path
 
+from marinlm.commands import COMMANDS, config_classes, config_kinds, help_of
 from marinlm.config import ConfigError
 from marinlm.train.signals import OutOfMemory, StoppedBySignal, Terminated, TrainingDiverged, raise_on_sigterm
 from marinlm.utils.pool import WorkerDied
-
-
-def config_classes() -> dict[str, type]:
-    """The config class of each folder under configs/ (and of the command of that name)."""
-    from marinlm.data.pipeline import PipelineConfig
-    from marinlm.dataset.tokenize import TokenizeConfig
-    from marinlm.finetune.config import FinetuneConfig
-    from marinlm.model.config import MarinConfig
-    from marinlm.tokenizer import TokenizerTrainConfig
-    from marinlm.train.config import TrainConfig
-
-    return {
-        "model": MarinConfig,
-        "tokenizer": TokenizerTrainConfig,
-        "tokenize": TokenizeConfig,
-        "data": PipelineConfig,
-        "train": TrainConfig,
-        "finetune": FinetuneConfig,
-    }
 
 
 def config_class_for(path: str | Path) -> type:
@@ -49,7 +31,7 @@ def config_class_for(path: str | Path) -> type:
 def _load(cls, path, overrides):
     from marinlm.config import load_config
 
-    return load_config(cls, path, overrides)
+    return load_config(cls, path, overrides, kinds=config_kinds())
 
 
 def _tokenizer_train(args, overrides) -> int:
@@ -116,7 +98,7 @@ def _tokenize(args, overrides) -> int:
 
 def _train(args, overrides) -> int:
     from marinlm.train.config import TrainConfig
-    from marinlm.train.trainer import run_training
+    from marinlm.train.run import run_training
 
     summary = run_training(_load(TrainConfig, args.config, overrides), resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -163,30 +145,6 @@ def _generate(args, overrides) -> int:
     return 0
 
 
-def _lm_eval(args, overrides) -> int:
-    """Reached only for `marinlm lm-eval --help`-style parsing; `main` hands the arguments over as given."""
-    from marinlm.eval.harness import run_cli
-
-    return run_cli(args.lm_eval_args + list(overrides), data_dir=args.data_dir)
-
-
-def _lm_eval_passthrough(argv: list[str]) -> int:
-    """`marinlm lm-eval ARGS`: ARGS go to lm-eval's parser untouched (ours would reorder its flags),
-    less our `--data-dir`."""
-    from marinlm.eval.harness import run_cli
-
-    data_dir, rest = None, []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--data-dir":
-            data_dir = next(it, None)
-        elif arg.startswith("--data-dir="):
-            data_dir = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-    return run_cli(rest, data_dir=data_dir)
-
-
 def _data_run(args, overrides) -> int:
     from marinlm.data.pipeline import PipelineConfig, run_pipeline
 
@@ -207,50 +165,6 @@ def _quickstart(args, overrides) -> int:
     from marinlm.quickstart import run_quickstart
 
     run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed, args.text_field, args.languages)
-    return 0
-
-
-def _hf_source(spec: str) -> tuple[str, str]:
-    file, sep, source = spec.partition("=")
-    if not (sep and file and source):
-        raise ValueError(
-            f"--hf {spec!r}: expected FILE=NAME[:CONFIG]:SPLIT, e.g. hellaswag_val.jsonl=org/hellaswag:validation"
-        )
-    return file, source
-
-
-def _eval(args, overrides) -> int:
-    from marinlm.eval.runner import EvalOptions, markdown_table, run_eval
-    from marinlm.parallel.distributed import shutdown_distributed
-    from marinlm.train.inference import load_model
-
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun: the ranks share the work, rank 0 reports
-    options = EvalOptions(
-        tasks=args.tasks,
-        data_dir=args.data_dir,
-        limit=args.limit,
-        sample=args.sample,
-        batch_size=args.batch_size,
-        num_fewshot=args.num_fewshot,
-        predictions=args.predictions,
-        hf_datasets=dict(_hf_source(spec) for spec in args.hf),
-        progress=main_rank,
-    )
-    try:
-        loaded = load_model(args.run, device=args.device)
-        output = Path(args.output) if args.output else _default_eval_output(loaded.checkpoint)
-        if args.output and (output.is_dir() or args.output.endswith(("/", os.sep))):  # like `cp FILE DIR/`
-            output = _unused_result_path(output, "eval")
-        # Results are written once, at the end: a folder that cannot be made must fail now, not after
-        # the scoring.
-        if main_rank:
-            output.parent.mkdir(parents=True, exist_ok=True)
-        report = run_eval(loaded, options, output if main_rank else None)
-    finally:
-        shutdown_distributed()
-    if main_rank:
-        print(markdown_table(report))
-        print(f"results: {output}")
     return 0
 
 
@@ -298,23 +212,6 @@ def _positive(cast, what: str):
     return parse
 
 
-def _default_eval_output(checkpoint: Path) -> Path:
-    """RUN/eval/step-N.json for a run's checkpoint: a checkpoint folder is deleted by retention
-    (checkpoint.keep_last) while training goes on, and results kept in it would go with it.
-    CHECKPOINT/eval.json for a checkpoint outside a run. Never over an earlier result: -2, -3, ..."""
-    if checkpoint.parent.name == "checkpoints":
-        return _unused_result_path(checkpoint.parent.parent / "eval", checkpoint.name)
-    return _unused_result_path(checkpoint, "eval")
-
-
-def _unused_result_path(folder: Path, stem: str) -> Path:
-    """FOLDER/STEM.json, or the first of STEM-2.json, STEM-3.json, ... not taken (nor its .md)."""
-    path, n = folder / f"{stem}.json", 2
-    while path.exists() or path.with_suffix(".md").exists():
-        path, n = folder / f"{stem}-{n}.json", n + 1
-    return path
-
-
 def _version() -> str:
     from importlib import metadata
 
@@ -341,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
-    summary = model.add_parser("summary", help="count parameters and FLOPs on the meta device")
+    summary = model.add_parser("summary", help=help_of("model summary"))
     summary.add_argument(
         "config",
         help="model YAML (e.g. configs/model/marin-535b-a23b.yaml), a training config, or a run or checkpoint "
@@ -352,62 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     summary.set_defaults(func=_model_summary, takes_overrides=True)
 
-    ev = commands.add_parser("eval", help="score a run or checkpoint on downstream tasks / perplexity")
-    ev.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
-    ev.add_argument(
-        "--tasks",
-        nargs="+",
-        required=True,
-        help=(
-            "hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH (a text file, or "
-            "a .jsonl(.gz/.zst), .json or .parquet file of records with a 'text' field, such as a curated shard)"
-        ),
-    )
-    ev.add_argument(
-        "--data-dir",
-        default="",
-        help="folder with the task files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval beside the source)",
-    )
-    ev.add_argument(
-        "--limit",
-        type=int,
-        default=None,
-        help=(
-            "score the first N items of each task, as lm-eval's --limit does (val: N rows; bpb: a .jsonl(.gz/.zst), "
-            ".json or .parquet file's first N texts, a text file's first N windows of the model's context, cut at "
-            "a line end)"
-        ),
-    )
-    ev.add_argument(
-        "--sample",
-        type=int,
-        default=None,
-        help="score N items of each multiple-choice or lambada task drawn with a fixed seed (a subset spread over "
-        "the whole file, which the first N may not be)",
-    )
-    ev.add_argument("--batch-size", type=int, default=32)
-    ev.add_argument("--num-fewshot", type=int, default=0, help="MMLU: dev examples in the prompt")
-    ev.add_argument("--predictions", action="store_true", help="also write per-item predictions")
-    ev.add_argument(
-        "--hf",
-        nargs="+",
-        default=[],
-        metavar="FILE=NAME[:CONFIG]:SPLIT",
-        help="read a task file from HF datasets, e.g. hellaswag_val.jsonl=org/hellaswag-marinlm:validation",
-    )
-    ev.add_argument(
-        "--output",
-        default=None,
-        help="results JSON, or a folder (an existing one, or a path ending in /) for eval.json (default: "
-        "RUN/eval/STEP.json, or CHECKPOINT/eval.json for a checkpoint outside a run); in a folder never over an "
-        "earlier result: then eval-2.json, eval-3.json, ...",
-    )
-    ev.add_argument("--device", default="cpu")
-    ev.set_defaults(func=_eval)
-
     quick = commands.add_parser(
         "quickstart",
-        help="the whole recipe end to end on this machine (~10 min)",
+        help=help_of("quickstart"),
         description="Corpus, curation, tokenizer, token shards, training, evaluation, a sample and "
         "RUN_DIR/report.md. Stopped part way (Ctrl-C, a kill), the same command carries on: finished "
         "stages are kept and training resumes from its last checkpoint. After a finished run it trains again.",
@@ -442,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.set_defaults(func=_quickstart)
 
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
-    data_run = data.add_parser("run", help="curate raw documents into deduplicated, decontaminated shards")
+    data_run = data.add_parser("run", help=help_of("data run"))
     data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/shared-corpus.yaml")
     _add_print_config(data_run, "data")
     data_run.set_defaults(func=_data_run, takes_overrides=True)
@@ -450,13 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
         dest="tokenizer_command", required=True
     )
-    train_tok = tokenizer.add_parser("train", help="train a byte-level BPE tokenizer")
+    train_tok = tokenizer.add_parser("train", help=help_of("tokenizer train"))
     train_tok.add_argument("config", nargs="?", help="YAML (TokenizerTrainConfig); or give --inputs=[...] etc.")
     _add_print_config(train_tok, "tokenizer")
     train_tok.set_defaults(func=_tokenizer_train, takes_overrides=True)
-    chat_tok = tokenizer.add_parser(
-        "template", help="give a trained tokenizer a chat template and/or new special tokens (for fine-tuning)"
-    )
+    chat_tok = tokenizer.add_parser("template", help=help_of("tokenizer template"))
     chat_tok.add_argument(
         "tokenizer", help="a tokenizer folder (a run's tokenizer/, or marinlm tokenizer train's output)"
     )
@@ -465,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_tok.add_argument("--out", required=True, help="the folder to write (the original is left as it is)")
     chat_tok.set_defaults(func=_tokenizer_template)
 
-    train = commands.add_parser("train", help="train a model (one process, or under torchrun)")
+    train = commands.add_parser("train", help=help_of("train"))
     train.add_argument("config", nargs="?", help="YAML (TrainConfig), e.g. configs/train/tiny.yaml")
     train.add_argument(
         "--resume",
@@ -477,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_print_config(train, "train")
     train.set_defaults(func=_train, takes_overrides=True)
 
-    gen = commands.add_parser("generate", help="stream a continuation from a trained run or checkpoint")
+    gen = commands.add_parser("generate", help=help_of("generate"))
     gen.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -496,20 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
 
-    harness = commands.add_parser(
-        "lm-eval",
-        help="lm-evaluation-harness's command line, with the marinlm model and the local tasks registered",
-        description="Everything after `lm-eval` goes to lm_eval, e.g. `marinlm lm-eval --model marinlm "
-        "--model_args pretrained=RUN --tasks local_hellaswag --limit 100`, or `--model hf --model_args "
-        "pretrained=EXPORT,trust_remote_code=True`. The local tasks (local_hellaswag, local_arc_easy, local_piqa, "
-        "local_winogrande, local_lambada_openai) read --data-dir.",
-    )
-    harness.add_argument(
-        "--data-dir", default=None, help="the eval files (default: $MARINLM_EVAL_DATA, else ../shared/data/eval)"
-    )
-    harness.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
-    harness.set_defaults(func=_lm_eval, takes_overrides=True)
+    from marinlm.eval.commands import add_commands as add_eval_commands
 
+    add_eval_commands(commands)
     from marinlm.hf.commands import add_commands as add_hf_commands
 
     add_hf_commands(commands)
@@ -517,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_finetune_commands(commands)
 
-    tok = commands.add_parser("tokenize", help="curated shards -> token shards with a train/val split")
+    tok = commands.add_parser("tokenize", help=help_of("tokenize"))
     tok.add_argument("config", nargs="?", help="YAML (TokenizeConfig); or give --inputs=[...] --tokenizer=...")
     _add_print_config(tok, "tokenize")
     tok.set_defaults(func=_tokenize, takes_overrides=True)
@@ -527,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
-        return _lm_eval_passthrough(argv[1:])
+        from marinlm.eval.commands import lm_eval_passthrough
+
+        return lm_eval_passthrough(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     config = getattr(args, "config", None)
@@ -571,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Terminated) as e:  # outside a training loop (which saves and stops): no traceback
         # Curation and tokenization resume input by input, training (--resume auto) from its newest
         # checkpoint; the quickstart keeps finished stages. The other commands have nothing to carry on.
-        resumable = args.func in (_data_run, _tokenize, _train, _quickstart)
+        name = " ".join(p for p in (args.command, getattr(args, f"{args.command}_command", None)) if p)
+        resumable = name in COMMANDS and COMMANDS[name].resumes
         print(
             ("terminated" if isinstance(e, Terminated) else "interrupted")
             + ("; the same command carries on from the last finished unit" if resumable else ""),

@@ -57,6 +57,29 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
+def _file_sections(tree: dict[str, Any], prefix: tuple = ()) -> list[tuple]:
+    """Paths in parsed overrides whose value names a YAML file (or includes one)."""
+    paths = []
+    for key, value in tree.items():
+        if _is_yaml_ref(value) or (isinstance(value, dict) and _is_yaml_ref(value.get("include"))):
+            paths.append((*prefix, key))
+        elif isinstance(value, dict):
+            paths += _file_sections(value, (*prefix, key))
+    return paths
+
+
+def _get_path(tree: dict[str, Any], path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_path(tree: dict[str, Any], path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
 def _is_yaml_ref(value: Any) -> bool:
     return isinstance(value, str) and value.endswith((".yaml", ".yml"))
 
@@ -236,13 +259,15 @@ def _read_sub_config(name: str, base_dir: Path, cls: type) -> dict[str, Any]:
     return resolve_file_refs(read_yaml(ref), ref.parent, cls)
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None, kinds=None) -> T:
     """Load `cls` from a YAML file (optional) plus command-line overrides.
 
     Args:
         cls: the config dataclass to build.
         path: YAML file mirroring `cls`; sub-configs may be given as paths to other YAML files.
         overrides: `--a.b=c` strings applied on top.
+        kinds: (config class, description) of each command, to say what a file given to the wrong
+            command is (marinlm.commands.config_kinds()); None gives no such hint.
     """
     from marinlm.presets import find_config
 
@@ -257,7 +282,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if overrides:
         over = parse_overrides(overrides)
         try:
-            data = merge(data, resolve_file_refs(over, Path.cwd(), cls))
+            resolved = resolve_file_refs(over, Path.cwd(), cls)
+            data = merge(data, resolved)
+            # A file given for a section replaces it (`--model=FILE` is that file's model, not the
+            # base's with the file's keys merged in); `--model=FILE --model.x=y` is that file, edited.
+            for path in _file_sections(over):
+                _set_path(data, path, _get_path(resolved, path))
         except ConfigError as e:
             raise ConfigError(e.key, e.reason + " (set on the command line)") from None
     try:
@@ -267,7 +297,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             where = " (set on the command line)"
         elif path is not None:
             where = f" (in {path}" + (", with the command-line overrides)" if over else ")")
-            if e.key in data and e.key not in _field_names(cls) and (kind := _config_kind(data)):
+            if e.key in data and e.key not in _field_names(cls) and (kind := _config_kind(data, kinds)):
                 where += f"; that file is {kind}, not a {cls.__name__}"
         else:
             where = ""
@@ -278,23 +308,11 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def _config_kind(data: dict[str, Any]) -> str | None:
+def _config_kind(data: dict[str, Any], kinds) -> str | None:
     """What a config file whose top-level keys are all another command's is: a hint for a file
-    given to the wrong command (a curation config to `marinlm train`)."""
-    from marinlm.data.pipeline import PipelineConfig
-    from marinlm.dataset.tokenize import TokenizeConfig
-    from marinlm.model.config import MarinConfig
-    from marinlm.tokenizer import TokenizerTrainConfig
-    from marinlm.train.config import TrainConfig
-
-    kinds = (
-        (TrainConfig, "a training config (for `marinlm train`)"),
-        (MarinConfig, "a model config (for `marinlm model summary`, or `model:` in a training config)"),
-        (PipelineConfig, "a data curation config (for `marinlm data run`)"),
-        (TokenizeConfig, "a tokenize config (for `marinlm tokenize`)"),
-        (TokenizerTrainConfig, "a tokenizer training config (for `marinlm tokenizer train`)"),
-    )
-    for cls, kind in kinds:
+    given to the wrong command (a curation config to `marinlm train`). `kinds` are the commands'
+    (config class, description) pairs, from the caller (marinlm.commands)."""
+    for cls, kind in kinds or ():
         if data and set(data) <= _field_names(cls):
             return kind
     return None

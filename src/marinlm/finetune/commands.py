@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from marinlm.commands import help_of
+
 
 def load_finetune_config(path: str | None, overrides: list[str]):
     """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
@@ -13,8 +15,8 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     from marinlm.config.files import resolve_file_refs
     from marinlm.finetune.config import FinetuneConfig
     from marinlm.presets import find_config
+    from marinlm.train.checkpoint import resolve_checkpoint
     from marinlm.train.config import TrainConfig
-    from marinlm.train.inference import resolve_checkpoint
 
     data, base_dir = {}, Path.cwd()
     if path is not None:
@@ -36,7 +38,7 @@ def load_finetune_config(path: str | None, overrides: list[str]):
 def add_commands(commands) -> None:
     ft = commands.add_parser(
         "finetune",
-        help="SFT from a run: full, LoRA (experts included), QLoRA or the last layers; `finetune merge RUN`",
+        help=help_of("finetune"),
         description="`marinlm finetune CONFIG [--key=value ...]` fine-tunes (configs/finetune/*.yaml); "
         "`marinlm finetune merge RUN [--out DIR]` folds a LoRA run's adapters into plain weights.",
     )
@@ -49,7 +51,7 @@ def add_commands(commands) -> None:
 
 def _finetune(args: argparse.Namespace, overrides) -> int:
     if args.config == "merge":
-        from marinlm.finetune.trainer import merge_run
+        from marinlm.finetune.loading import merge_run
 
         if not args.run:
             raise ValueError("finetune merge: name the fine-tuning run")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from marinlm.commands import help_of
+
 
 def add_commands(commands) -> None:
-    ex = commands.add_parser("export", help="write a run or checkpoint as a Hugging Face model folder")
+    ex = commands.add_parser("export", help=help_of("export"))
     ex.add_argument("run", help="run folder (newest good checkpoint) or a checkpoint folder")
     ex.add_argument("out_dir", help="folder to write (must not exist or be empty, unless --overwrite)")
     ex.add_argument(
@@ -26,7 +28,7 @@ def add_commands(commands) -> None:
     )
     ex.set_defaults(func=_export)
 
-    im = commands.add_parser("import", help="turn a Hugging Face model folder into a marinlm run")
+    im = commands.add_parser("import", help=help_of("import"))
     im.add_argument("hf_dir", help="folder with config.json, *.safetensors and the tokenizer")
     im.add_argument("run_dir", help="the run folder to write")
     im.add_argument("--overwrite", action="store_true")

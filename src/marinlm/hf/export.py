@@ -163,13 +163,13 @@ def export(
     from transformers import GenerationConfig
 
     from marinlm.tokenizer import BOS, EOS, PAD
-    from marinlm.train.inference import checkpoint_tokenizer, resolve_checkpoint
+    from marinlm.train.checkpoint import checkpoint_tokenizer, resolve_checkpoint
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
     folder = resolve_checkpoint(source)
-    from marinlm.finetune.trainer import is_finetune_config, merge_run
+    from marinlm.finetune.loading import is_finetune_config, merge_run
 
     if is_finetune_config(folder / "config.yaml"):
         # A fine-tuning checkpoint holds only what trained: fold it into the base weights first (in
@@ -237,9 +237,9 @@ def export(
         bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], do_sample=False
     ).save_pretrained(str(tmp))
     if fmt == "remote":
-        from marinlm.cli import _version
+        from marinlm import __version__
 
-        (tmp / "modeling_marin.py").write_text(modeling_source(_version()))
+        (tmp / "modeling_marin.py").write_text(modeling_source(__version__))
         (tmp / "configuration_marin.py").write_text(configuration_source())
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}

@@ -24,6 +24,7 @@ import collections
 import json
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -450,3 +451,45 @@ class CheckpointManager:
                 "one, or move the folder aside to start the run over"
             )
         return None
+
+
+def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
+    """A checkpoint folder as given, or the newest valid one of a run folder (or of its checkpoints/
+    folder); validated either way (a CheckpointError if the given one is not), so callers need not
+    hash it again. Under torchrun the ranks share the hashing and agree on the folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run or checkpoint folder{checkpoints_beside(path)}")
+    if is_checkpoint_folder(path):
+        validate(path, rank, world_size)
+        return path
+    candidates = list_checkpoints(path / "checkpoints") or list_checkpoints(path)  # a run, or its checkpoints/
+    for folder in candidates:
+        try:
+            validate(folder, rank, world_size)
+            return folder
+        except CheckpointError as e:
+            if rank == 0:
+                print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
+    if not candidates:
+        # A folder of runs given for a run (the quickstart's runs/quickstart holds its run in train/):
+        # name the runs inside rather than report this one as broken.
+        runs = sorted(str(p.parent) for p in path.glob("*/checkpoints") if list_checkpoints(p))
+        if runs:
+            raise FileNotFoundError(f"{path}: not a run folder; the runs inside it: {', '.join(runs)}")
+    raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
+
+
+def checkpoint_tokenizer(folder: Path) -> Path:
+    """The tokenizer of a checkpoint: its own copy, else (a checkpoint saved before it kept one) its
+    run's, RUN/checkpoints/step-N/../../tokenizer."""
+    places = [folder / "tokenizer"]
+    if folder.parent.name == "checkpoints":
+        places.append(folder.parent.parent / "tokenizer")
+    for place in places:
+        if place.is_dir():
+            return place
+    raise FileNotFoundError(
+        f"{folder}: no tokenizer (looked in {' and '.join(map(str, places))}); copy the tokenizer folder "
+        f"of the run that saved it to {places[0]}"
+    )

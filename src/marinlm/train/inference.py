@@ -16,13 +16,11 @@ from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import (
+from marinlm.train.checkpoint import (  # noqa: F401  (resolve_checkpoint, checkpoint_tokenizer: used from here too)
     CheckpointError,
-    checkpoints_beside,
-    is_checkpoint_folder,
-    list_checkpoints,
+    checkpoint_tokenizer,
     load_tensors,
-    validate,
+    resolve_checkpoint,
 )
 from marinlm.train.config import TrainConfig
 
@@ -36,33 +34,6 @@ class LoadedModel:
     tokenizer_hash: str
 
 
-def resolve_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> Path:
-    """A checkpoint folder as given, or the newest valid one of a run folder (or of its checkpoints/
-    folder); validated either way (a CheckpointError if the given one is not), so callers need not
-    hash it again. Under torchrun the ranks share the hashing and agree on the folder."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such run or checkpoint folder{checkpoints_beside(path)}")
-    if is_checkpoint_folder(path):
-        validate(path, rank, world_size)
-        return path
-    candidates = list_checkpoints(path / "checkpoints") or list_checkpoints(path)  # a run, or its checkpoints/
-    for folder in candidates:
-        try:
-            validate(folder, rank, world_size)
-            return folder
-        except CheckpointError as e:
-            if rank == 0:
-                print(f"warning: skipping unusable checkpoint: {e}", file=sys.stderr)
-    if not candidates:
-        # A folder of runs given for a run (the quickstart's runs/quickstart holds its run in train/):
-        # name the runs inside rather than report this one as broken.
-        runs = sorted(str(p.parent) for p in path.glob("*/checkpoints") if list_checkpoints(p))
-        if runs:
-            raise FileNotFoundError(f"{path}: not a run folder; the runs inside it: {', '.join(runs)}")
-    raise FileNotFoundError(f"{path}: no usable checkpoint (looked in {path / 'checkpoints'})")
-
-
 def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> LoadedModel:
     """Build the model of a run on `device` and load the model tensors of its checkpoint.
 
@@ -73,7 +44,7 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
-    from marinlm.finetune.trainer import finetuned_model, is_finetune_config
+    from marinlm.finetune.loading import finetuned_model, is_finetune_config
 
     if is_finetune_config(folder / "config.yaml"):  # base weights + trained tensors, merged
         model, config = finetuned_model(folder, info.device, kernels=kernels)
@@ -103,21 +74,6 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
             f"{folder.name} was trained with ({trained_with[:12]}…); text would be encoded with the wrong vocabulary"
         )
     return LoadedModel(model, tokenizer, config, folder, tokenizer.hash)
-
-
-def checkpoint_tokenizer(folder: Path) -> Path:
-    """The tokenizer of a checkpoint: its own copy, else (a checkpoint saved before it kept one) its
-    run's, RUN/checkpoints/step-N/../../tokenizer."""
-    places = [folder / "tokenizer"]
-    if folder.parent.name == "checkpoints":
-        places.append(folder.parent.parent / "tokenizer")
-    for place in places:
-        if place.is_dir():
-            return place
-    raise FileNotFoundError(
-        f"{folder}: no tokenizer (looked in {' and '.join(map(str, places))}); copy the tokenizer folder "
-        f"of the run that saved it to {places[0]}"
-    )
 
 
 def document_start_id(loaded: LoadedModel) -> int:

@@ -127,7 +127,7 @@ class ResumeMixin:
         source = self.config.checkpoint.init_from
         if not source:
             return None
-        from marinlm.train.inference import resolve_checkpoint
+        from marinlm.train.checkpoint import resolve_checkpoint
 
         folder = resolve_checkpoint(source, self.info.rank, self.world)
         trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")

@@ -11,24 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
 import signal
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from tqdm import tqdm
 
 from marinlm.config import ConfigError, dump_config, to_dict
 from marinlm.data.inputs import refuse_other_output
-from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
 from marinlm.kernels import apply_kernels
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
@@ -42,14 +37,15 @@ from marinlm.train.checkpoint import (
     estimate_local_bytes,
 )
 from marinlm.train.config import TrainConfig
-from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics, router_metrics
-from marinlm.train.provenance import check_training_memory, copy_tokenizer, data_record, software_environment
+from marinlm.train.data_hooks import TrainingData
+from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
+from marinlm.train.provenance import check_training_memory
+from marinlm.train.reporting import Reporting
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import OutOfMemory, catch_stop_signals
 from marinlm.train.step import (
     StepResult,
     is_out_of_memory,
-    param_norm,
     resolve_precision,
     split_rows,
     train_step,
@@ -67,7 +63,7 @@ from marinlm.utils.progress import progress_bar
 REMEASURE_PEAK_AFTER_S = 60.0
 
 
-class Trainer(ResumeMixin):
+class Trainer(TrainingData, Reporting, ResumeMixin):
     def __init__(self, config: TrainConfig, resume: str = "auto"):
         self.config = c = config
         try:
@@ -199,52 +195,10 @@ class Trainer(ResumeMixin):
             self.add_hook(self.validate, every=c.validation.every_steps)
         if c.checkpoint.every_steps:
             self.add_hook(lambda result: self.save_checkpoint(), every=c.checkpoint.every_steps)
-        if c.eval.every_n_steps and c.eval.tasks:
-            from marinlm.eval.hook import make_eval_hook
-
-            self.add_hook(make_eval_hook(self, c.eval), every=c.eval.every_n_steps)
         self._last_result: StepResult | None = None
         self._data_wait = 0.0
 
     # --- set-up ---------------------------------------------------------------------------------
-
-    def _open_data(self) -> None:
-        """The training data's tokenizer (its hash, the folder to copy into the run), checked against
-        the model. Fine-tuning (marinlm.finetune) reads other data and overrides the data hooks:
-        this, `_make_loader`, `_val_sources`, `_epochs_planned`, `_data_record` and `validate`."""
-        c = self.config
-        first = open_dataset(c.data, 0, verify="size") if c.data.sources else None
-        if first is None:
-            raise ValueError("data.sources: give at least one tokenized dataset")
-        self.tokenizer_hash = first.manifest["tokenizer"]["hash"]
-        padded = -(-first.vocab_size // 128) * 128  # a multiple of 128 above the tokenizer's is usual padding
-        if c.model.vocab_size > padded and self.info.is_main:
-            unused = c.model.vocab_size - first.vocab_size
-            params = unused * c.model.d_model * (1 if c.model.tie_embeddings else 2)
-            print(
-                f"note: model.vocab_size {c.model.vocab_size:,} is larger than the tokenizer's {first.vocab_size:,}: "
-                f"{unused:,} rows of the embedding and the output layer ({params / 1e6:.2f}M parameters) are never "
-                f"used; set model.vocab_size={first.vocab_size} (or a multiple of 128 above it)",
-                flush=True,
-            )
-        # Copied into the run: the folder tokenize used, else the copy the tokens carry (the recorded
-        # path may be relative to another folder, or gone).
-        recorded, carried = first.manifest["tokenizer"].get("path"), Path(c.data.sources[0].path) / "tokenizer"
-        self._tokenizer_source = next((p for p in (recorded, str(carried)) if p and Path(p).is_dir()), recorded)
-
-    def _make_loader(self):
-        c = self.config
-        # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
-        return build_loader(
-            c.data,
-            self.micro_batch * self.world,
-            self.info.rank,
-            self.world,
-            self.tokenizer_hash,
-            c.model.vocab_size,
-            index_dir=self.run_dir / "data-index",
-            rows_per_step=c.train.global_batch,
-        )
 
     def _build_model(self) -> torch.nn.Module:
         c = self.config
@@ -270,29 +224,6 @@ class Trainer(ResumeMixin):
     def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """The whole, initialised model before it is sharded (fine-tuning loads and adapts it here)."""
         return model
-
-    def _val_sources(self) -> dict:
-        """Each source's validation split by name; empty when the data has none (a corrupt one is an
-        error). A source without one is left out, with a warning."""
-        found, empty = validation_sources(self.config.data, self.tokenizer_hash, self.config.model.vocab_size)
-        if self.info.is_main and self.config.validation.every_steps:
-            for e in empty:
-                off = "validation is off" if not found else f"validating on the others ({', '.join(found)})"
-                print(f"warning: {e}; {off} (tokenize with a larger val_fraction to have one)", flush=True)
-        return found
-
-    def _epochs_planned(self) -> list[float]:
-        """Passes over each source that `train.steps` reads; more than one is said once at start."""
-        c, loader = self.config, self.loader
-        epochs = loader.planned_epochs(c.train.steps * c.train.global_batch)
-        for spec, src, e in zip(c.data.sources, loader.sources, epochs, strict=True):
-            if e > 1 and self.info.is_main:
-                print(
-                    f"note: {spec.path}: {src.rows_per_epoch:,} rows of {c.data.seq_len} tokens per epoch; "
-                    f"{c.train.steps:,} steps read it {e:,.1f} times",
-                    flush=True,
-                )
-        return epochs
 
     def _step_within_memory(self, micro: list[dict]):
         """One optimizer step over `micro`; out of memory, the step is abandoned before the update
@@ -330,29 +261,6 @@ class Trainer(ResumeMixin):
                     f"{max(1, rows // 2)} rows, accumulating over {len(batches) * 2} forwards"
                 )
 
-    def _write_run_record(self, resumed_from) -> None:
-        write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
-        record = {
-            **software_environment(),
-            "world_size": self.world,
-            "device": str(self.device),
-            "precision": self.precision,
-            "tokenizer_hash": self.tokenizer_hash,
-            "data": self._data_record(),
-            "command": sys.argv,
-            "resumed_from": str(resumed_from) if resumed_from else None,
-            "initialized_from": self.initialized_from,
-            "peak_flops_measured": self.peak_flops,
-        }
-        write_json_atomic(self.run_dir / "run_info.json", record)
-        copy_tokenizer(self._tokenizer_source, self.run_dir, self._tokenizer_manifest())
-
-    def _data_record(self) -> list[dict]:
-        return data_record(self.config.data.sources, self.epochs_planned)
-
-    def _tokenizer_manifest(self) -> Path:
-        return Path(self.config.data.sources[0].path) / "manifest.json"
-
     # --- hooks ----------------------------------------------------------------------------------
 
     def add_hook(self, fn: Callable[[StepResult], None], every: int) -> None:
@@ -386,36 +294,6 @@ class Trainer(ResumeMixin):
         if self._bar is not None:
             self._bar.total = steps
             self._bar.refresh()
-
-    def _log_event(self, message: str) -> None:
-        if self.info.is_main:
-            tqdm.write(f"[step {self.step}] {message}")
-
-    def _log_hook(self, result: StepResult) -> None:
-        norm = param_norm(self.model)  # a collective under FSDP: every rank takes part
-        if self.sinks is None:
-            return
-        r = result
-        elapsed = self._step_time
-        tokens_per_s = r.tokens / max(elapsed, 1e-9)
-        scalars = {
-            "train/loss": r.loss,
-            "train/z_loss": r.z_loss,
-            "train/aux_loss": r.aux_loss,
-            "train/lr": self.optimizer.param_groups[0]["lr"],
-            "train/grad_norm": r.grad_norm,
-            "train/param_norm": norm,
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/mfu": self.mfu(tokens_per_s),  # against the peak measured at the start
-            "perf/step_time_s": elapsed,
-            "perf/data_wait_s": self._data_wait,
-            "train/skipped": float(r.skipped),
-            "mem/rss_gb": psutil.Process().memory_info().rss / 1e9,
-        }
-        if self.device.type == "cuda":
-            scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        router_scalars, histograms = router_metrics(r.router_stats)
-        self.sinks.log(self.step, scalars | router_scalars, histograms)
 
     def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
         """Loss and bits per byte on the held-out split (also a hook); logged at the current step."""
@@ -575,19 +453,6 @@ class Trainer(ResumeMixin):
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 
-    def mfu(self, tokens_per_s: float) -> float:
-        """Model FLOPs utilisation at `tokens_per_s` (all ranks together) against the measured peak."""
-        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
-
-    def _header(self) -> str:
-        c, s = self.config, self.model_summary
-        start = f"from step {self.step} " if self.step else ""
-        return (
-            f"train: {s.total / 1e6:,.1f}M parameters ({s.active / 1e6:,.1f}M active in the blocks), "
-            f"{c.train.global_batch} x {c.data.seq_len} tokens a step, {start}to step {c.train.steps}; "
-            f"{self.device.type} {self.precision}, {self.world} process{'es' if self.world > 1 else ''}; {self.run_dir}"
-        )
-
     def _on_stop_signal(self, name: str) -> None:
         self._signal = name
 
@@ -605,35 +470,5 @@ class Trainer(ResumeMixin):
         reason = {0: None, 1: f"time budget of {self.config.train.max_minutes:.3g} min reached", 2: self._signal}[code]
         return reason, bool(save_due)
 
-    def _profiler(self):
-        p = self.config.profile
-        if not p.num_steps or not self.info.is_main:
-            return None
-        trace_dir = self.run_dir / "profile"
-        gap = max(0, p.start_step - self.step)
-        warmup = min(gap, 1)  # the step before the window warms the profiler up, when there is one
-        profiler = torch.profiler.profile(
-            schedule=torch.profiler.schedule(wait=gap - warmup, warmup=warmup, active=p.num_steps, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)),
-            record_shapes=False,
-        )
-        profiler.start()
-        return profiler
 
-
-def run_training(config: TrainConfig, resume: str = "auto") -> dict:
-    """Entry point for `marinlm train` (also under torchrun)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trainer = None
-    try:
-        trainer = Trainer(config, resume)
-        return trainer.fit()
-    finally:
-        from marinlm.parallel import shutdown_distributed
-
-        if trainer is not None:
-            trainer.close()
-        shutdown_distributed()
-
-
-__all__ = ["Trainer", "run_training"]
+__all__ = ["Trainer"]

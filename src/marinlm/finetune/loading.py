@@ -1,0 +1,90 @@
+"""Loading fine-tuning checkpoints: the base run's weights, the method's adapters with the trained
+tensors, folded together, for `generate`, `eval`, `export` and `finetune merge`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from marinlm.config import dump_config
+from marinlm.finetune.adapters import apply_method, dequantize_base, merge_adapters
+from marinlm.finetune.config import FinetuneConfig
+from marinlm.tokenizer import MarinTokenizer
+from marinlm.train.checkpoint import checkpoint_tokenizer, load_tensors, resolve_checkpoint
+
+
+def base_checkpoint(config: FinetuneConfig) -> Path:
+    return resolve_checkpoint(config.base).resolve()
+
+
+def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
+    """The base run's model tensors into the (plain, unsharded) model."""
+    tensors = {"model": get_model_state_dict(model)}
+    load_tensors(folder, tensors)
+    set_model_state_dict(model, tensors["model"])
+
+
+def is_finetune_config(path: Path) -> bool:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    return isinstance(data, dict) and "method" in data and "base" in data
+
+
+def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True):
+    """(plain merged model, config) of a fine-tuning checkpoint: the base weights, the method's
+    adapters with this checkpoint's trained tensors, folded together."""
+    from marinlm.config import load_config
+    from marinlm.kernels import apply_kernels
+    from marinlm.model import MarinForCausalLM
+
+    config = load_config(FinetuneConfig, folder / "config.yaml")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    base = Path(state.get("base_checkpoint") or base_checkpoint(config))
+    if not base.is_dir():
+        raise FileNotFoundError(f"{folder}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
+    with torch.device("meta"):
+        model = MarinForCausalLM(config.model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    load_base_weights(model, base)
+    apply_method(model, config)
+    options = StateDictOptions(ignore_frozen_params=True)
+    tensors = {"model": get_model_state_dict(model, options=options)}
+    load_tensors(folder, tensors)
+    set_model_state_dict(model, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    merge_adapters(model)
+    dequantize_base(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model = model.float()
+    if kernels:
+        apply_kernels(model, torch.device(device), "fp32" if torch.device(device).type == "cpu" else "bf16")
+    return model.to(device).eval(), config
+
+
+def merge_run(run: str | Path, out_dir: str | Path | None = None) -> Path:
+    """`marinlm finetune merge RUN`: the newest checkpoint with its adapters folded in, written as a
+    plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft."""
+    from marinlm.hf.importer import save_run
+    from marinlm.train.config import TrainConfig
+
+    folder = resolve_checkpoint(run)
+    model, config = finetuned_model(folder)
+    out_dir = Path(out_dir) if out_dir else Path(run) / "merged"
+    if (out_dir / "checkpoints").exists():
+        raise ValueError(f"{out_dir}: already holds a run; remove it or give another folder")
+    plain = {k: v for k, v in vars(config).items() if k in TrainConfig.__dataclass_fields__}
+    train = TrainConfig(**{**plain, "run_dir": str(out_dir)})
+    train.checkpoint.init_from = None
+    tokenizer_dir = checkpoint_tokenizer(folder)
+    tokenizer = MarinTokenizer.load(tokenizer_dir)
+    step = json.loads((folder / "trainer_state.json").read_text())["step"]
+    saved = save_run(out_dir, train, model.state_dict(), tokenizer, {"merged_from": str(folder), "finetune_step": step})
+    print(f"merged {folder} -> {saved}", file=sys.stderr)
+    (out_dir / "config.yaml").write_text(dump_config(train))
+    return saved
