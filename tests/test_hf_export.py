@@ -78,6 +78,20 @@ def test_an_export_computes_what_marinlm_computes_in_transformers(tmp_path, toke
     assert back.config.model == config
 
 
+def test_a_config_without_qk_norm_exports_as_native_mixtral_and_back(tmp_path, tokenizer):
+    config = preset_config(
+        "qwen3-moe-style", num_layers=2, **{"attention.qk_norm": "false", "attention.qk_norm_gain": "false"}
+    )
+    model = make_run(tmp_path / "run", config, tokenizer, identity_inits=False)
+    report = export(tmp_path / "run", tmp_path / "hf", quiet=True)
+    assert report.format == "native"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    check = parity_check(tmp_path / "hf")
+    assert check["hf_class"] == "MixtralForCausalLM" and check["max_abs_logit_diff"] < 1e-5 and check["greedy_equal"]
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    assert_same_tensors(model, load_model(tmp_path / "back").model)
+
+
 def test_the_export_carries_what_other_tools_need_to_score_alike(tmp_path, tokenizer):
     """BOS convention, context length, chat template, generation config; the tokenizer prepends the
     token every training document began with, as `marinlm eval` does."""

@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
+# lm-eval's own models register on importing lm_eval.models: without it, once marinlm is
+# registered, `--model hf` finds only "marinlm".
+import lm_eval.models  # noqa: F401
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model

@@ -1,7 +1,8 @@
 """`marinlm export`: a run or checkpoint as a Hugging Face model folder.
 
 Two formats:
-- native: configs that Qwen3MoeForCausalLM expresses exactly (hf/qwen3_moe.py) become that class;
+- native: configs that Qwen3MoeForCausalLM or MixtralForCausalLM express exactly (hf/qwen3_moe.py)
+  become that class;
 - remote: every config (the hero included) becomes `modeling_marin.py` + `configuration_marin.py`,
   assembled from the reference model's source (hf/remote_code.py), loaded with trust_remote_code.
 
@@ -88,7 +89,7 @@ def choose_format(model: MarinConfig, wanted: str) -> str:
     if wanted == "remote":
         return "remote"
     try:
-        qwen3_moe.check_qwen3_compatible(model)
+        qwen3_moe.native_family(model)
         return "native"
     except ValueError as e:
         if wanted == "native":
@@ -105,7 +106,10 @@ def tensor_plan(model: MarinConfig, fmt: str, names: list[str]) -> list[qwen3_mo
 
 
 def hf_config(model: MarinConfig, fmt: str, ids: dict, dtype: torch.dtype):
-    if fmt == "native":
+    if fmt == "native" and qwen3_moe.native_family(model) == "mixtral":
+        config = qwen3_moe.mixtral_hf_config(model)
+        config.architectures = ["MixtralForCausalLM"]
+    elif fmt == "native":
         config = qwen3_moe.qwen3_moe_hf_config(model)
         config.architectures = ["Qwen3MoeForCausalLM"]
     else:

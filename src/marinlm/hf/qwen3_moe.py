@@ -1,8 +1,9 @@
-"""State-dict adapter between MarinForCausalLM and HF transformers' Qwen3MoeForCausalLM.
+"""State-dict adapter between MarinForCausalLM and HF transformers' Qwen3MoeForCausalLM / MixtralForCausalLM.
 
-Only the plain Qwen3-MoE subset of our configs maps onto HF's model: softmax top-k routing,
-full RoPE on every layer, learned QK-norm gains, no latent, SConv, XSA, head gate, GatedNorm,
-shared experts or sliding windows. `check_qwen3_compatible` names the first field that is not.
+Only the plain subset of our configs maps onto HF's models: softmax top-k routing, full RoPE on
+every layer, no latent, SConv, XSA, head gate, GatedNorm, shared experts or sliding windows; with
+learned QK-norm gains it is Qwen3-MoE, with no QK-norm (and renormalised top-k) Mixtral, which
+has the same layout without q_norm/k_norm. `native_family` names the first field that fits neither.
 Tensor layouts: HF stores experts as gate_up_proj [E, 2F, D] and down_proj [E, D, F]; we store
 gate_proj/up_proj [E, D, F] and down_proj [E, F, D] (x @ W).
 """
@@ -17,7 +18,26 @@ import torch
 from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
 
 
+def native_family(config: MarinConfig) -> str:
+    """ "qwen3_moe" or "mixtral": the transformers class that computes exactly this config's model."""
+    a, m = config.attention, config.moe
+    if not a.qk_norm and not a.qk_norm_gain:
+        _check_plain(config, "Mixtral")
+        if isinstance(m.router, SoftmaxTopKRouterConfig) and not m.router.normalize_topk:
+            raise ValueError("moe.router.normalize_topk: Mixtral renormalises its top-k weights; set it true")
+        return "mixtral"
+    check_qwen3_compatible(config)
+    return "qwen3_moe"
+
+
 def check_qwen3_compatible(config: MarinConfig) -> None:
+    _check_plain(config, "Qwen3-MoE")
+    a = config.attention
+    if not (a.qk_norm and a.qk_norm_gain):
+        raise ValueError("attention.qk_norm: this setting has no Qwen3-MoE equivalent in HF transformers")
+
+
+def _check_plain(config: MarinConfig, family: str) -> None:
     a, m = config.attention, config.moe
     requirements = {
         "gated_norm_rank": config.gated_norm_rank == 0,
@@ -25,7 +45,6 @@ def check_qwen3_compatible(config: MarinConfig) -> None:
         "z_loss_weight": config.z_loss_weight == 0,
         "attention.sliding_window": a.sliding_window is None,
         "attention.num_global_kv_heads": a.num_global_kv_heads in (None, a.num_kv_heads),
-        "attention.qk_norm": a.qk_norm and a.qk_norm_gain,
         "attention.qk_mult": a.qk_mult == 1.0,
         "attention.rope_fraction": a.rope_fraction == 1.0 and a.rope_local and a.rope_global,
         "attention.xsa": not a.xsa,
@@ -39,7 +58,7 @@ def check_qwen3_compatible(config: MarinConfig) -> None:
     }
     for key, ok in requirements.items():
         if not ok:
-            raise ValueError(f"{key}: this setting has no Qwen3-MoE equivalent in HF transformers")
+            raise ValueError(f"{key}: this setting has no {family} equivalent in HF transformers")
 
 
 def qwen3_moe_hf_config(config: MarinConfig):
@@ -68,6 +87,32 @@ def qwen3_moe_hf_config(config: MarinConfig):
         mlp_only_layers=[],
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
+        initializer_range=config.init_std,
+    )
+
+
+def mixtral_hf_config(config: MarinConfig):
+    """The transformers.MixtralConfig with the same architecture."""
+    from transformers import MixtralConfig
+
+    native_family(config)
+    a, m = config.attention, config.moe
+    return MixtralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=m.expert_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rope_theta=a.rope_theta,
+        rms_norm_eps=config.norm_eps,
+        num_local_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        router_aux_loss_coef=m.router.aux_loss_weight,
+        sliding_window=None,
+        tie_word_embeddings=config.tie_embeddings,
         initializer_range=config.init_std,
     )
 
@@ -141,11 +186,13 @@ def hf_tensor_plan(config: MarinConfig, fused: bool = False) -> list[HFTensor]:
     The files use the Hub's layout, one nn.Linear per expert (`experts.{e}.gate_proj.weight`), which
     transformers itself writes and every reader of Qwen3-MoE folders expects; `fused` gives the
     in-memory layout of transformers 5's modules instead (gate_up_proj [E, 2F, D]) for load_state_dict."""
-    check_qwen3_compatible(config)
+    family = native_family(config)
     plan = []
     for ours, hf in _direct_names(config):
         if ours.endswith("mlp.router.weight"):
             bias = ours.replace(".weight", ".bias")
+            if family == "mixtral" and not fused:
+                hf = hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
             plan.append(HFTensor(hf, (ours, bias), _router_weight(bias)))
         elif not (config.tie_embeddings and ours == "lm_head.weight"):
             plan.append(HFTensor(hf, (ours,), _same))
@@ -155,9 +202,13 @@ def hf_tensor_plan(config: MarinConfig, fused: bool = False) -> list[HFTensor]:
             plan.append(HFTensor(f"{hf}gate_up_proj", (f"{ours}gate_proj", f"{ours}up_proj"), _gate_up))
             plan.append(HFTensor(f"{hf}down_proj", (f"{ours}down_proj",), _down))
             continue
+        if family == "mixtral":  # its files: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
+            hf = f"model.layers.{i}.block_sparse_moe.experts."
+        names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if family == "mixtral" else {}
         for e in range(config.moe.num_experts):
             for name in ("gate_proj", "up_proj", "down_proj"):
-                plan.append(HFTensor(f"{hf}{e}.{name}.weight", (f"{ours}{name}",), _expert(e)))
+                out = names.get(name, name)
+                plan.append(HFTensor(f"{hf}{e}.{out}.weight", (f"{ours}{name}",), _expert(e)))
     return plan
 
 
@@ -169,8 +220,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: MarinConfig) -> dic
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: MarinConfig) -> dict[str, torch.Tensor]:
     """Our tensors from a Qwen3-MoE or Mixtral state dict: the Hub's files (one nn.Linear per expert;
     Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`) or transformers 5's fused modules."""
-    if config.attention.qk_norm:
-        check_qwen3_compatible(config)
+    native_family(config)
     hf_state = dict(hf_state)
     hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])  # tied checkpoints
     for i in range(config.num_layers):  # Mixtral's files name the MoE block apart
