@@ -7,8 +7,10 @@ produces the same ids. There is no normaliser: `decode(encode(x)) == x` for any 
 Pre-tokenisation (a regex split, then bytes):
 - runs of CJK characters (Han, kana, Hangul) form their own pre-tokens, apart from Latin letters;
 - digits split into groups of at most 3;
-- whitespace runs keep all but their last space together, so indentation becomes a few tokens
-  and the final space attaches to the next word (GPT-4-style).
+- whitespace runs keep all but their last space together, and the final space attaches to the
+  next word (GPT-4-style);
+- a line break and the next line's indentation are one pre-token, less the indentation's last
+  space: code's "):\n    if" is `):` `\n   ` ` if`, so BPE learns newline-plus-indent tokens.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ SPLIT_PATTERN = (
     r"|(?i:'s|'t|'re|'ve|'m|'ll|'d)"
     rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}&&[^{CJK}]]+"
     r"|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+"
+    r"| ?[^\s\p{L}\p{N}]+"
+    r"|\s*[\r\n]+(?:[ \t]*(?=[ \t]\S)|[ \t]*)"
     r"|\s+(?!\S)"
     r"|\s+"
 )
