@@ -366,21 +366,9 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                 self.step += 1
                 self._step_time = time.perf_counter() - t0
                 self._last_result = result
-                if result.skipped:
-                    self.bad_steps += 1
-                    self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
-                    what = "loss" if not math.isfinite(result.loss) else "gradient"
-                    self._log_event(
-                        f"non-finite {what} (loss={result.loss:.6g}, grad norm={result.grad_norm:.6g}); update "
-                        f"skipped ({self.bad_steps} in a row)"
-                    )
-                    if self.bad_steps >= c.train.max_consecutive_bad_steps:
-                        self._rollback()
-                        bar.n = self.step
-                        continue
-                else:
-                    self.bad_steps = 0
-                    self._good_steps += 1
+                if self._count_bad_step(result):  # rolled back to the last checkpoint
+                    bar.n = self.step
+                    continue
                 for every, fn in self.hooks:
                     if self.step % every == 0:
                         fn(result)
@@ -431,6 +419,29 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                 self.sinks.close()
         if not self._signal and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
             self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
+        return self._summary(start_time, first_step, stopped_early)
+
+    def _count_bad_step(self, result: StepResult) -> bool:
+        """Count a skipped (non-finite) step or reset the streak; True when the streak reached
+        `train.max_consecutive_bad_steps` and the run rolled back to its last checkpoint."""
+        if not result.skipped:
+            self.bad_steps = 0
+            self._good_steps += 1
+            return False
+        self.bad_steps += 1
+        self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
+        what = "loss" if not math.isfinite(result.loss) else "gradient"
+        self._log_event(
+            f"non-finite {what} (loss={result.loss:.6g}, grad norm={result.grad_norm:.6g}); update "
+            f"skipped ({self.bad_steps} in a row)"
+        )
+        if self.bad_steps < self.config.train.max_consecutive_bad_steps:
+            return False
+        self._rollback()
+        return True
+
+    def _summary(self, start_time: float, first_step: int, stopped_early: bool) -> dict:
+        """What fit() returns, also written to RUN/summary.json with the loss plot (main rank)."""
         summary = {
             "steps": self.step,
             "first_step": first_step,  # where this call started: a resumed run's earlier steps were timed elsewhere
