@@ -75,8 +75,72 @@ def router_biases(run_dir) -> list[torch.Tensor]:
     return [m.router.bias.clone() for m in model.modules() if hasattr(m, "router")]
 
 
-LAYOUTS = {"fsdp-4": {}, "hsdp-2x2": {"data_parallel_replicate": 2}}
-CASES = [("fp64", 10, 1e-9, "fsdp-4"), ("fp64", 10, 1e-9, "hsdp-2x2"), ("fp32", 3, 1e-5, "hsdp-2x2")]
+LAYOUTS = {
+    "fsdp-4": {},
+    "hsdp-2x2": {"data_parallel_replicate": 2},
+    "tp-2xfsdp-2": {"tensor_parallel": 2},
+    "tp-4": {"tensor_parallel": 4},
+    "tp-2xhsdp-2x1": {"tensor_parallel": 2, "data_parallel_replicate": 2},
+    "ep-2xfsdp-2": {"expert_parallel": 2},
+    "ep-4": {"expert_parallel": 4},
+    "ep-2xhsdp-2x2": {"expert_parallel": 2, "data_parallel_replicate": 2},
+}
+CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS] + [
+    ("fp32", 3, 1e-5, "hsdp-2x2"),
+    ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
+    ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
+]
+
+
+def layout_model(precision: str):
+    """A tiny hero-shaped model whose heads split 4 ways: 8 query and 8 KV heads, of which the
+    global layer reads 4 (as the hero's read 6 of 12), so tensor parallel fetches other ranks'
+    KV heads there. Dropless experts, so that capacity (per forward's rows) does not depend on the
+    layout."""
+    return tiny_config(
+        num_layers=2,
+        max_seq_len=64,
+        attention={"sliding_window": 16, "num_heads": 8, "head_dim": 16, "num_kv_heads": 8, "num_global_kv_heads": 4},
+        moe={"capacity_factor": None},
+        kernels="reference" if precision == "fp64" else "auto",
+    )
+
+
+def layout_run(
+    token_data,
+    folder,
+    name: str,
+    parallel: dict | None,
+    precision: str,
+    steps: int,
+    *,
+    nproc: int = 4,
+    checkpoint_every: int = 0,
+    fresh: bool = True,
+):
+    """Train `layout_model` from the same seed on the same global batch of 8 rows: one process
+    when `parallel` is None, else `nproc` gloo ranks under torchrun. `fresh=False` resumes the
+    run folder's last checkpoint."""
+    from marinlm.config import to_dict
+
+    optim = {"type": "adamw", "lr": 3e-3} if precision == "fp64" else {}
+    config = train_config(
+        token_data,
+        folder / name,
+        model=to_dict(layout_model(precision)),
+        optim=optim,
+        parallel=parallel or {},
+        train={"steps": steps, "global_batch": 8, "precision": precision, "init": "full"},
+        checkpoint={"every_steps": checkpoint_every},
+        validation={"every_steps": 0},
+    )
+    save_config(config, folder / f"{name}.yaml")
+    if parallel is None:
+        run_training(config, resume="none" if fresh else "auto")
+    else:
+        resume = [] if fresh else ["--resume=auto"]
+        torchrun(folder / f"{name}.yaml", nproc, 29541 + len(folder.name) % 50, *resume)
+    return curves(folder / name)
 
 
 @pytest.mark.slow
@@ -84,37 +148,12 @@ CASES = [("fp64", 10, 1e-9, "fsdp-4"), ("fp64", 10, 1e-9, "hsdp-2x2"), ("fp32", 
 @pytest.mark.parametrize("precision, steps, rel, layout", CASES, ids=[f"{c[3]}-{c[0]}" for c in CASES])
 def test_a_layout_trains_as_one_process(token_data, tmp_path, precision, steps, rel, layout):
     """The same seed (every rank initialises the whole model, then shards it), the same global batch
-    of 8 rows: losses, gradient norms and the QB router biases of one process. Dropless experts,
-    so that capacity (per forward's rows) does not depend on the layout. AdamW in fp64, whose
+    of 8 rows: losses, gradient norms and the QB router biases of one process. AdamW in fp64, whose
     update is exact there; MuonH rounds its Newton-Schulz in fp32."""
-    optim = {"type": "adamw", "lr": 3e-3} if precision == "fp64" else {}
-    model = tiny_config(
-        num_layers=2,
-        max_seq_len=64,
-        attention={"sliding_window": 16},
-        moe={"capacity_factor": None},
-        kernels="reference" if precision == "fp64" else "auto",
-    )
-    from marinlm.config import to_dict
-
-    runs = {}
-    for name, parallel in (("single", {}), (layout, LAYOUTS[layout])):
-        config = train_config(
-            token_data,
-            tmp_path / name,
-            model=to_dict(model),
-            optim=optim,
-            parallel=parallel,
-            train={"steps": steps, "global_batch": 8, "precision": precision, "init": "full"},
-            checkpoint={"every_steps": 0},
-            validation={"every_steps": 0},
-        )
-        save_config(config, tmp_path / f"{name}.yaml")
-        if name == "single":
-            run_training(config, resume="none")
-        else:
-            torchrun(tmp_path / f"{name}.yaml", 4, 29541 + len(tmp_path.name) % 50)
-        runs[name] = curves(tmp_path / name)
+    runs = {
+        "single": layout_run(token_data, tmp_path, "single", None, precision, steps),
+        layout: layout_run(token_data, tmp_path, layout, LAYOUTS[layout], precision, steps),
+    }
     assert sorted(runs["single"]) == sorted(runs[layout]) == list(range(1, steps + 1))
     for step, (loss, grad_norm) in runs["single"].items():
         assert runs[layout][step][0] == pytest.approx(loss, rel=rel), ("loss", step)
@@ -123,11 +162,30 @@ def test_a_layout_trains_as_one_process(token_data, tmp_path, precision, steps, 
         torch.testing.assert_close(b, a, rtol=rel, atol=rel)
 
 
-@pytest.mark.parametrize("layout, shard", [({}, 4), ({"data_parallel_replicate": 2}, 2)], ids=["fsdp-4", "hsdp-2x2"])
-def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, shard):
+# Which dim tensor parallelism splits, by parameter name (written out here, apart from the plan).
+TP_SPLITS = {
+    r"embed\.weight|lm_head\.weight|attn\.[qkv]_proj\.weight|attn\.gate\.weight": 0,
+    r"attn\.o_proj\.weight|attn\.sconv_[kv]\.weight|shared\.\d+\.down_proj\.weight|experts\.down_proj": 1,
+    r"shared\.\d+\.(gate|up)_proj\.weight": 0,
+    r"experts\.(gate|up)_proj": 2,
+}
+
+
+def tp_split_dim(name: str) -> int | None:
+    import re
+
+    return next((dim for pattern, dim in TP_SPLITS.items() if re.search(pattern, name)), None)
+
+
+@pytest.mark.parametrize(
+    "layout, shard, tp",
+    [({}, 4, 1), ({"data_parallel_replicate": 2}, 2, 1), ({"tensor_parallel": 2}, 2, 2)],
+    ids=["fsdp-4", "hsdp-2x2", "tp-2xfsdp-2"],
+)
+def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, shard, tp):
     """On a fake process group of 4 ranks (no real collectives): after parallelize, every parameter
-    is a DTensor whose local shard is 1/shard of it on dim 0 (torch.chunk's split), and so is each
-    AdamW moment after a step."""
+    is a DTensor whose local shard is 1/tp of it along the dim tensor parallel splits (for those it
+    splits), then 1/shard on dim 0 (torch.chunk's split), and so is each AdamW moment after a step."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -139,20 +197,28 @@ def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, sh
     rank = 1
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
     try:
-        config = tiny_config(num_layers=2)
+        config = layout_model("fp64")
         layout_dims = dims(4, **layout)
-        info = DistributedInfo(rank, 4, rank, torch.device("cpu"), layout_dims.build_mesh("cpu"))
+        info = DistributedInfo(rank, 4, rank, torch.device("cpu"))
+        info.use_layout(layout_dims.build_mesh("cpu"))
         with torch.device("meta"):
             model = MarinForCausalLM(config)
-        full = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        full = {name: list(p.shape) for name, p in model.named_parameters()}
         parallelize(model, ParallelConfig(**layout), info)
         model.to_empty(device="cpu")
-        shard_rank = rank % shard  # the rank's place on the dp_shard axis
+        shard_rank = (rank // tp) % shard  # the rank's place on the dp_shard axis (tp is the last axis)
+        split = 0
         for name, p in model.named_parameters():
             assert isinstance(p, DTensor), name
-            expected = torch.empty(full[name][0]).chunk(shard)
-            rows = expected[shard_rank].numel() if shard_rank < len(expected) else 0
-            assert tuple(p.to_local().shape) == (rows, *full[name][1:]), name
+            shape = full[name]
+            if tp > 1 and (dim := tp_split_dim(name)) is not None:
+                shape[dim] //= tp
+                split += 1
+            chunks = torch.empty(shape[0]).chunk(shard)
+            rows = chunks[shard_rank].numel() if shard_rank < len(chunks) else 0
+            assert list(p.to_local().shape) == [rows, *shape[1:]], name
+        # Embedding and head, then per layer q/k/v/gate/o, the K and V SConvs, 3 expert stacks, 2 x 3 shared.
+        assert split == (0 if tp == 1 else 2 + config.num_layers * (5 + 2 + 3 + 2 * 3))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -162,3 +228,26 @@ def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, sh
                 assert optimizer.state[p][key].to_local().shape == p.to_local().shape
     finally:
         dist.destroy_process_group()
+
+
+RESHARDS = {  # saved under -> resumed under (layout, processes); None is one process
+    "tp-2xfsdp-2": [("fsdp-2", {}, 2), ("one", None, 1)],
+    "ep-2xfsdp-2": [("ep-4", {"expert_parallel": 4}, 4), ("one", None, 1)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("saved", list(RESHARDS))
+def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, saved):
+    """Saved at step 5 under one layout, resumed under others with other world sizes: each carries
+    on with the losses of the uninterrupted run, in float64."""
+    import shutil
+
+    whole = layout_run(token_data, tmp_path, "saved", LAYOUTS[saved], "fp64", 10, checkpoint_every=5)
+    for name, parallel, procs in RESHARDS[saved]:
+        shutil.copytree(tmp_path / "saved", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000010")
+        resumed = layout_run(token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False)
+        for step in range(6, 11):
+            assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)

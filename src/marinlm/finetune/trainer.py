@@ -104,7 +104,7 @@ class FinetuneTrainer(Trainer):
 
     def _make_loader(self):
         return SFTLoader(
-            self.sft_rows, self.micro_batch * self.world, self.info.rank, self.world, self.config.data.seed
+            self.sft_rows, self.micro_batch * self.data_world, self.data_rank, self.data_world, self.config.data.seed
         )
 
     def _val_sources(self) -> dict:

@@ -70,6 +70,20 @@ class LayerCache:
             self.pos_BS = self.pos_BS[:, -self.window :]
 
 
+class HeadSlice(nn.Module):
+    """The first `num_used` heads of a [..., heads * head_dim] tensor: Marin's global layers read 6
+    of their 12 stored KV heads. A module of its own so that tensor parallelism, whose ranks each
+    hold a slice of the stored heads, can fetch the used heads each rank needs
+    (`marinlm.parallel.tensor_parallel`)."""
+
+    def __init__(self, num_used: int, head_dim: int):
+        super().__init__()
+        self.num_used, self.head_dim = num_used, head_dim
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return x_BTC[..., : self.num_used * self.head_dim]
+
+
 class Attention(nn.Module):
     def __init__(self, config: AttentionConfig, d_model: int, *, is_global: bool, sconv_sites, sconv_kernel, init_std):
         super().__init__()
@@ -90,6 +104,7 @@ class Attention(nn.Module):
         self.sconv_k = SConv(kv_width, sconv_kernel) if "k" in sconv_sites else None
         self.sconv_v = SConv(kv_width, sconv_kernel) if "v" in sconv_sites else None
         self.gate = nn.Linear(d_model, c.num_heads, bias=False) if c.head_gate else None
+        self.kv_in_use = HeadSlice(self.num_kv, c.head_dim) if self.num_kv < c.num_kv_heads else None
         if c.qk_norm_gain:
             self.q_norm_weight = nn.Parameter(torch.empty(c.head_dim))
             self.k_norm_weight = nn.Parameter(torch.empty(c.head_dim))
@@ -126,8 +141,9 @@ class Attention(nn.Module):
 
     def forward(self, a_BTD: torch.Tensor, ctx: ForwardContext, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = a_BTD.shape
-        H, Dh, K = self.num_heads, self.head_dim, self.num_kv
-        q_BTHD = self.q_proj(a_BTD).view(B, T, H, Dh)
+        Dh = self.head_dim
+        # Head counts come from the tensors: under tensor parallelism a rank holds a slice of the heads.
+        q_BTHD = self.q_proj(a_BTD).view(B, T, -1, Dh)
         k_BTC = self.k_proj(a_BTD)
         v_BTC = self.v_proj(a_BTD)
         if self.sconv_k is not None:
@@ -138,9 +154,11 @@ class Attention(nn.Module):
             v_BTC, state = self.sconv_v(v_BTC, ctx, None if cache is None else cache.conv_v)
             if cache is not None:
                 cache.conv_v = state
-        # Global layers read the first K of the stored KV heads (Marin: 6 of 12).
-        k_BTKD = k_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
-        v_BTKD = v_BTC.view(B, T, self.num_kv_stored, Dh)[:, :, :K]
+        if self.kv_in_use is not None:  # global layers read the first K of the stored KV heads (Marin: 6 of 12)
+            k_BTC, v_BTC = self.kv_in_use(k_BTC), self.kv_in_use(v_BTC)
+        k_BTKD = k_BTC.view(B, T, -1, Dh)
+        v_BTKD = v_BTC.view(B, T, -1, Dh)
+        H, K = q_BTHD.shape[2], k_BTKD.shape[2]
         cos = sin = None
         if self.use_rope:
             cos, sin = ctx.rope(self.config.rope_dim, self.config.rope_theta)

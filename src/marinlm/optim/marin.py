@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -103,11 +104,17 @@ def newton_schulz_many(
     return out
 
 
+def _splits_matrix(placement, ndim: int) -> bool:
+    """Whether a placement splits one of the last two (matrix) dims. FSDP2 over tensor parallel
+    places `_StridedShard`, which in torch 2.13 is neither a `Shard` subclass nor `is_shard()`."""
+    return isinstance(placement, Shard | _StridedShard) and placement.dim % ndim >= ndim - 2
+
+
 def _matrix_sharded(p: torch.Tensor) -> bool:
     """True when a DTensor is split along one of its last two (matrix) dims."""
     if not isinstance(p, DTensor):
         return False
-    return any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements)
+    return any(_splits_matrix(pl, p.ndim) for pl in p.placements)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +128,7 @@ def _frobenius(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return norm
     sq = norm.square()
     for axis, placement in enumerate(param.placements):  # the mesh axes that split the matrix (HSDP: dp_shard)
-        if isinstance(placement, Shard) and placement.dim % param.ndim >= param.ndim - 2:
+        if _splits_matrix(placement, param.ndim):
             dist.all_reduce(sq, group=param.device_mesh.get_group(axis))
     return sq.sqrt()
 

@@ -2,8 +2,8 @@
 
 Order, as in torchtitan: tensor parallel, expert parallel, activation checkpointing, compile, then
 FSDP2/HSDP. The layout (`mesh.py`) is checked against the world and the model before anything is
-built. Tensor, expert and pipeline parallelism arrive in later issues; asking for them now is a
-clear error, not a silent no-op.
+built. Pipeline parallelism arrives in a later issue; asking for it now is a clear error, not a
+silent no-op.
 """
 
 from __future__ import annotations
@@ -49,32 +49,46 @@ class ParallelConfig:
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
 
 
-NOT_YET = ("tensor_parallel", "expert_parallel", "pipeline_parallel")
-
-
 def refuse_unbuilt(dims) -> None:
-    """Degrees this version does not build yet are an error, not a silent no-op."""
-    for name, size in zip(NOT_YET, (dims.tp, dims.ep, dims.pp)):
-        check(
-            size == 1,
-            f"parallel.{name}",
-            f"{size} is not built yet, only 1 (tensor, expert and pipeline parallel land next)",
-        )
+    """Layouts this version does not build yet are an error, not a silent no-op."""
+    check(dims.pp == 1, "parallel.pipeline_parallel", f"{dims.pp} is not built yet, only 1")
+    check(
+        dims.ep == 1 or dims.tp == 1,
+        "parallel.expert_parallel",
+        f"{dims.ep} with tensor_parallel {dims.tp} is not built yet: expert parallel runs with tensor_parallel 1",
+    )
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
-    """Apply activation checkpointing, compile and (under torchrun) FSDP2 or HSDP, in that order.
+    """Apply tensor parallel, expert parallel, activation checkpointing, compile and (under torchrun) FSDP2 or HSDP,
+    in that order, to a model on `meta` or initialised.
 
     Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
     """
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.expert_parallel import apply_expert_parallel
     from marinlm.parallel.fsdp import apply_fsdp
+    from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
+    layout = info.mesh is not None and info.mesh.mesh_dim_names[0] == "pp"
+    if layout and info.mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, info.mesh["tp"])
+    if layout and info.expert_mesh is not None:
+        apply_expert_parallel(model, info.expert_mesh["ep"])
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
         for block in model.layers:
             block.compile()
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
-        mesh = info.mesh["dp_replicate", "dp_shard"] if info.mesh.mesh_dim_names[0] == "pp" else info.mesh
-        apply_fsdp(model, mesh, reshard_after_forward=config.reshard_after_forward, cpu_offload=config.cpu_offload)
+        mesh = info.mesh["dp_replicate", "dp_shard"] if layout else info.mesh
+        experts = None
+        if layout and info.expert_mesh is not None:  # experts shard over the data ranks left beside ep
+            experts = info.expert_mesh["dp_replicate", "efsdp"]
+        apply_fsdp(
+            model,
+            mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            cpu_offload=config.cpu_offload,
+            experts=experts,
+        )
     return model

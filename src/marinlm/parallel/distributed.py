@@ -22,11 +22,26 @@ class DistributedInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: object = None  # 1-D DeviceMesh over all ranks when world_size > 1
+    mesh: object = None  # 1-D DeviceMesh over all ranks when world_size > 1, then the layout's (`use_layout`)
+    # The data-parallel ranks, which hold different rows of a batch (tensor-parallel ranks share rows):
+    batch_rank: int = 0
+    batch_world: int = 1
+    batch_group: object = None  # their process group; None where they are all the ranks
+
+    def __post_init__(self):
+        self.batch_rank, self.batch_world = self.rank, self.world_size
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    expert_mesh: object = None  # the layout's expert mesh, with expert parallelism
+
+    def use_layout(self, meshes) -> None:
+        """Adopt the layout's meshes (`mesh.ParallelDims.build_mesh`): batches split over its data-parallel ranks."""
+        self.mesh, self.expert_mesh, batch = meshes.dense, meshes.experts, meshes.batch
+        self.batch_rank, self.batch_world = batch.get_local_rank(), batch.size()
+        self.batch_group = None if batch.size() == self.world_size else batch.get_group()
 
 
 def init_distributed(device: str = "auto") -> DistributedInfo:
@@ -64,10 +79,10 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce when a process group exists; identity otherwise."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+def all_reduce_(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """In-place all-reduce over `group` (default: every rank) when a process group exists; identity otherwise."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return tensor
 
 

@@ -4,10 +4,13 @@ the device mesh cut into named views.
     world = pipeline_parallel × data_parallel_replicate × data_parallel_shard × tensor_parallel
 
 Expert parallelism borrows its ranks from data_parallel_shard × tensor_parallel, as in torchtitan:
-it adds no axis. One flat mesh `[pp, dp_replicate, dp_shard, tp]` is cut into views:
-- `dense`: `[dp_replicate, dp_shard]` where FSDP2 shards (dp_shard) and replicates (HSDP);
-- `batch`: the data-parallel ranks, which hold different rows of each batch (`dp`, flattened);
+it adds no axis. One flat mesh of the world is cut two ways. The dense mesh `[pp, dp_replicate,
+dp_shard, tp]` has the views:
+- `[dp_replicate, dp_shard]` where FSDP2 shards (dp_shard) and replicates (HSDP);
+- `dp`: the data-parallel ranks, which hold different rows of each batch (flattened);
 - `tp`: the tensor-parallel ranks, which hold the same rows and split the weights.
+The expert mesh `[pp, dp_replicate, efsdp, ep]` holds the routed experts: split over `ep`, FSDP2 on
+`[dp_replicate, efsdp]` (efsdp = dp_shard × tp / ep).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from marinlm.config import ConfigError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")
 
 
 @dataclass(frozen=True)
@@ -75,20 +79,17 @@ class ParallelDims:
             )
         return dims
 
-    def check_model(self, model) -> None:
-        """Raise ConfigError, naming the key, where the model's widths do not split over the degrees."""
-        attn = model.attention
-        for key, count in (
-            ("attention.num_heads", attn.num_heads),
-            ("attention.num_kv_heads", attn.num_kv_heads),
-            ("attention.num_global_kv_heads", attn.global_kv_heads()),
-            ("vocab_size", model.vocab_size),
-        ):
-            if count % self.tp:
-                raise ConfigError(
-                    "parallel.tensor_parallel",
-                    f"{self.tp} must divide model.{key} = {count}; valid degrees: {_common_divisors(model, self)}",
-                )
+    def check_model(self, model, seq_len: int | None = None) -> None:
+        """Raise ConfigError, naming the key, where the model's widths (or the rows' `seq_len`, which
+        sequence parallelism splits) do not split over the degrees."""
+        if self.tp > 1:
+            for key, count in _tp_counts(model, seq_len):
+                if count % self.tp:
+                    raise ConfigError(
+                        "parallel.tensor_parallel",
+                        f"{self.tp} must divide {key} = {count}; "
+                        f"valid degrees: {_common_divisors(model, self, seq_len)}",
+                    )
         if model.moe.num_experts % self.ep:
             raise ConfigError(
                 "parallel.expert_parallel",
@@ -100,22 +101,60 @@ class ParallelDims:
                 "parallel.pipeline_parallel", f"{self.pp} stages but model.num_layers = {model.num_layers}"
             )
 
-    def build_mesh(self, device_type: str):
-        """The flat device mesh with its named axes; the views are `mesh["tp"]`,
-        `mesh["dp_replicate", "dp_shard"]` and `mesh["dp"]` (the flattened data-parallel ranks)."""
+    @property
+    def efsdp(self) -> int:
+        """The data ranks left in each expert-parallel group's FSDP axis: dp_shard x tp / ep."""
+        return self.dp_shard * self.tp // self.ep
+
+    def build_mesh(self, device_type: str) -> Meshes:
+        """The layout's meshes, all cut from one flat mesh of the world (FSDP2 needs them to share
+        it to combine the experts' sharding with the rest)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        world = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
+        dense = world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.tp), AXES)
+        batch = dense["dp_replicate", "dp_shard"]._flatten("dp")
+        experts = None
+        if self.ep > 1:
+            experts = world._unflatten(0, (self.pp, self.dp_replicate, self.efsdp, self.ep), EXPERT_AXES)
+        return Meshes(dense, batch, experts)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """dense: `[pp, dp_replicate, dp_shard, tp]`; batch: the data-parallel ranks, flattened (each
+    holds other rows of a batch); experts: `[pp, dp_replicate, efsdp, ep]`, None without expert
+    parallelism."""
+
+    dense: object
+    batch: object
+    experts: object = None
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _common_divisors(model, dims: ParallelDims) -> list[int]:
-    attn = model.attention
-    counts = (attn.num_heads, attn.num_kv_heads, attn.global_kv_heads(), model.vocab_size)
+def _tp_counts(model, seq_len: int | None) -> list[tuple[str, int]]:
+    """What tensor parallelism splits: heads, KV heads (the global layers' too), widths, the sequence."""
+    attn, moe = model.attention, model.moe
+    counts = [
+        ("model.attention.num_heads", attn.num_heads),
+        ("model.attention.num_kv_heads", attn.num_kv_heads),
+        ("model.attention.num_global_kv_heads", attn.global_kv_heads()),
+        ("model.vocab_size", model.vocab_size),
+        ("model.moe.expert_dim", moe.expert_dim),
+    ]
+    if moe.num_shared_experts:
+        counts.append(("model.moe.shared_expert_dim", moe.shared_expert_dim))
+    if moe.first_k_dense:
+        counts.append(("model.moe.dense_ffn_dim", moe.dense_ffn_dim))
+    if seq_len is not None:
+        counts.append(("data.seq_len", seq_len))
+    return counts
+
+
+def _common_divisors(model, dims: ParallelDims, seq_len: int | None = None) -> list[int]:
+    counts = [count for _, count in _tp_counts(model, seq_len)]
     world = dims.world // (dims.pp * dims.dp_replicate)
     return [d for d in _divisors(world) if all(c % d == 0 for c in counts)]

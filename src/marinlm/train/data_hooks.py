@@ -45,12 +45,12 @@ class TrainingData:
 
     def _make_loader(self):
         c = self.config
-        # The loader deals micro-batches: `accum` of them (x world_size) make one global batch.
+        # The loader deals micro-batches: `accum` of them (x data-parallel ranks) make one global batch.
         return build_loader(
             c.data,
-            self.micro_batch * self.world,
-            self.info.rank,
-            self.world,
+            self.micro_batch * self.data_world,
+            self.data_rank,
+            self.data_world,
             self.tokenizer_hash,
             c.model.vocab_size,
             index_dir=self.run_dir / "data-index",

@@ -7,6 +7,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from marinlm.parallel.expert_parallel import expert_traffic
 from marinlm.train.metrics import router_metrics
 from marinlm.train.step import (
     StepResult,
@@ -27,8 +28,13 @@ class Reporting:
 
     def _log_hook(self, result: StepResult) -> None:
         norm = param_norm(self.model)  # a collective under FSDP: every rank takes part
+        traffic = expert_traffic(self.model)  # since the last log: a collective too
+        steps = self.step - getattr(self, "_traffic_from_step", 0)
+        self._traffic_from_step = self.step
         if self.sinks is None:
             return
+        if "ep/a2a_bytes" in traffic:
+            traffic["ep/a2a_bytes"] /= max(steps, 1)  # per step
         r = result
         elapsed = self._step_time
         tokens_per_s = r.tokens / max(elapsed, 1e-9)
@@ -49,7 +55,7 @@ class Reporting:
         if self.device.type == "cuda":
             scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
         router_scalars, histograms = router_metrics(r.router_stats)
-        self.sinks.log(self.step, scalars | router_scalars, histograms)
+        self.sinks.log(self.step, scalars | router_scalars | traffic, histograms)
 
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation at `tokens_per_s` (all ranks together) against the measured peak."""

@@ -61,31 +61,59 @@ def autocast_context(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def _full_norm(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def total_norm(tensors: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The 2-norm of all `tensors` together (fp32 or wider), whole across every rank that holds a
+    shard of them. DTensors on different meshes (experts on the expert mesh, the rest on the dense
+    one) are reduced mesh by mesh, in the same order on every rank. `group`: ranks holding other
+    tensors altogether (pipeline stages), whose squared norms add up."""
+    by_mesh: dict = {}
+    for t in tensors:
+        by_mesh.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    squares = []
+    for ts in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(ts)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.double().square())
+    square = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if group is not None:
+        all_reduce_(square, group=group)
+    return square.sqrt()
 
 
-def reduce_router_stats(merged: list[RouterStats]) -> list[RouterStats]:
-    """Sum counts (and QB histograms) / average means and beta across ranks, in place."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def reduce_router_stats(merged: list[RouterStats], group=None) -> list[RouterStats]:
+    """Sum counts (and QB histograms) / average means and beta across the ranks of `group` (the
+    data-parallel ranks: tensor-parallel ranks route the same tokens), in place."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         for s in merged:
             for t in (s.load, s.dropped, s.num_tokens):
-                all_reduce_(t)
-            all_reduce_(s.z_loss).div_(world)
+                all_reduce_(t, group=group)
+            all_reduce_(s.z_loss, group=group).div_(world)
             if s.beta is not None:
-                all_reduce_(s.beta).div_(world)
+                all_reduce_(s.beta, group=group).div_(world)
             if s.hist is not None:
-                all_reduce_(s.hist)
+                all_reduce_(s.hist, group=group)
     return merged
 
 
 def train_step(
-    model, optimizer, batches: list[dict], *, device, precision: str, grad_clip: float | None, world_size: int
+    model,
+    optimizer,
+    batches: list[dict],
+    *,
+    device,
+    precision: str,
+    grad_clip: float | None,
+    world_size: int,
+    group=None,
 ) -> StepResult:
-    """Forward/backward over the rank's micro-batches, then clip, guard and update."""
+    """Forward/backward over the rank's micro-batches, then clip, guard and update.
+
+    `world_size` counts the data-parallel ranks (each holding other rows), `group` is theirs (None:
+    every rank); tensor-parallel ranks hold the same rows and count once.
+    """
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
-    global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens))).item())
+    global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens)), group=group).item())
     sums = torch.zeros(3, dtype=torch.float64)  # ce * n, z * n, aux; fp64 so that fp64 runs log exactly
     # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
     router_stats: list[RouterStats] = []
@@ -109,17 +137,20 @@ def train_step(
         )
         fresh = [s.detach() for s in out.router_stats]
         router_stats = fresh if i == 0 else [RouterStats.merge([a, b], [i, 1]) for a, b in zip(router_stats, fresh)]
-    all_reduce_(sums)
+    all_reduce_(sums, group=group)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = _full_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    grad_norm = total_norm([p.grad for p in params])
     loss = sums[0].item() / max(global_loss_tokens, 1)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm.item()))
     if not skipped:
         if grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+            coefficient = min(1.0, grad_clip / (grad_norm.item() + 1e-6))  # as torch's clip_grad_norm_
+            if coefficient < 1.0:
+                for p in params:  # one by one: DTensors on different meshes take no foreach op together
+                    p.grad.mul_(coefficient)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stats = reduce_router_stats(router_stats) if router_stats else []
+    stats = reduce_router_stats(router_stats, group) if router_stats else []
     if not skipped and stats:
         # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
         unwrap(model).update_router_biases(stats)
@@ -143,16 +174,25 @@ def unwrap(model):
 
 def param_norm(model) -> float:
     """The global norm of the floating-point weights (a 4-bit QLoRA base stores bytes: left out)."""
-    return _full_norm(torch.nn.utils.get_total_norm([p for p in model.parameters() if p.is_floating_point()])).item()
+    return total_norm([p for p in model.parameters() if p.is_floating_point()]).item()
 
 
-def validate(model, batches, *, device, precision: str) -> dict[str, float]:
-    """Mean loss per token and bits per byte over the given held-out batches (all ranks summed)."""
-    return _val_metrics(_val_totals(model, batches, device=device, precision=precision))
+def validate(model, batches, *, device, precision: str, group=None) -> dict[str, float]:
+    """Mean loss per token and bits per byte over the given held-out batches (summed over `group`'s ranks)."""
+    return _val_metrics(_val_totals(model, batches, device=device, precision=precision, group=group))
 
 
 def validate_sources(
-    model, sources: dict, batch_size: int, max_rows: int | None, rank: int, world_size: int, *, device, precision: str
+    model,
+    sources: dict,
+    batch_size: int,
+    max_rows: int | None,
+    rank: int,
+    world_size: int,
+    *,
+    device,
+    precision: str,
+    group=None,
 ) -> dict[str, float]:
     """Validation over each source's held-out rows (`dataset.validation_sources`, `max_rows` of each):
     `val/loss`, `val/bpb` and `val/tokens` over all of them together, and with several sources
@@ -165,6 +205,7 @@ def validate_sources(
             validation_batches(source, batch_size, max_rows, rank, world_size),
             device=device,
             precision=precision,
+            group=group,
         )
         for name, source in sources.items()
     }
@@ -185,7 +226,7 @@ def _val_metrics(totals: torch.Tensor, prefix: str = "val") -> dict[str, float]:
 
 
 @torch.no_grad()
-def _val_totals(model, batches, *, device, precision: str) -> torch.Tensor:
+def _val_totals(model, batches, *, device, precision: str, group=None) -> torch.Tensor:
     """Summed nats, tokens and bytes over the batches (all ranks).
 
     The loss goes through the model's fused, chunked LM head as in training (model/loss.py): the
@@ -208,6 +249,6 @@ def _val_totals(model, batches, *, device, precision: str) -> torch.Tensor:
             [float(out.token_ce.double().sum()), float(out.num_tokens), float(batch["byte_weights"].double().sum())],
             dtype=torch.float64,
         )
-    all_reduce_(totals)
+    all_reduce_(totals, group=group)
     model.train(was_training)
     return totals

@@ -111,17 +111,19 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         self.world = self.info.world_size
         # The layout first: a degree that does not fit the ranks or the model fails before anything is built.
         self.dims = ParallelDims.resolve(c.parallel, self.world)
-        self.dims.check_model(c.model)
+        self.dims.check_model(c.model, c.data.seq_len)
         refuse_unbuilt(self.dims)
         if self.info.mesh is not None:
-            self.info.mesh = self.dims.build_mesh(self.device.type)
-        micro = c.train.micro_batch or c.train.global_batch // self.world
-        if c.train.global_batch % (micro * self.world):
+            self.info.use_layout(self.dims.build_mesh(self.device.type))
+        # Batches are split over the data-parallel ranks; tensor-parallel ranks read the same rows.
+        self.data_rank, self.data_world = self.info.batch_rank, self.info.batch_world
+        micro = c.train.micro_batch or c.train.global_batch // self.data_world
+        if c.train.global_batch % (micro * self.data_world):
             raise ValueError(
                 f"train.global_batch={c.train.global_batch} must be a multiple of "
-                f"micro_batch x world_size = {micro} x {self.world}"
+                f"micro_batch x data-parallel ranks = {micro} x {self.data_world}"
             )
-        self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.world)
+        self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world)
 
         self._open_data()
         warmup = c.schedule.warmup_steps
@@ -239,7 +241,8 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                     device=self.device,
                     precision=self.precision,
                     grad_clip=c.train.grad_clip,
-                    world_size=self.world,
+                    world_size=self.data_world,
+                    group=self.info.batch_group,
                 )
             except BaseException as e:
                 if not is_out_of_memory(e):
@@ -305,10 +308,11 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             self.val_sources,
             v.batch_size,
             v.max_rows,
-            self.info.rank,
-            self.world,
+            self.data_rank,
+            self.data_world,
             device=self.device,
             precision=self.precision,
+            group=self.info.batch_group,
         )
         self._last_validation_step, self.last_validation = self.step, metrics
         if self.sinks is not None:
