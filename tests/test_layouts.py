@@ -84,21 +84,34 @@ LAYOUTS = {
     "ep-2xfsdp-2": {"expert_parallel": 2},
     "ep-4": {"expert_parallel": 4},
     "ep-2xhsdp-2x2": {"expert_parallel": 2, "data_parallel_replicate": 2},
+    "pp-2": {"pipeline_parallel": 2},
+    "pp-2xfsdp-2": {"pipeline_parallel": 2},
+    "pp-2-interleaved-4-stages": {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "stages_per_rank": 2},
+    "pp-2-zbv": {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble"},
 }
+PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2}  # the rest run on 4
+
+
+def layers_of(layout: str) -> int:
+    """Pipelines need a layer a stage: their runs (and the one process they are checked against) use 4."""
+    return 4 if layout.startswith("pp-") else 2
+
+
 CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS] + [
     ("fp32", 3, 1e-5, "hsdp-2x2"),
     ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
     ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
+    ("fp32", 3, 1e-5, "pp-2xfsdp-2"),
 ]
 
 
-def layout_model(precision: str):
+def layout_model(precision: str, num_layers: int = 2):
     """A tiny hero-shaped model whose heads split 4 ways: 8 query and 8 KV heads, of which the
     global layer reads 4 (as the hero's read 6 of 12), so tensor parallel fetches other ranks'
     KV heads there. Dropless experts, so that capacity (per forward's rows) does not depend on the
     layout."""
     return tiny_config(
-        num_layers=2,
+        num_layers=num_layers,
         max_seq_len=64,
         attention={"sliding_window": 16, "num_heads": 8, "head_dim": 16, "num_kv_heads": 8, "num_global_kv_heads": 4},
         moe={"capacity_factor": None},
@@ -117,6 +130,7 @@ def layout_run(
     nproc: int = 4,
     checkpoint_every: int = 0,
     fresh: bool = True,
+    num_layers: int = 2,
 ):
     """Train `layout_model` from the same seed on the same global batch of 8 rows: one process
     when `parallel` is None, else `nproc` gloo ranks under torchrun. `fresh=False` resumes the
@@ -127,7 +141,7 @@ def layout_run(
     config = train_config(
         token_data,
         folder / name,
-        model=to_dict(layout_model(precision)),
+        model=to_dict(layout_model(precision, num_layers)),
         optim=optim,
         parallel=parallel or {},
         train={"steps": steps, "global_batch": 8, "precision": precision, "init": "full"},
@@ -150,9 +164,12 @@ def test_a_layout_trains_as_one_process(token_data, tmp_path, precision, steps, 
     """The same seed (every rank initialises the whole model, then shards it), the same global batch
     of 8 rows: losses, gradient norms and the QB router biases of one process. AdamW in fp64, whose
     update is exact there; MuonH rounds its Newton-Schulz in fp32."""
+    layers, procs = layers_of(layout), PROCESSES.get(layout, 4)
     runs = {
-        "single": layout_run(token_data, tmp_path, "single", None, precision, steps),
-        layout: layout_run(token_data, tmp_path, layout, LAYOUTS[layout], precision, steps),
+        "single": layout_run(token_data, tmp_path, "single", None, precision, steps, num_layers=layers),
+        layout: layout_run(
+            token_data, tmp_path, layout, LAYOUTS[layout], precision, steps, nproc=procs, num_layers=layers
+        ),
     }
     assert sorted(runs["single"]) == sorted(runs[layout]) == list(range(1, steps + 1))
     for step, (loss, grad_norm) in runs["single"].items():
@@ -233,6 +250,8 @@ def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, sh
 RESHARDS = {  # saved under -> resumed under (layout, processes); None is one process
     "tp-2xfsdp-2": [("fsdp-2", {}, 2), ("one", None, 1)],
     "ep-2xfsdp-2": [("ep-4", {"expert_parallel": 4}, 4), ("one", None, 1)],
+    "pp-2xfsdp-2": [("one", None, 1), ("fsdp-4", {}, 4)],
+    "fsdp-4": [("pp-2xfsdp-2", {"pipeline_parallel": 2}, 4)],
 }
 
 
@@ -244,10 +263,45 @@ def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, saved):
     on with the losses of the uninterrupted run, in float64."""
     import shutil
 
-    whole = layout_run(token_data, tmp_path, "saved", LAYOUTS[saved], "fp64", 10, checkpoint_every=5)
+    layers = 4 if "pp-" in saved + "".join(n for n, _, _ in RESHARDS[saved]) else 2  # a layer a stage
+    whole = layout_run(token_data, tmp_path, "saved", LAYOUTS[saved], "fp64", 10, checkpoint_every=5, num_layers=layers)
     for name, parallel, procs in RESHARDS[saved]:
         shutil.copytree(tmp_path / "saved", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000010")
-        resumed = layout_run(token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False)
+        resumed = layout_run(
+            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, num_layers=layers
+        )
         for step in range(6, 11):
             assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)
+
+
+def test_pipeline_splits_and_errors_name_the_key():
+    """Stages balanced by FLOPs (the head is heavy), placed as each schedule needs; a split or a
+    schedule the pipeline cannot run fails before anything is built, naming the key."""
+    from marinlm.parallel.pipeline_parallel import layer_costs, pipeline_layout, split_layers, stage_ids
+
+    model = layout_model("fp64", num_layers=4)
+    costs, head = layer_costs(model, 64)
+    assert head > costs[0]  # the LM head outweighs a tiny block, so the last stage gets fewer layers
+    assert [len(r) for r in split_layers(costs, head, 2)] == [3, 1]
+    assert [len(r) for r in split_layers([1.0] * 6, 0.0, 3)] == [2, 2, 2]
+    assert stage_ids(0, 2, "ZBVZeroBubble", 2) == [0, 3] and stage_ids(1, 2, "Interleaved1F1B", 2) == [1, 3]
+
+    def layout(rows=8, **parallel):
+        return pipeline_layout(model, ParallelConfig(pipeline_parallel=2, **parallel), 2, rows, 64)
+
+    assert layout(layers_per_stage=[2, 2]).stages == [range(0, 2), range(2, 4)]
+    assert layout(pipeline_schedule="DualPipeV").per_rank == 2
+    for parallel, key in (
+        ({"pipeline_schedule": "Bogus"}, "parallel.pipeline_schedule"),
+        ({"pipeline_schedule": "Interleaved1F1B", "stages_per_rank": 3}, "parallel.pipeline_parallel"),  # 6 > 4
+        ({"microbatches": 1}, "parallel.microbatches"),  # fewer than the 2 stages
+        ({"microbatches": 3}, "parallel.microbatches"),  # does not divide the 8 rows
+        ({"pipeline_schedule": "Interleaved1F1B", "microbatches": 3}, "parallel.microbatches"),
+        ({"layers_per_stage": [3, 2]}, "parallel.layers_per_stage"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            layout(rows=6 if parallel.get("microbatches") == 3 and "pipeline_schedule" in parallel else 8, **parallel)
+        assert info.value.key == key, parallel
+    with pytest.raises(ConfigError, match="Bogus.*1F1B"):
+        layout(pipeline_schedule="Bogus")

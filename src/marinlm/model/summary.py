@@ -143,3 +143,24 @@ def summarize(config: MarinConfig, seq_len: int | None = None) -> ModelSummary:
         attention_flops_per_token=attn_flops,
         seq_len=seq_len,
     )
+
+
+def layer_flops(config: MarinConfig, seq_len: int | None = None) -> list[float]:
+    """Training FLOPs a token of each block (forward + backward), counted as `summarize` counts:
+    6 x its active matmul parameters, plus its attention scores and values."""
+    seq_len = seq_len or config.max_seq_len
+    with torch.device("meta"):
+        model = MarinForCausalLM(config)
+    fraction = config.moe.top_k / config.moe.num_experts
+    attn = config.attention
+    flops = []
+    for i, block in enumerate(model.layers):
+        matmul = 0.0
+        for name, p in block.named_parameters():
+            component = _component(f"layers.{i}.{name}")
+            if component == "sconv" or p.ndim == 1:
+                continue
+            matmul += p.numel() * (fraction if component == "routed_experts" else 1)
+        window = None if block.is_global else attn.sliding_window
+        flops.append(6 * matmul + 12 * attn.num_heads * attn.head_dim * mean_context(seq_len, window))
+    return flops

@@ -86,6 +86,14 @@ class Block(nn.Module):
         return cache
 
 
+def named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(index, block) of `model.layers`: a ModuleList, or the ModuleDict a pipeline stage keeps
+    (`marinlm.parallel.pipeline_parallel`), whose keys are the layers' indices in the whole model."""
+    if isinstance(model.layers, nn.ModuleDict):
+        return list(model.layers.items())
+    return [(str(i), block) for i, block in enumerate(model.layers)]
+
+
 @dataclass
 class CausalLMOutput:
     """`loss` = lm_loss + aux_loss, with lm_loss = ce_loss + z_loss, each a mean over tokens whose
@@ -131,10 +139,12 @@ class MarinForCausalLM(nn.Module):
         """
         if seed is not None:
             torch.manual_seed(seed)
-        if self.config.tie_embeddings:  # to_empty() gives each module its own tensor; re-tie
-            self.lm_head.weight = self.embed.weight
-        trunc_normal_(self.embed.weight, self.config.init_std)
-        if not self.config.tie_embeddings:
+        # A pipeline stage holds the embedding, the head, both or neither.
+        if self.config.tie_embeddings and self.lm_head is not None and self.embed is not None:
+            self.lm_head.weight = self.embed.weight  # to_empty() gives each module its own tensor; re-tie
+        if self.embed is not None:
+            trunc_normal_(self.embed.weight, self.config.init_std)
+        if self.lm_head is not None and not self.config.tie_embeddings:
             trunc_normal_(self.lm_head.weight, self.config.init_std)
         for module in self.modules():
             if (

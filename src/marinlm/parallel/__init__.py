@@ -1,18 +1,19 @@
 """Parallelism applied to a model built on `meta`: one file per technique, composed by `parallelize`.
 
 Order, as in torchtitan: tensor parallel, expert parallel, activation checkpointing, compile, then
-FSDP2/HSDP. The layout (`mesh.py`) is checked against the world and the model before anything is
-built. Pipeline parallelism arrives in a later issue; asking for it now is a clear error, not a
-silent no-op.
+FSDP2/HSDP; pipeline parallelism cuts the model into stages after EP and applies the rest to each
+stage. The layout (`mesh.py`) is checked against the world and the model before anything is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
 
 from marinlm.config import check
+from marinlm.model.transformer import named_blocks
 from marinlm.parallel.distributed import DistributedInfo, init_distributed, shutdown_distributed
 
 __all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize", "shutdown_distributed"]
@@ -32,6 +33,12 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | full (every block) | every_n
     checkpoint_every_n: int = 2
     compile: bool = False  # torch.compile each block (regional compilation)
+    # Pipeline parallel (parallel/pipeline_parallel.py): the schedule, stages a rank for looped
+    # schedules, microbatches a step (0: one row each), and a fixed split (else balanced by FLOPs).
+    pipeline_schedule: str = "1F1B"
+    stages_per_rank: int = 2
+    microbatches: int = 0
+    layers_per_stage: list[int] | None = None
 
     def __post_init__(self):
         for name in ("data_parallel_replicate", "tensor_parallel", "expert_parallel", "pipeline_parallel"):
@@ -47,24 +54,51 @@ class ParallelConfig:
             f"must be none, full or every_n, got {self.activation_checkpointing!r}",
         )
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
+        check(self.microbatches >= 0, "microbatches", f"must be >= 0 (0: one row each), got {self.microbatches}")
+        check(self.stages_per_rank >= 1, "stages_per_rank", f"must be >= 1, got {self.stages_per_rank}")
 
 
 def refuse_unbuilt(dims) -> None:
     """Layouts this version does not build yet are an error, not a silent no-op."""
-    check(dims.pp == 1, "parallel.pipeline_parallel", f"{dims.pp} is not built yet, only 1")
     check(
         dims.ep == 1 or dims.tp == 1,
         "parallel.expert_parallel",
         f"{dims.ep} with tensor_parallel {dims.tp} is not built yet: expert parallel runs with tensor_parallel 1",
     )
+    check(
+        dims.pp == 1 or dims.tp == 1,
+        "parallel.pipeline_parallel",
+        f"{dims.pp} with tensor_parallel {dims.tp} is not built yet: pipeline parallel runs with tensor_parallel 1",
+    )
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
-    """Apply tensor parallel, expert parallel, activation checkpointing, compile and (under torchrun) FSDP2 or HSDP,
-    in that order, to a model on `meta` or initialised.
+def parallelize(
+    model: nn.Module, config: ParallelConfig, info: DistributedInfo, *, rows: int = 0, seq_len: int = 0
+) -> nn.Module:
+    """Apply tensor parallel, expert parallel, pipeline parallel, activation checkpointing, compile
+    and (under torchrun) FSDP2 or HSDP, in that order, to a model on `meta` or initialised.
 
     Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
+    With pipeline parallelism (`rows`: a step's rows on this data-parallel rank; `seq_len`: their
+    length) the model is cut into stages, each parallelized alike, and the `PipelinedModel` holding
+    this rank's stages is returned; otherwise `model`, changed in place.
     """
+    from marinlm.parallel.pipeline_parallel import ZERO_BUBBLE, build_pipeline
+
+    layout = info.mesh is not None and info.mesh.mesh_dim_names[0] == "pp"
+    if layout and info.mesh["pp"].size() > 1:
+        stage_config = config
+        if config.pipeline_schedule in ZERO_BUBBLE:
+            # Zero-bubble schedules compute weight gradients in a pass of their own after the input
+            # gradients; FSDP2 units resharded after forward then lose them (wrong weight gradients
+            # for whole stages, measured on gloo), so the blocks keep their gathered weights.
+            stage_config = dataclasses.replace(config, reshard_after_forward=False)
+        stage = lambda s: _parallelize(s, stage_config, info)  # noqa: E731 - the other techniques, stage by stage
+        return build_pipeline(model, config, info, rows=rows, seq_len=seq_len, parallelize_stage=stage)
+    return _parallelize(model, config, info)
+
+
+def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
     from marinlm.parallel.expert_parallel import apply_expert_parallel
     from marinlm.parallel.fsdp import apply_fsdp
@@ -77,7 +111,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo)
         apply_expert_parallel(model, info.expert_mesh["ep"])
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
-        for block in model.layers:
+        for _, block in named_blocks(model):
             block.compile()
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
         mesh = info.mesh["dp_replicate", "dp_shard"] if layout else info.mesh

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from marinlm.model.transformer import named_blocks
+
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2) -> None:
     """Wrap blocks in place. mode: none, full (every block) or every_n (blocks 0, n, 2n, ...).
@@ -14,8 +16,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2
     """
     if mode == "none":
         return
-    for i, block in enumerate(model.layers):
-        if mode == "full" or i % every_n == 0:
+    for key, block in named_blocks(model):
+        if mode == "full" or int(key) % every_n == 0:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
             wrapped.is_global = block.is_global
-            model.layers[i] = wrapped
+            model.layers[key if isinstance(model.layers, nn.ModuleDict) else int(key)] = wrapped

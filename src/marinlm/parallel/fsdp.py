@@ -6,6 +6,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from marinlm.model.experts import RoutedExperts
+from marinlm.model.transformer import named_blocks
 
 
 def apply_fsdp(
@@ -26,7 +27,7 @@ def apply_fsdp(
         for module in model.modules():
             if isinstance(module, RoutedExperts):
                 fully_shard(module, mesh=experts, reshard_after_forward=reshard_after_forward, offload_policy=offload)
-    for block in model.layers:
+    for _, block in named_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     # The root group holds the embedding, final norm and LM head (tied weights stay together). It
     # is never resharded after forward: backward starts with those very weights. FSDP2 only

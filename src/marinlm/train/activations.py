@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from marinlm.model.transformer import named_blocks
 from marinlm.parallel.distributed import all_reduce_
 
 SAMPLE = 4096  # values per tensor kept for a histogram
@@ -22,7 +23,7 @@ SAMPLE = 4096  # values per tensor kept for a histogram
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks, seen through activation-checkpoint wrappers."""
-    return [getattr(block, "_checkpoint_wrapped_module", block) for block in model.layers]
+    return [getattr(block, "_checkpoint_wrapped_module", block) for _, block in named_blocks(model)]
 
 
 class ActivationMonitor:

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from marinlm.parallel.distributed import all_gather_object
+
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete, truncated or corrupt; the message names it."""
@@ -45,6 +47,9 @@ def check_same_structure(folder: Path, tensors: dict) -> None:
     for param, state in tensors.get("optim", {}).get("state", {}).items():
         for k in state:
             wanted[f"optim.state.{param}.{k}"] = None  # presence only: a scalar may be saved as bytes
+    # Pipeline stages each hold part of the model: the checkpoint must hold what all ranks together want.
+    for other in all_gather_object(wanted)[1:] if torch.distributed.is_initialized() else ():
+        wanted.update(other)
     problems = []
     for prefix in [p for p, top in (("model.", "model"), ("optim.state.", "optim")) if top in tensors]:
         have = {k for k in metadata if k.startswith(prefix)}

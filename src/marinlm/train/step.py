@@ -96,6 +96,40 @@ def reduce_router_stats(merged: list[RouterStats], group=None) -> list[RouterSta
     return merged
 
 
+def forward_backward(model, batches, *, device, precision, global_tokens: int, world_size: int):
+    """Forward and backward over the rank's micro-batches, the loss of each weighted by its share of
+    the global batch's loss tokens. Returns the fp64 sums (ce x tokens, z x tokens, aux) and the
+    merged router statistics."""
+    sums = torch.zeros(3, dtype=torch.float64)  # ce * n, z * n, aux; fp64 so that fp64 runs log exactly
+    # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
+    router_stats: list[RouterStats] = []
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    for i, batch in enumerate(batches):
+        if fsdp:  # reduce-scatter gradients only after the last micro-batch
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        ids = batch["input_ids"].to(device)
+        with autocast_context(device, precision):
+            out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
+        share = out.num_tokens / max(global_tokens, 1)
+        loss = out.lm_loss * share * world_size + out.aux_loss / len(batches)
+        loss.backward()
+        sums += torch.tensor(
+            [
+                out.ce_loss.item() * out.num_tokens,
+                out.z_loss.item() * out.num_tokens,
+                out.aux_loss.item() / len(batches),
+            ],
+            dtype=torch.float64,
+        )
+        router_stats = merge_router_stats(router_stats, [s.detach() for s in out.router_stats], i)
+    return sums, router_stats
+
+
+def merge_router_stats(merged: list[RouterStats], fresh: list[RouterStats], seen: int) -> list[RouterStats]:
+    """`merged` (over `seen` forwards so far) with one more forward's statistics."""
+    return fresh if seen == 0 else [RouterStats.merge([a, b], [seen, 1]) for a, b in zip(merged, fresh)]
+
+
 def train_step(
     model,
     optimizer,
@@ -114,32 +148,14 @@ def train_step(
     """
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
     global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens)), group=group).item())
-    sums = torch.zeros(3, dtype=torch.float64)  # ce * n, z * n, aux; fp64 so that fp64 runs log exactly
-    # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
-    router_stats: list[RouterStats] = []
-    fsdp = hasattr(model, "set_requires_gradient_sync")
-    for i, batch in enumerate(batches):
-        if fsdp:  # reduce-scatter gradients only after the last micro-batch
-            model.set_requires_gradient_sync(i == len(batches) - 1)
-        ids = batch["input_ids"].to(device)
-        with autocast_context(device, precision):
-            out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
-        share = out.num_tokens / max(global_loss_tokens, 1)
-        loss = out.lm_loss * share * world_size + out.aux_loss / len(batches)
-        loss.backward()
-        sums += torch.tensor(
-            [
-                out.ce_loss.item() * out.num_tokens,
-                out.z_loss.item() * out.num_tokens,
-                out.aux_loss.item() / len(batches),
-            ],
-            dtype=torch.float64,
-        )
-        fresh = [s.detach() for s in out.router_stats]
-        router_stats = fresh if i == 0 else [RouterStats.merge([a, b], [i, 1]) for a, b in zip(router_stats, fresh)]
+    kwargs = dict(device=device, precision=precision, global_tokens=global_loss_tokens, world_size=world_size)
+    if hasattr(model, "forward_backward"):  # a pipeline runs its schedule
+        sums, router_stats = model.forward_backward(batches, **kwargs)
+    else:
+        sums, router_stats = forward_backward(model, batches, **kwargs)
     all_reduce_(sums, group=group)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = total_norm([p.grad for p in params])
+    grad_norm = total_norm([p.grad for p in params], getattr(model, "pp_group", None))  # stages hold other weights
     loss = sums[0].item() / max(global_loss_tokens, 1)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm.item()))
     if not skipped:

@@ -212,13 +212,15 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         init = c.train.init
         if init == "auto":
             init = "full" if summarize(c.model).total < 2e9 else "sharded"
+        # A pipeline cuts the model into stages and returns this rank's (parallel/pipeline_parallel.py).
+        layout = dict(rows=c.train.global_batch // self.data_world, seq_len=c.data.seq_len)
         if init == "full":  # identical on every rank (same seed), then sharded: matches 1-process init
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
             model = self._before_parallelize(model)
-            parallelize(model, c.parallel, self.info)
+            model = parallelize(model, c.parallel, self.info, **layout)
         else:  # shard on meta first, then initialise each rank's shards
-            parallelize(model, c.parallel, self.info)
+            model = parallelize(model, c.parallel, self.info, **layout)
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
         return model
