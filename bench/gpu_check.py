@@ -15,6 +15,8 @@ all on an H100/H200:
   SDPA per row, for each block size (the data `band_block` needs to choose blocks on GPUs).
 - torchrun: the trainer under torchrun + NCCL + FSDP2 for 20 steps with checkpoints, then resumed
   to 30 steps with FSDP2 CPU offload (the paths CPU CI cannot run).
+- plan: `marinlm plan`'s activation estimate against a real bf16 forward of a ~1B hero-shaped model.
+- offload: optimizer-only offload's device-memory saving in MuonH steps, and its losses.
 
     python bench/gpu_check.py [--parts kernels,steps,...] [--out DIR]   # on the GPU host
     python bench/gpu_check.py --device cpu    # a small dry run of every part, to catch bugs first
@@ -283,7 +285,7 @@ def part_torchrun(device: str, dry: bool) -> None:
             "--logging.progress=false",
             f"--train.device={device}",
         ]
-        offload = [] if dry else ["--parallel.cpu_offload=true"]
+        offload = [] if dry else ["--parallel.offload=all"]
         runs = (
             ("FSDP2, 20 steps with checkpoints", ["--train.steps=20", "--resume=none"]),
             ("resumed at 20 to 30 steps" + (" with CPU offload" if offload else ""), ["--train.steps=30", *offload]),
@@ -348,6 +350,99 @@ def eval_under_torchrun(tmp: Path, device: str, backend: str) -> None:
     summary(f"eval of the tiny run, {one} / {dist}: {shown}; largest rel. diff {worst:.1e}: {status}")
 
 
+def part_plan(device: str, dry: bool) -> None:
+    """`marinlm plan`'s activation estimate against a real forward of a ~1B hero-shaped model: the
+    memory a bf16-autocast forward leaves allocated (what autograd saved) at 8 x 4,096 tokens."""
+    from marinlm.config import load_config
+    from marinlm.kernels import apply_kernels
+    from marinlm.model import MarinConfig, MarinForCausalLM
+    from marinlm.plan.activations import activation_bytes, inventory
+
+    overrides = [] if dry else HERO_SHAPED_1B
+    rows, seq = (1, 64) if dry else (8, 4096)
+    small = ROOT / "configs" / "model" / "small.yaml"
+    config = load_config(MarinConfig, small, [*overrides, "--moe.capacity_factor=null"])
+    with torch.device("meta"):
+        model = MarinForCausalLM(config)
+    weights = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    for kernels in ("reference", "auto"):
+        config.kernels = kernels
+        with torch.device("meta"):
+            model = MarinForCausalLM(config)
+        apply_kernels(model, device, "bf16")
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+        ids = torch.randint(0, config.vocab_size, (rows, seq), device=device)
+        sync(device)
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(ids, labels=ids, return_logits=False)
+        sync(device)
+        measured = (torch.cuda.memory_allocated() if device == "cuda" else 0) - before
+        out.loss.backward()
+        estimate = sum(
+            activation_bytes(
+                inventory(config, "bf16", kernels_device="cuda"), config, rows * seq, seq, weights=weights, gpu=True
+            ).values()
+        )
+        summary(
+            f"plan activation estimate, hero-shaped {weights / 1e9:.2f}B, {rows}x{seq} bf16, kernels {kernels}: "
+            f"estimated {estimate / 2**30:.2f} GiB, measured after forward {measured / 2**30:.2f} GiB "
+            f"(estimate / measured {estimate / max(measured, 1):.3f})"
+        )
+        del model, out
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def part_offload(device: str, dry: bool) -> None:
+    """parallel.offload: optimizer: the device memory it saves in MuonH steps of a ~1B hero-shaped
+    model, and the same losses as without it."""
+    from marinlm.config import load_config
+    from marinlm.model import MarinConfig, MarinForCausalLM
+    from marinlm.optim import MarinOptimizerConfig, build_optimizer
+    from marinlm.parallel.offload import OffloadedOptimizer
+
+    overrides = [] if dry else HERO_SHAPED_1B
+    rows, seq = (1, 64) if dry else (4, 2048)
+    config = load_config(MarinConfig, ROOT / "configs" / "model" / "small.yaml", overrides)
+    results = {}
+    for offload in (False, True):
+        with torch.device("meta"):
+            model = MarinForCausalLM(config)
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+        optimizer = build_optimizer(model, MarinOptimizerConfig(), device)
+        stepper = OffloadedOptimizer(optimizer, torch.device(device)) if offload else optimizer
+        torch.manual_seed(1)
+        ids = torch.randint(0, config.vocab_size, (rows, seq)).to(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        losses = []
+        for _ in range(4):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry):
+                loss = model(ids, labels=ids, return_logits=False).loss
+            loss.backward()
+            stepper.step()
+            stepper.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        sync(device)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        resident = torch.cuda.memory_allocated() if device == "cuda" else 0
+        results[offload] = (peak, resident, losses)
+        del model, optimizer, stepper
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    (p0, r0, l0), (p1, r1, l1) = results[False], results[True]
+    same = max(abs(a - b) / abs(a) for a, b in zip(l0, l1))
+    summary(
+        f"optimizer offload, hero-shaped {rows}x{seq} bf16 MuonH, 4 steps: "
+        f"peak {p0 / 2**30:.2f} -> {p1 / 2**30:.2f} GiB, "
+        f"resident between steps {r0 / 2**30:.2f} -> {r1 / 2**30:.2f} GiB; losses {l0[-1]:.4f} / {l1[-1]:.4f} "
+        f"(largest rel. diff {same:.1e})"
+    )
+
+
 PARTS = {
     "kernels": part_kernels,
     "steps": part_steps,
@@ -356,6 +451,8 @@ PARTS = {
     "loss": part_loss,
     "attention": part_attention,
     "torchrun": part_torchrun,
+    "plan": part_plan,
+    "offload": part_offload,
 }
 
 

@@ -881,8 +881,8 @@ def test_fsdp_options_zero2_sharded_init(token_data, tmp_path):
     """ZeRO-2-like resharding, init on shards and activation checkpointing, under 2 gloo processes.
 
     (CPU offload needs a GPU: on CPU it is refused with the key named.)"""
-    with pytest.raises(ValueError, match="parallel.cpu_offload"):
-        Trainer(train_config(token_data, tmp_path / "off", parallel={"cpu_offload": True}), resume="none")
+    with pytest.raises(ValueError, match="parallel.offload: all"):
+        Trainer(train_config(token_data, tmp_path / "off", parallel={"offload": "all"}), resume="none")
     config = train_config(
         token_data,
         tmp_path / "run",

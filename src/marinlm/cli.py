@@ -197,6 +197,16 @@ def _model_summary(args, overrides) -> int:
     return 0
 
 
+def _plan(args, overrides) -> int:
+    from marinlm.config import load_config
+    from marinlm.plan import run_plan
+    from marinlm.train.config import TrainConfig
+
+    train = load_config(TrainConfig, args.config, overrides)
+    run_plan(train, args.hardware, args.layout, args.search, Path(args.out), args.gpus)
+    return 0
+
+
 def _positive(cast, what: str):
     """An argparse `type` that accepts a number > 0 of the given type."""
 
@@ -248,6 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=_positive(int, "an integer"), default=None, help="sequence length for attention FLOPs"
     )
     summary.set_defaults(func=_model_summary, takes_overrides=True)
+
+    plan = commands.add_parser("plan", help=help_of("plan"))
+    plan.add_argument("config", help="a training config, e.g. configs/train/marin-535b-a23b.yaml")
+    plan.add_argument("--hardware", required=True, help="a profile in configs/hardware/ (gb200-nvl72, h100-sxm, ...)")
+    plan.add_argument(
+        "--layout", default=None, help="override the config's parallel section: dp_replicate=11,dp_shard=64,ep=64,..."
+    )
+    plan.add_argument("--search", action="store_true", help="also rank other layouts of the same number of GPUs")
+    plan.add_argument("--gpus", type=_positive(int, "an integer"), default=None, help="GPUs to search over")
+    plan.add_argument("--out", default="plan", help="folder for plan.md, plan.json and plan.png")
+    plan.set_defaults(func=_plan, takes_overrides=True)
 
     quick = commands.add_parser(
         "quickstart",

@@ -73,6 +73,7 @@ COMMANDS: dict[str, Command] = {
             "model",
             "a model config (for `marinlm model summary`, or `model:` in a training config)",
         ),
+        Command("plan", "a training layout's memory per rank and step time on a simulated cluster"),
         Command("quickstart", "the whole recipe end to end on this machine (~10 min)", resumes=True),
         Command("generate", "stream a continuation from a trained run or checkpoint"),
         Command("eval", "score a run or checkpoint on downstream tasks / perplexity"),

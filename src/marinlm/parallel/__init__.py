@@ -15,6 +15,7 @@ from torch import nn
 from marinlm.config import check
 from marinlm.model.transformer import named_blocks
 from marinlm.parallel.distributed import DistributedInfo, init_distributed, shutdown_distributed
+from marinlm.parallel.offload import OFFLOADS
 
 __all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize", "shutdown_distributed"]
 
@@ -29,7 +30,9 @@ class ParallelConfig:
     expert_parallel: int = 1
     pipeline_parallel: int = 1
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
-    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on host
+    # optimizer: the optimizer state in pinned host memory (parallel/offload.py); all: FSDP2's
+    # CPUOffloadPolicy, parameters, gradients and optimizer state on the host; none.
+    offload: str = "none"
     activation_checkpointing: str = "none"  # none | full (every block) | every_n
     checkpoint_every_n: int = 2
     compile: bool = False  # torch.compile each block (regional compilation)
@@ -54,6 +57,7 @@ class ParallelConfig:
             f"must be none, full or every_n, got {self.activation_checkpointing!r}",
         )
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
+        check(self.offload in OFFLOADS, "offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         check(self.microbatches >= 0, "microbatches", f"must be >= 0 (0: one row each), got {self.microbatches}")
         check(self.stages_per_rank >= 1, "stages_per_rank", f"must be >= 1, got {self.stages_per_rank}")
 
@@ -122,7 +126,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
             model,
             mesh,
             reshard_after_forward=config.reshard_after_forward,
-            cpu_offload=config.cpu_offload,
+            cpu_offload=config.offload == "all",
             experts=experts,
         )
     return model

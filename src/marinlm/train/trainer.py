@@ -31,6 +31,7 @@ from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
 from marinlm.parallel import init_distributed, parallelize, refuse_unbuilt
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.mesh import ParallelDims
+from marinlm.parallel.offload import OffloadedOptimizer
 from marinlm.train.activations import ActivationMonitor
 from marinlm.train.checkpoint import (
     CheckpointManager,
@@ -71,10 +72,10 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         except ValueError as e:  # a device this machine does not have
             raise ConfigError("train.device", str(e)) from None
         self.device = self.info.device
-        if c.parallel.cpu_offload and self.device.type != "cuda":
+        if c.parallel.offload == "all" and self.device.type != "cuda":
             raise ValueError(
-                "parallel.cpu_offload: offloads from GPU to pinned host memory; a CPU run already "
-                "keeps everything in host memory, set it false"
+                "parallel.offload: all offloads from GPU to pinned host memory; a CPU run already "
+                "keeps everything in host memory, set it to none"
             )
         tune_cpu_allocator()
         self.precision = resolve_precision(c.train.precision, self.device)
@@ -136,7 +137,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             )
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
-            where = torch.device("cpu") if c.parallel.cpu_offload else self.device  # offload: state on the host
+            where = torch.device("cpu") if c.parallel.offload == "all" else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
         self.model = self._build_model()
         self._oom_pieces = 1  # each loaded micro-batch is cut into this many after running out of memory
@@ -144,6 +145,10 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         self._recent_rollbacks = 0
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
+        # What steps: the optimizer, or it with its state kept in host memory between steps.
+        self._stepper = self.optimizer
+        if c.parallel.offload == "optimizer":
+            self._stepper = OffloadedOptimizer(self.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
         self.loader = self._make_loader()
         self.val_sources = self._val_sources()
@@ -238,7 +243,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             try:
                 return train_step(
                     self.model,
-                    self.optimizer,
+                    self._stepper,
                     batches,
                     device=self.device,
                     precision=self.precision,

@@ -1,0 +1,71 @@
+"""`marinlm plan`: a training config's layout planned on a simulated cluster before anyone pays for it.
+
+    marinlm plan configs/train/marin-535b-a23b.yaml --hardware gb200-nvl72
+    marinlm plan CONFIG --hardware h100-sxm --layout dp_shard=8,ep=8,pp=24,ac=full
+    marinlm plan CONFIG --hardware gb200-nvl72 --search
+
+The config's model is built on `meta` under a fake process group of the cluster's size and sharded
+by the real `parallelize()` (plan/shards.py); memory and step time follow (plan/estimate.py). The
+layout is the config's `parallel` section unless `--layout` overrides it; `--search` ranks others.
+Writes plan.json and plan.md (with a chart of per-rank memory) to `--out`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from marinlm.config import ConfigError
+
+LAYOUT_KEYS = {
+    "dp_replicate": "data_parallel_replicate",
+    "dp_shard": "data_parallel_shard",
+    "tp": "tensor_parallel",
+    "ep": "expert_parallel",
+    "pp": "pipeline_parallel",
+    "schedule": "pipeline_schedule",
+    "microbatches": "microbatches",
+    "stages_per_rank": "stages_per_rank",
+    "offload": "offload",
+    "ac": "activation_checkpointing",
+}
+
+
+def parse_layout(text: str, base):
+    """`base` (a ParallelConfig) with `key=value,...` applied; keys as LAYOUT_KEYS."""
+    changes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in LAYOUT_KEYS or not value:
+            raise ConfigError("--layout", f"{item!r}: give key=value with keys {', '.join(LAYOUT_KEYS)}")
+        field = LAYOUT_KEYS[key]
+        changes[field] = value if field in ("pipeline_schedule", "offload", "activation_checkpointing") else int(value)
+    return dataclasses.replace(base, **changes)
+
+
+def world_of(parallel) -> int:
+    """The ranks a layout asks for; data_parallel_shard must be given (not -1)."""
+    if parallel.data_parallel_shard < 1:
+        raise ConfigError("--layout", "give dp_shard (the plan has no launched world to fill): e.g. dp_shard=64")
+    return (
+        parallel.data_parallel_replicate
+        * parallel.data_parallel_shard
+        * parallel.tensor_parallel
+        * parallel.pipeline_parallel
+    )
+
+
+def run_plan(train, hardware_name: str, layout: str | None, search: bool, out: Path, gpus: int | None = None) -> dict:
+    """Plan `train` (a TrainConfig) and write the report; returns plan.json's content."""
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.plan.report import write_report
+    from marinlm.plan.search import search_layouts
+
+    hardware = load_hardware(hardware_name)
+    efficiency = Efficiency()
+    parallel = parse_layout(layout, train.parallel) if layout else train.parallel
+    world = world_of(parallel)
+    chosen = plan_layout(train, parallel, world, hardware, efficiency)
+    alternatives = search_layouts(train, gpus or world, hardware, efficiency, chosen) if search else []
+    return write_report(train, hardware, efficiency, chosen, alternatives, out)

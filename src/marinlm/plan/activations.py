@@ -1,0 +1,186 @@
+"""The activation memory of a training forward, estimated for any size from a small proxy.
+
+Autograd keeps, from each forward until its backward, the tensors its ops saved. Which tensors a
+Marin block saves depends on its structure (SConv sites, GatedNorm, the latent, XSA, the router,
+the kernels), and their sizes on its widths. So the estimate runs one forward of a *proxy*: the
+same structure with small, distinct widths, counts the bytes of every saved tensor per token (each
+storage once, parameters excluded), and files each under the width its size is a multiple of
+(d_model, the query heads' width, the latent width, k times the expert width, the sequence for
+T x T masks, ...). The target's bytes are each class's bytes per unit of width times the target's
+width: exact for the structure, linear in the widths.
+
+`tests/test_plan.py` checks the estimate for `tiny` and `small` against the activation peak that
+`torch.distributed._tools.MemTracker` measures in a real forward and backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from marinlm.model.config import MarinConfig
+
+
+def widths(config: MarinConfig, seq_len: int) -> dict[str, float]:
+    """The per-token widths a saved tensor can be a multiple of, for `config`."""
+    a, m = config.attention, config.moe
+    latent = m.latent_dim or config.d_model
+    return {
+        "d_model": config.d_model,
+        "query_heads": a.num_heads * a.head_dim,
+        "kv_heads": a.num_kv_heads * a.head_dim,
+        "global_kv_heads": a.global_kv_heads() * a.head_dim,
+        "heads": a.num_heads,
+        "latent": latent,
+        "k_latent": m.top_k * latent,
+        "k_experts_hidden": m.top_k * m.expert_dim,
+        "shared_hidden": m.shared_expert_dim,
+        "dense_hidden": m.dense_ffn_dim,
+        "gated_rank": config.gated_norm_rank,
+        "experts": m.num_experts,
+        "top_k": m.top_k,
+        "top_k_plus_1": m.top_k + 1,
+        "sequence": seq_len,  # a T x T mask or score per row is `sequence` elements a token
+        "one": 1,
+    }
+
+
+def proxy(config: MarinConfig) -> tuple[MarinConfig, int]:
+    """`config` with its structure and small widths chosen so that the `widths` differ; and the
+    proxy's sequence length. Widths are multiples of 8 so that bf16 grouped GEMMs align."""
+    c = copy.deepcopy(config)
+    heads, kv, glob = 6, 3, (1 if config.attention.global_kv_heads() < config.attention.num_kv_heads else 3)
+    c.d_model, c.vocab_size, c.num_layers, c.max_seq_len = 88, 512, 2, 104
+    c.gated_norm_rank = 24 if config.gated_norm_rank else 0
+    a = c.attention
+    a.num_heads, a.head_dim, a.num_kv_heads, a.num_global_kv_heads = heads, 40, kv, glob
+    a.sliding_window = 40 if config.attention.sliding_window else None
+    a.global_every, a.last_layer_global = 2, True  # layer 0 local, layer 1 global
+    m = c.moe
+    m.num_experts, m.top_k, m.expert_dim = 10, min(config.moe.top_k, 3), 56
+    m.latent_dim = 72 if config.moe.latent_dim else None
+    m.shared_expert_dim, m.dense_ffn_dim, m.capacity_factor = 152, 136 if config.moe.first_k_dense else 0, None
+    m.first_k_dense = 1 if config.moe.first_k_dense else 0
+    if hasattr(m.router, "hist_bins"):
+        m.router.hist_bins = 100
+    c.loss_chunk_tokens = 64 if config.loss_chunk_tokens else 0
+    return c, 104
+
+
+@dataclass
+class Inventory:
+    """Saved bytes a token, by width class: for each local and global layer kind, a dense (first_k_dense)
+    layer, and outside the blocks (embedding, final norm, loss). `per_forward`: T x T tensors saved once."""
+
+    layer_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
+    outside: dict[str, float] = field(default_factory=dict)
+    unknown: float = 0.0  # bytes a token no width explains (kept as they are)
+    # Under autocast each forward keeps a bf16 copy of the weights it multiplies, until backward:
+    # bytes per weight element (2 where every matrix is cast, 0 in fp32).
+    cast_bytes_per_weight: float = 0.0
+
+
+def _classify(per_token: float, table: dict[str, float]) -> str | None:
+    for name, value in table.items():
+        if value and abs(per_token - value) < 1e-6:
+            return name
+    return None
+
+
+def inventory(config: MarinConfig, precision: str, kernels_device: str = "cpu") -> Inventory:
+    """Run one training forward of the proxy of `config` in `precision` (fp32 or bf16 autocast) and
+    file its saved tensors. `kernels_device`: whose kernels the estimate stands for ("cpu" swaps in
+    the CPU kernels the config asks for; "cuda" keeps the reference modules, as CUDA's are)."""
+    from marinlm.kernels import apply_kernels
+    from marinlm.model.transformer import MarinForCausalLM
+
+    proxy_config, T = proxy(config)
+    B = 2
+    with torch.device("meta"):
+        model = MarinForCausalLM(proxy_config)
+    if kernels_device == "cpu":
+        apply_kernels(model, "cpu", precision)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    table = widths(proxy_config, T)
+    N = B * T
+    ids = torch.randint(0, proxy_config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    where = ["outside"]
+    found: dict[str, dict[str, float]] = {}
+    unknown = cast = 0.0
+
+    def pack(t: torch.Tensor):
+        nonlocal unknown, cast
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.device.type == "meta":
+            return t
+        seen.add(key)
+        nbytes = t.untyped_storage().nbytes()
+        if t.dtype != torch.float32 and tuple(t.shape) in shapes:  # autocast's copy of a weight
+            cast += nbytes
+            return t
+        elements = t.numel()
+        # Bytes of one storage, filed by its elements a token; a view's storage may be larger.
+        name = _classify(elements / N, table) or _classify(nbytes / t.element_size() / N, table)
+        if name is None:
+            unknown += nbytes / N
+        else:
+            bucket = found.setdefault(where[0], {})
+            bucket[name] = bucket.get(name, 0.0) + nbytes / N / table[name]
+        return t
+
+    def enter(kind):
+        def hook(module, args):
+            where[0] = kind
+
+        return hook
+
+    def leave(module, args, output):
+        where[0] = "outside"
+
+    for i, block in enumerate(model.layers):
+        kind = "dense" if not proxy_config.is_moe_layer(i) else ("global" if block.is_global else "local")
+        block.register_forward_pre_hook(enter(kind))
+        block.register_forward_hook(leave)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(ids, labels=ids, return_logits=False)
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    inv = Inventory({k: v for k, v in found.items() if k != "outside"}, found.get("outside", {}), unknown)
+    inv.cast_bytes_per_weight = cast / matrices
+    return inv
+
+
+def activation_bytes(
+    inv: Inventory, config: MarinConfig, tokens: int, seq_len: int, layers=None, weights: int = 0, gpu: bool = False
+) -> dict[str, float]:
+    """Saved bytes of a forward over `tokens` tokens of rows of `seq_len`: by part ("blocks",
+    "outside", "weight_copies" of the `weights` matrix elements the rank multiplies, "masks"), for
+    the given layer indices (all by default).
+
+    `gpu`: CUDA's fused attention keeps no T x T scores, as the CPU proxy's does; what stays is the
+    boolean document/window mask, one for the local and one for the global layers a forward.
+    """
+    table = widths(config, seq_len)
+    layers = range(config.num_layers) if layers is None else layers
+
+    def per_token(bucket: dict[str, float]) -> float:
+        return sum(c * table[name] for name, c in bucket.items() if not (gpu and name == "sequence"))
+
+    blocks = 0.0
+    for i in layers:
+        if not config.is_moe_layer(i):
+            kind = "dense"
+        else:
+            kind = "global" if config.is_global_layer(i) else "local"
+        blocks += per_token(inv.layer_kinds.get(kind, inv.layer_kinds.get("local", {})))
+    return {
+        "blocks": blocks * tokens,
+        "outside": (per_token(inv.outside) + inv.unknown) * tokens,
+        "weight_copies": inv.cast_bytes_per_weight * weights,
+        "masks": 2 * tokens * seq_len if gpu else 0.0,  # bool [rows, 1, T, T], local and global
+    }

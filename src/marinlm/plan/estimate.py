@@ -1,0 +1,260 @@
+"""Per-rank memory and per-step time of one layout of a training config on one kind of hardware.
+
+Memory, per rank (the first rank of each pipeline stage; the others of a stage hold the same):
+- weights, gradients: the local shards `parallelize()` makes (plan/shards.py), fp32;
+- optimizer state: per local weight, MuonH's momentum (1 copy) or Adam's two moments, fp32; in
+  host memory under `parallel.offload: optimizer` (and weights and gradients too under `all`);
+- activations: what autograd saves (plan/activations.py) for the rank's tokens, divided by tp
+  (sequence parallel), times the microbatches a pipeline stage holds at once (1F1B: pp - stage),
+  with full activation checkpointing only the blocks' inputs plus one block;
+- buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert
+  all-to-all's send and receive rows; tensor parallel's gathered activations; pipeline sends;
+- temporaries: one block's activations again (their gradients in backward).
+
+Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (4
+passes a layer: dispatch and combine, forward and backward) over NVLink when its group fits in an
+NVLink domain, else the network, not overlapped; FSDP/HSDP traffic of which `overlap` is hidden;
+tensor-parallel collectives; optimizer-state copies to the host and back; all divided by (1 -
+bubble) under pipelining.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from marinlm.model.summary import layer_flops, summarize
+from marinlm.parallel import ParallelConfig
+from marinlm.parallel.mesh import ParallelDims
+from marinlm.plan.activations import activation_bytes, inventory
+from marinlm.plan.hardware import Efficiency, Hardware
+from marinlm.plan.shards import local_shards
+
+FP32 = 4
+GiB = 2**30
+
+
+@dataclass
+class RankPlan:
+    """One rank's memory (bytes) by category, on the device and on its host."""
+
+    rank: int
+    stage: int
+    device: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    local_parameters: int = 0
+    local_experts: int = 0
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+
+@dataclass
+class LayoutPlan:
+    layout: dict
+    world: int
+    ranks: list[RankPlan]
+    step: dict[str, float]  # seconds by part, and "total"
+    tokens_per_s: float
+    mfu: float
+    flops_per_step: float
+    traffic: dict[str, float]  # bytes a step per rank by link class
+    fits: bool
+    headroom_bytes: float  # device memory left on the fullest rank (negative: over)
+    host_per_node_bytes: float
+    host_fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _state_copies(name: str, optim_type: str) -> int:
+    """fp32 optimizer-state copies a weight has: MuonH/Muon momentum 1, Adam(H) moments 2."""
+    if optim_type != "marin":
+        return 2
+    if name.startswith("lm_head.") or name.startswith("embed.") or ".router." in name or ".sconv" in name:
+        return 2
+    if name.endswith("attn.gate.weight"):
+        return 2
+    return 1  # matrices under MuonH; 1-D gains are Adam's, but negligible, counted as 1 here
+
+
+def plan_layout(
+    train, parallel: ParallelConfig, world: int, hardware: Hardware, eff: Efficiency, shards_of=local_shards, inv=None
+) -> LayoutPlan:
+    """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
+    gives a rank's local shards (default: the real parallelize() under a fake process group)."""
+    model = train.model
+    dims = ParallelDims.resolve(parallel, world)
+    seq = train.data.seq_len
+    rows = train.train.global_batch // dims.dp  # a data-parallel rank's rows a step
+    micro_rows = train.train.micro_batch or rows
+    precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
+    act_bytes = 2 if precision == "bf16" else FP32
+    inv = inv or inventory(model, precision, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
+    per_layer_flops = layer_flops(model, seq)
+    head_flops = 6.0 * model.d_model * model.vocab_size
+    summary = summarize(model, seq)
+    tokens_step = train.train.global_batch * seq
+    notes = []
+
+    microbatches, bubble, stage_layers = 1, 0.0, [range(model.num_layers)]
+    if dims.pp > 1:
+        from marinlm.parallel.pipeline_parallel import bubble_fraction, pipeline_layout
+
+        layout = pipeline_layout(model, parallel, dims.pp, rows, seq)
+        microbatches = layout.microbatches
+        micro_rows = rows // microbatches
+        bubble = bubble_fraction(layout.schedule, dims.pp, microbatches, layout.per_rank)
+        stage_layers = layout.stages
+    ranks = []
+    for stage in range(dims.pp):
+        rank = stage * (world // dims.pp)
+        shards = shards_of(model, parallel, world, rank, rows, seq)
+        ranks.append(_rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes))
+
+    # --- time -------------------------------------------------------------------------------------
+    tokens_rank = rows * seq  # a data-parallel rank's tokens a step; pipeline stages share them
+    stage_flops = []
+    for s in range(dims.pp):
+        layers = stage_layers[s] if dims.pp > 1 else range(model.num_layers)
+        flops = sum(per_layer_flops[i] for i in layers) + (head_flops if s == dims.pp - 1 else 0.0)
+        stage_flops.append(flops * tokens_rank / dims.tp)
+    # Activation checkpointing runs the checkpointed blocks' forward again (a third of their FLOPs).
+    recompute = {"full": 1.0, "every_n": 1.0 / parallel.checkpoint_every_n}.get(parallel.activation_checkpointing, 0.0)
+    compute = max(stage_flops) * (1 + recompute / 3) / (hardware.peak_bf16_flops * eff.compute)
+    local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
+    latent = model.moe.latent_dim or model.d_model
+    moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
+    traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
+    step = {"compute": compute}
+    if dims.ep > 1:
+        volume = 4 * tokens_rank * model.moe.top_k * latent * act_bytes * (dims.ep - 1) / dims.ep * moe_layers
+        link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
+        traffic[link] += volume
+        step["expert_all_to_all"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
+    fsdp_bytes = sum(r.device.get("fsdp_gathered_block", 0.0) for r in ranks[:1]) / 2  # one block, fp32
+    shard_group = dims.dp_shard * dims.tp
+    accumulation = rows // micro_rows if dims.pp == 1 else microbatches  # forwards a step
+    if dims.dp_shard > 1:
+        # Gathered for every forward and (resharded after forward) every backward; gradients once.
+        passes = accumulation * (2 if parallel.reshard_after_forward else 1) + 1
+        volume = passes * fsdp_bytes * local_layers * (dims.dp_shard - 1) / dims.dp_shard
+        link = "nvlink" if shard_group <= hardware.gpus_per_nvlink_domain else "network"
+        traffic[link] += volume
+        step["fsdp"] = volume / (_bandwidth(hardware, link) * eff.collectives) * (1 - eff.overlap)
+    if dims.dp_replicate > 1:
+        grads = ranks[0].device.get("gradients", 0.0)
+        volume = 2 * grads * (dims.dp_replicate - 1) / dims.dp_replicate
+        traffic["network"] += volume
+        step["hsdp_all_reduce"] = volume / (hardware.network_bandwidth * eff.collectives) * (1 - eff.overlap)
+    if dims.tp > 1:
+        volume = 8 * tokens_rank * model.d_model * act_bytes * (dims.tp - 1) / dims.tp * local_layers
+        traffic["nvlink"] += volume
+        step["tensor_parallel"] = volume / (hardware.nvlink_bandwidth * eff.collectives)
+    if dims.pp > 1:
+        volume = 2 * tokens_rank * model.d_model * act_bytes
+        link = "nvlink" if world // dims.pp <= hardware.gpus_per_nvlink_domain else "network"
+        traffic[link] += volume
+        step["pipeline_sends"] = volume / (_bandwidth(hardware, link) * eff.collectives)
+    offloaded = sum(ranks[0].host.values())
+    if offloaded:
+        traffic["host"] += 2 * offloaded
+        step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
+    busy = sum(step.values())
+    if bubble:
+        step["pipeline_bubble"] = busy * bubble / (1 - bubble)
+    step["total"] = sum(step.values())
+    tokens_per_s = tokens_step / step["total"]
+    flops_step = summary.flops_per_token * tokens_step
+    mfu = flops_step / (step["total"] * world * hardware.peak_bf16_flops)
+
+    fullest = max(ranks, key=lambda r: r.device_total)
+    headroom = hardware.memory_bytes - fullest.device_total
+    host_node = max(sum(r.host.values()) for r in ranks) * hardware.gpus_per_node
+    if parallel.activation_checkpointing == "none" and headroom < 0:
+        notes.append("does not fit without activation checkpointing: try --layout ...,ac=full")
+    return LayoutPlan(
+        layout=describe(parallel, dims),
+        world=world,
+        ranks=ranks,
+        step=step,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        flops_per_step=flops_step,
+        traffic=traffic,
+        fits=headroom >= 0,
+        headroom_bytes=headroom,
+        host_per_node_bytes=host_node,
+        host_fits=host_node <= hardware.host_memory_bytes,
+        notes=notes,
+    )
+
+
+def _bandwidth(hardware: Hardware, link: str) -> float:
+    return hardware.nvlink_bandwidth if link == "nvlink" else hardware.network_bandwidth
+
+
+def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
+    return {
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "tp": dims.tp,
+        "ep": dims.ep,
+        "pp": dims.pp,
+        "pipeline_schedule": parallel.pipeline_schedule if dims.pp > 1 else None,
+        "offload": parallel.offload,
+        "activation_checkpointing": parallel.activation_checkpointing,
+    }
+
+
+def _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes) -> RankPlan:
+    model = train.model
+    local = {name: math.prod(s["shape"]) for name, s in shards.items()}
+    weights = sum(local.values()) * FP32
+    optimizer = sum(n * _state_copies(name, train.optim.type_name) for name, n in local.items()) * FP32
+    plan = RankPlan(rank=rank, stage=stage, local_parameters=sum(local.values()))
+    experts = [s for name, s in shards.items() if name.endswith("mlp.experts.gate_proj")]
+    plan.local_experts = experts[0]["shape"][0] if experts else 0
+    where = plan.host if parallel.offload in ("optimizer", "all") else plan.device
+    where["optimizer_state"] = optimizer
+    weights_where = plan.host if parallel.offload == "all" else plan.device
+    weights_where["weights"] = weights
+    weights_where["gradients"] = weights
+
+    layers = sorted({int(name.split(".")[1]) for name in shards if name.startswith("layers.")})
+    tokens = micro_rows * train.data.seq_len
+    in_flight = dims.pp - stage if dims.pp > 1 else 1  # 1F1B keeps pp - stage microbatches' activations
+    matrices = sum(s["unsharded"] for s in shards.values() if len(s["full"]) >= 2)
+    gpu = hardware.name != "cpu"
+    acts = activation_bytes(inv, model, tokens, train.data.seq_len, layers, weights=matrices, gpu=gpu)
+    one_block = acts["blocks"] / max(len(layers), 1)
+    # Checkpointed blocks keep their input only (and, under autocast, no weight copies) until the
+    # backward recomputes them one at a time.
+    kept = len(layers)
+    if parallel.activation_checkpointing == "full":
+        kept = 0
+    elif parallel.activation_checkpointing == "every_n":
+        kept = len(layers) - math.ceil(len(layers) / parallel.checkpoint_every_n)
+    inputs = (len(layers) - kept) * tokens * model.d_model * act_bytes
+    copies = acts["weight_copies"] * (max(kept, 1) / max(len(layers), 1))
+    held = ((one_block * kept + inputs) / dims.tp + acts["outside"] + acts["masks"]) * in_flight
+    recomputed = one_block / dims.tp if kept < len(layers) else 0.0  # one block at a time, in backward
+    plan.device["activations"] = held + recomputed + copies
+    # FSDP2's all-gathered block (fp32) and the next one prefetched; the block's unsharded gradients.
+    block_unsharded = max(
+        (sum(s["unsharded"] for n, s in shards.items() if n.startswith(f"layers.{i}.")) for i in layers), default=0
+    )
+    plan.device["fsdp_gathered_block"] = 2 * block_unsharded * FP32 if dims.dp_shard > 1 else 0.0
+    plan.device["fsdp_unsharded_gradients"] = block_unsharded * FP32 if dims.dp_shard > 1 else 0.0
+    if dims.ep > 1:
+        latent = model.moe.latent_dim or model.d_model
+        plan.device["all_to_all_buffers"] = 4 * tokens * model.moe.top_k * latent * act_bytes
+    if dims.tp > 1:
+        plan.device["tensor_parallel_buffers"] = 2 * tokens * model.d_model * act_bytes
+    if dims.pp > 1:
+        plan.device["pipeline_buffers"] = 2 * tokens * model.d_model * act_bytes
+    plan.device["temporaries"] = one_block / dims.tp
+    return plan

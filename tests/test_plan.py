@@ -1,0 +1,149 @@
+"""`marinlm plan`: local shards read under a fake process group equal a real gloo run's, the shard
+rules of --search equal them too, the activation estimate against MemTracker, and the hero plan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from marinlm.config import ConfigError, load_config
+from marinlm.parallel import ParallelConfig
+
+from conftest import ROOT, tiny_config
+
+LAYOUTS = {
+    "tp-2xfsdp-2": {"tensor_parallel": 2},
+    "ep-2xfsdp-2": {"expert_parallel": 2},
+    "hsdp-2x2": {"data_parallel_replicate": 2},
+    "pp-2xfsdp-2": {"pipeline_parallel": 2},
+}
+
+
+def plan_model():
+    """Heads that split 4 ways, 4 layers (a pipeline needs a layer a stage), 16 experts."""
+    return tiny_config(
+        num_layers=4,
+        max_seq_len=64,
+        attention={"sliding_window": 16, "num_heads": 8, "head_dim": 16, "num_kv_heads": 8, "num_global_kv_heads": 4},
+    )
+
+
+def _real_shards(rank: int, store: str, results) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from marinlm.model import MarinForCausalLM
+    from marinlm.parallel import parallelize
+    from marinlm.parallel.distributed import DistributedInfo
+    from marinlm.parallel.mesh import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    try:
+        for name, layout in LAYOUTS.items():
+            parallel = ParallelConfig(**layout)
+            info = DistributedInfo(rank, 4, rank, torch.device("cpu"))
+            info.use_layout(ParallelDims.resolve(parallel, 4).build_mesh("cpu"))
+            with torch.device("meta"):
+                model = MarinForCausalLM(plan_model())
+            model = parallelize(model, parallel, info, rows=4, seq_len=64)
+            results[(name, rank)] = {
+                n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in model.named_parameters()
+            }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_planned_shards_equal_a_real_gloo_run_and_the_search_rules(tmp_path):
+    from marinlm.plan.search import rule_shards
+    from marinlm.plan.shards import local_shards
+
+    real = mp.Manager().dict()
+    mp.spawn(_real_shards, args=(str(tmp_path / "store"), real), nprocs=4)
+    for name, layout in LAYOUTS.items():
+        for rank in range(4):
+            planned = local_shards(plan_model(), ParallelConfig(**layout), 4, rank, 4, 64)
+            assert {n: s["shape"] for n, s in planned.items()} == real[(name, rank)], (name, rank)
+            ruled = rule_shards(plan_model(), ParallelConfig(**layout), 4, rank, 4, 64)
+            assert {n: s["shape"] for n, s in ruled.items()} == real[(name, rank)], (name, rank)
+
+
+def _measured_activations(config, rows: int, seq_len: int, precision: str) -> float:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from marinlm.model import MarinForCausalLM
+
+    with torch.device("meta"):
+        model = MarinForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    ids = torch.randint(0, config.vocab_size, (rows, seq_len))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        model(ids, labels=ids, return_logits=False).loss.backward()
+    peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return next(v for k, v in peaks.items() if "ACT" in str(k))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, precision", [("tiny", "fp32"), ("tiny", "bf16"), ("small", "fp32")])
+def test_the_activation_estimate_is_within_15_percent_of_memtracker(preset, precision):
+    """The reference modules (what CUDA runs), on the CPU: estimated from a small proxy of the same
+    structure, measured by MemTracker in a real forward and backward."""
+    from marinlm.model import MarinForCausalLM
+    from marinlm.model.config import MarinConfig
+    from marinlm.plan.activations import activation_bytes, inventory
+
+    config = load_config(MarinConfig, str(ROOT / "configs" / "model" / f"{preset}.yaml"), [])
+    config.kernels, config.moe.capacity_factor = "reference", None
+    rows, seq_len = 4, 256
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in MarinForCausalLM(config).parameters() if p.ndim >= 2)
+    estimate = sum(
+        activation_bytes(inventory(config, precision), config, rows * seq_len, seq_len, weights=weights).values()
+    )
+    measured = _measured_activations(config, rows, seq_len, precision)
+    assert estimate == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.slow
+def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
+    """`marinlm plan configs/train/marin-535b-a23b.yaml --hardware gb200-nvl72` with the config's
+    own layout (704 ranks, 11 replicas of a 64-way expert group, optimizer state on the host)."""
+    from marinlm.plan import run_plan
+    from marinlm.train.config import TrainConfig
+
+    train = load_config(TrainConfig, str(ROOT / "configs" / "train" / "marin-535b-a23b.yaml"), [])
+    content = run_plan(train, "gb200-nvl72", None, False, tmp_path)
+    chosen = content["chosen"]
+    assert chosen["world"] == 704 and chosen["ranks"][0]["local_experts"] == 6
+    assert chosen["ranks"][0]["host"]["optimizer_state"] > 0 and "optimizer_state" not in chosen["ranks"][0]["device"]
+    assert 0 < chosen["mfu"] < 1 and chosen["step"]["total"] > 0
+    out = capsys.readouterr().out
+    assert "fits:" in out or "does not fit:" in out
+    for name in ("plan.md", "plan.json", "plan.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_layout_overrides_and_errors_name_the_key():
+    from marinlm.plan import parse_layout, world_of
+    from marinlm.plan.hardware import load_hardware
+
+    parallel = parse_layout("dp_shard=8,ep=8,pp=24,ac=full,offload=optimizer", ParallelConfig())
+    assert (parallel.expert_parallel, parallel.pipeline_parallel, world_of(parallel)) == (8, 24, 192)
+    assert parallel.activation_checkpointing == "full"
+    with pytest.raises(ConfigError) as info:
+        parse_layout("experts=8", ParallelConfig())
+    assert info.value.key == "--layout"
+    with pytest.raises(ConfigError) as info:
+        world_of(ParallelConfig())
+    assert info.value.key == "--layout"
+    with pytest.raises(ConfigError, match="gb200-nvl72"):
+        load_hardware("tpu-v9")
+    hero = load_hardware("gb200-nvl72")
+    assert hero.gpus_per_nvlink_domain == 72 and math.isclose(hero.peak_bf16_flops, 2.5e15)
