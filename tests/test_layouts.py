@@ -160,13 +160,14 @@ def layout_run(
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("precision, steps, rel, layout", CASES, ids=[f"{c[3]}-{c[0]}" for c in CASES])
-def test_a_layout_trains_as_one_process(token_data, tmp_path, precision, steps, rel, layout):
+def test_a_layout_trains_as_one_process(token_data, tmp_path, tmp_path_factory, precision, steps, rel, layout):
     """The same seed (every rank initialises the whole model, then shards it), the same global batch
     of 8 rows: losses, gradient norms and the QB router biases of one process. AdamW in fp64, whose
     update is exact there; MuonH rounds its Newton-Schulz in fp32."""
     layers, procs = layers_of(layout), PROCESSES.get(layout, 4)
+    single, single_biases = one_process(token_data, tmp_path_factory, precision, steps, layers)
     runs = {
-        "single": layout_run(token_data, tmp_path, "single", None, precision, steps, num_layers=layers),
+        "single": single,
         layout: layout_run(
             token_data, tmp_path, layout, LAYOUTS[layout], precision, steps, nproc=procs, num_layers=layers
         ),
@@ -175,8 +176,22 @@ def test_a_layout_trains_as_one_process(token_data, tmp_path, precision, steps, 
     for step, (loss, grad_norm) in runs["single"].items():
         assert runs[layout][step][0] == pytest.approx(loss, rel=rel), ("loss", step)
         assert runs[layout][step][1] == pytest.approx(grad_norm, rel=max(rel, 1e-9)), ("grad norm", step)
-    for a, b in zip(router_biases(tmp_path / "single"), router_biases(tmp_path / layout), strict=True):
+    for a, b in zip(single_biases, router_biases(tmp_path / layout), strict=True):
         torch.testing.assert_close(b, a, rtol=rel, atol=rel)
+
+
+_ONE_PROCESS: dict = {}
+
+
+def one_process(token_data, tmp_path_factory, precision: str, steps: int, layers: int):
+    """The one-process run every layout of the same precision, steps and depth is checked against:
+    trained once a session (its curves and final router biases)."""
+    key = (precision, steps, layers)
+    if key not in _ONE_PROCESS:
+        folder = tmp_path_factory.mktemp("one-process")
+        curve = layout_run(token_data, folder, "single", None, precision, steps, num_layers=layers)
+        _ONE_PROCESS[key] = (curve, router_biases(folder / "single"))
+    return _ONE_PROCESS[key]
 
 
 # Which dim tensor parallelism splits, by parameter name (written out here, apart from the plan).

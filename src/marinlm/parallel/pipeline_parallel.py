@@ -337,6 +337,14 @@ def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len:
     stages = [parallelize_stage(build_stage(model, layout.stages[s], s == 0, s == last)) for s in ids]
     group = pp_mesh.get_group()
     pipeline_stages = [PipelineStage(st, s, last + 1, info.device, group=group) for st, s in zip(stages, ids)]
+    if info.is_main:
+        bubble = bubble_fraction(layout.schedule, pp, layout.microbatches, layout.per_rank)
+        print(
+            f"pipeline: {layout.schedule}, {pp} ranks x {layout.per_rank} stage(s), layers a stage "
+            f"{[len(r) for r in layout.stages]}, {layout.microbatches} microbatches a step, "
+            f"analytic bubble {bubble:.1%}",
+            flush=True,
+        )
     holder = PipelinedModel(model.config, stages, pipeline_stages, None, layout, group)
     holder.stage_indices = ids
     holder.stage_owner = {s: r for r in range(pp) for s in stage_ids(r, pp, layout.schedule, layout.per_rank)}
