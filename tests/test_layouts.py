@@ -84,6 +84,7 @@ LAYOUTS = {
     "ep-2xfsdp-2": {"expert_parallel": 2},
     "ep-4": {"expert_parallel": 4},
     "ep-2xhsdp-2x2": {"expert_parallel": 2, "data_parallel_replicate": 2},
+    "ep-2xtp-2": {"expert_parallel": 2, "tensor_parallel": 2},
     "pp-2": {"pipeline_parallel": 2},
     "pp-2xfsdp-2": {"pipeline_parallel": 2},
     "pp-2-interleaved-4-stages": {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "stages_per_rank": 2},
@@ -101,7 +102,6 @@ def layers_of(layout: str) -> int:
 # of the same 10 steps (with a checkpoint at step 5) is compared with one process there.
 RESHARDED = ("tp-2xfsdp-2", "ep-2xfsdp-2", "pp-2xfsdp-2")
 CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] + [
-    ("fp32", 3, 1e-5, "hsdp-2x2"),
     ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
     ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
     ("fp32", 3, 1e-5, "pp-2xfsdp-2"),

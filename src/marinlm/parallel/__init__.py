@@ -65,11 +65,6 @@ class ParallelConfig:
 def refuse_unbuilt(dims) -> None:
     """Layouts this version does not build yet are an error, not a silent no-op."""
     check(
-        dims.ep == 1 or dims.tp == 1,
-        "parallel.expert_parallel",
-        f"{dims.ep} with tensor_parallel {dims.tp} is not built yet: expert parallel runs with tensor_parallel 1",
-    )
-    check(
         dims.pp == 1 or dims.tp == 1,
         "parallel.pipeline_parallel",
         f"{dims.pp} with tensor_parallel {dims.tp} is not built yet: pipeline parallel runs with tensor_parallel 1",
@@ -109,10 +104,11 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
     layout = info.mesh is not None and info.mesh.mesh_dim_names[0] == "pp"
-    if layout and info.mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, info.mesh["tp"])
+    tp = info.mesh["tp"].size() if layout else 1
+    if tp > 1:
+        apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
     if layout and info.expert_mesh is not None:
-        apply_expert_parallel(model, info.expert_mesh["ep"])
+        apply_expert_parallel(model, info.expert_mesh["ep"], tensor_parallel=tp)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
         for _, block in named_blocks(model):

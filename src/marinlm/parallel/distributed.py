@@ -27,6 +27,7 @@ class DistributedInfo:
     batch_rank: int = 0
     batch_world: int = 1
     batch_group: object = None  # their process group; None where they are all the ranks
+    router_group: object = None  # the ranks whose MoE layers route different tokens; None: as batch_group
 
     def __post_init__(self):
         self.batch_rank, self.batch_world = self.rank, self.world_size
@@ -40,6 +41,9 @@ class DistributedInfo:
     def use_layout(self, meshes) -> None:
         """Adopt the layout's meshes (`mesh.ParallelDims.build_mesh`): batches split over its data-parallel ranks."""
         self.mesh, self.expert_mesh, batch = meshes.dense, meshes.experts, meshes.batch
+        # The ranks whose MoE layers see different tokens: the data-parallel ranks, and under expert
+        # and tensor parallel together their tp ranks too (each routes its own share of the sequence).
+        self.router_group = meshes.router.get_group() if meshes.router is not None else None
         self.batch_rank, self.batch_world = batch.get_local_rank(), batch.size()
         self.batch_group = None if batch.size() == self.world_size else batch.get_group()
 

@@ -125,8 +125,9 @@ class ExpertParallelExperts(RoutedExperts):
         return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=compute_dtype(y_SD)).to(dtype), plan.dropped
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Spread every MoE layer's routed experts over the 1-D `ep_mesh`, in place (on meta or initialised)."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -> None:
+    """Spread every MoE layer's routed experts over the 1-D `ep_mesh`, in place (on meta or
+    initialised). `tensor_parallel`: the tp degree, whose ranks each route their own tokens."""
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             for name, p in list(module.named_parameters(recurse=False)):
@@ -137,8 +138,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             module.capacity_factor = model.config.moe.capacity_factor
             module.traffic = torch.zeros(3, dtype=torch.float64)  # rows sent, received; bytes to other ranks
             # An expert's gradient sums its whole group's tokens, where a dense weight's holds one
-            # rank's, and FSDP2 then averages both over their data ranks: 1/ep puts them level.
-            _compute_on_local_shards(module, grad_scale=1.0 / ep_mesh.size())
+            # data rank's (summed over its tp ranks), and FSDP2 then averages each over its own data
+            # ranks: tp/ep puts them level.
+            _compute_on_local_shards(module, grad_scale=tensor_parallel / ep_mesh.size())
 
 
 def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:

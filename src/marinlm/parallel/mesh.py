@@ -114,10 +114,12 @@ class ParallelDims:
         world = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
         dense = world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.tp), AXES)
         batch = dense["dp_replicate", "dp_shard"]._flatten("dp")
-        experts = None
+        experts = router = None
         if self.ep > 1:
             experts = world._unflatten(0, (self.pp, self.dp_replicate, self.efsdp, self.ep), EXPERT_AXES)
-        return Meshes(dense, batch, experts)
+            if self.tp > 1:  # tp ranks route their own tokens: router statistics reduce over them too
+                router = dense["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
+        return Meshes(dense, batch, experts, router)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class Meshes:
     dense: object
     batch: object
     experts: object = None
+    router: object = None  # data x tensor-parallel ranks, when both route their own tokens
 
 
 def _divisors(n: int) -> list[int]:

@@ -154,6 +154,18 @@ def _scatter_output(mesh):
     return hook
 
 
+def _keep_own_tokens(mesh):
+    """After a computation on the all-gathered sequence, each rank keeps its own T/tp tokens."""
+    rank, size = mesh.get_local_rank(), mesh.size()
+
+    def hook(module, args, output):
+        y = output[0] if isinstance(output, tuple) else output
+        mine = y.chunk(size, dim=1)[rank]
+        return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
+    return hook
+
+
 def _global_kv_heads(mesh, num_used: int, num_stored: int, head_dim: int):
     """HeadSlice under tp: gather every rank's stored heads, keep the used heads this rank's
     queries read, [r·K/tp, (r+1)·K/tp)."""
@@ -180,8 +192,14 @@ def _scale_aux_loss(size: int):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, mesh) -> None:
-    """Shard `model` (a MarinForCausalLM, on meta or initialised) over the 1-D tp `mesh`, in place."""
+def apply_tensor_parallel(model: nn.Module, mesh, *, expert_parallel: bool = False) -> None:
+    """Shard `model` (a MarinForCausalLM, on meta or initialised) over the 1-D tp `mesh`, in place.
+
+    With `expert_parallel` the MoE layers stay on the sequence shard instead (torchtitan's ETP=1):
+    every tp rank routes its own T/tp tokens, whose rows expert parallelism sends to the experts'
+    ranks; the router, the latent projections and the shared experts are replicated, and the
+    output SConv sees the whole sequence (all-gathered, each rank keeping its own tokens after).
+    """
     size = mesh.size()
     parallelize_module(model.embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
     if model.config.tie_embeddings:
@@ -194,17 +212,24 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> None:
 
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
+        on_shard = expert_parallel and isinstance(mlp, MoE)  # the MoE on this rank's tokens
         attn.register_forward_pre_hook(_gather_input(mesh))
-        mlp.register_forward_pre_hook(_gather_input(mesh))
         # The branch outputs are partial sums; SConv (linear) runs on them, then they are scattered.
         (attn if block.sconv_attn is None else block.sconv_attn).register_forward_hook(_scatter_output(mesh))
-        (mlp if block.sconv_mlp is None else block.sconv_mlp).register_forward_hook(_scatter_output(mesh))
+        if not on_shard:
+            mlp.register_forward_pre_hook(_gather_input(mesh))
+            (mlp if block.sconv_mlp is None else block.sconv_mlp).register_forward_hook(_scatter_output(mesh))
+        elif block.sconv_mlp is not None:  # it mixes each token with the 3 before: the whole sequence
+            block.sconv_mlp.register_forward_pre_hook(_gather_input(mesh))
+            block.sconv_mlp.register_forward_hook(_keep_own_tokens(mesh))
         if attn.kv_in_use is not None:
             attn.kv_in_use.register_forward_hook(_global_kv_heads(mesh, attn.num_kv, attn.num_kv_stored, attn.head_dim))
-        if isinstance(mlp, MoE):
+        if isinstance(mlp, MoE) and not on_shard:
             mlp.router.register_forward_hook(_scale_aux_loss(size))
-        splits = _block_splits(block)
+        splits = _block_splits(block, split_mlp=not on_shard)
         for module in block.modules():
+            if on_shard and isinstance(module, RoutedExperts):
+                continue  # expert parallelism places them
             _distribute(module, mesh, splits.get(module, {}))
             _compute_on_local_shards(module)
     for module in (model.embed_norm, model.final_norm):
@@ -214,9 +239,10 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> None:
     _compute_on_local_shards(model.lm_head)
 
 
-def _block_splits(block: nn.Module) -> dict[nn.Module, dict[str, int]]:
+def _block_splits(block: nn.Module, split_mlp: bool = True) -> dict[nn.Module, dict[str, int]]:
     """The parameters the plan splits, by module: parameter name -> the dim split over tp. The rest
-    (norms, GatedNorm, router, latent projections, SConv of the branch outputs) are replicated."""
+    (norms, GatedNorm, router, latent projections, SConv of the branch outputs; the whole MLP where
+    `split_mlp` is False) are replicated."""
     attn = block.attn
     splits = {
         attn.q_proj: {"weight": 0},  # [heads * Dh, D]: by heads
@@ -229,7 +255,7 @@ def _block_splits(block: nn.Module) -> dict[nn.Module, dict[str, int]]:
     for sconv in (attn.sconv_k, attn.sconv_v):
         if sconv is not None:
             splits[sconv] = {"weight": 1}  # [taps, channels]: the channels of this rank's KV heads
-    for module in block.modules():
+    for module in block.modules() if split_mlp else ():
         if isinstance(module, SwiGLU):  # shared experts and dense FFNs, by hidden width
             splits[module.gate_proj] = splits[module.up_proj] = {"weight": 0}
             splits[module.down_proj] = {"weight": 1}

@@ -1,11 +1,10 @@
 """`marinlm plan --search`: other layouts of the same config on the same cluster, ranked.
 
-Candidates: pipeline degrees 1-8, tensor parallel within an NVLink domain (alone: expert parallel
-runs with tensor parallel 1), expert groups of powers of two within an NVLink domain, FSDP over
-the largest group that stays in a domain, the other ranks data-parallel replicas; full activation
-checkpointing, with and without optimizer offload. Each is first planned from shards computed by
-rule (`rule_shards`, no process group: fast), and the fastest that fit are planned again from the
-real parallelize() under the fake process group.
+Candidates: pipeline degrees 1-8, tensor parallel within an NVLink domain, expert groups of powers
+of two within an NVLink domain, FSDP over the largest group that stays in a domain, the other ranks
+data-parallel replicas; full activation checkpointing, with and without optimizer offload. Each is
+first planned from shards computed by rule (`rule_shards`, no process group: fast), and the fastest
+that fit are planned again from the real parallelize() under the fake process group.
 """
 
 from __future__ import annotations
@@ -57,7 +56,9 @@ def rule_shards(model_config, parallel, world, rank, rows, seq_len) -> dict[str,
             continue
         shape = list(p.shape)
         experts = ".experts." in name
-        if dims.tp > 1:
+        # With expert parallelism the MoE layers run on each tp rank's own tokens, unsplit by tp.
+        moe_on_shard = dims.ep > 1 and ".mlp." in name and model_config.is_moe_layer(int(name.split(".")[1]))
+        if dims.tp > 1 and not moe_on_shard:
             for pattern, dim in TP_SPLITS:
                 if re.search(pattern, name):
                     shape[dim] //= dims.tp
@@ -80,7 +81,7 @@ def candidates(model_config, gpus: int, hardware) -> list[dict]:
                 continue
             rest = gpus // (pp * tp)
             shard = max(d for d in range(1, rest + 1) if rest % d == 0 and d * tp <= domain)
-            eps = [1] if tp > 1 else [e for e in (8, 16, 32, 64, 128) if experts % e == 0 and e <= domain]
+            eps = [1] + [e for e in (8, 16, 32, 64, 128) if experts % e == 0 and e <= domain]
             for ep in eps:
                 if (shard * tp) % ep:
                     continue

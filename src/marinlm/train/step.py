@@ -140,6 +140,7 @@ def train_step(
     grad_clip: float | None,
     world_size: int,
     group=None,
+    router_group=None,
 ) -> StepResult:
     """Forward/backward over the rank's micro-batches, then clip, guard and update.
 
@@ -166,7 +167,7 @@ def train_step(
                     p.grad.mul_(coefficient)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stats = reduce_router_stats(router_stats, group) if router_stats else []
+    stats = reduce_router_stats(router_stats, router_group or group) if router_stats else []
     if not skipped and stats:
         # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
         unwrap(model).update_router_biases(stats)

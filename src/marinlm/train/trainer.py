@@ -250,6 +250,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                     grad_clip=c.train.grad_clip,
                     world_size=self.data_world,
                     group=self.info.batch_group,
+                    router_group=self.info.router_group,
                 )
             except BaseException as e:
                 if not is_out_of_memory(e):
