@@ -359,7 +359,7 @@ def test_optimizer_config_errors_name_the_key():
     from marinlm.parallel import refuse_unbuilt
     from marinlm.parallel.mesh import ParallelDims
 
-    config = load_config(TrainConfig, None, ["--parallel.expert_parallel=2", "--parallel.tensor_parallel=2"])
+    config = load_config(TrainConfig, None, ["--parallel.pipeline_parallel=2", "--parallel.tensor_parallel=2"])
     with pytest.raises(ConfigError) as info:
         refuse_unbuilt(ParallelDims.resolve(config.parallel, 4))
-    assert info.value.key == "parallel.expert_parallel" and "not built yet" in str(info.value)
+    assert info.value.key == "parallel.pipeline_parallel" and "not built yet" in str(info.value)
