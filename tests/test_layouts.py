@@ -89,6 +89,8 @@ LAYOUTS = {
     "pp-2xfsdp-2": {"pipeline_parallel": 2},
     "pp-2-interleaved-4-stages": {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "stages_per_rank": 2},
     "pp-2-zbv": {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble"},
+    "pp-2xtp-2": {"pipeline_parallel": 2, "tensor_parallel": 2},
+    "pp-2xep-2": {"pipeline_parallel": 2, "expert_parallel": 2},
 }
 PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2}  # the rest run on 4
 

@@ -355,11 +355,3 @@ def test_optimizer_config_errors_name_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(TrainConfig, None, ["--parallel.tensor_parallel=0"])
     assert info.value.key == "parallel.tensor_parallel"
-    # A degree this version does not build is refused, naming it, once the ranks are known.
-    from marinlm.parallel import refuse_unbuilt
-    from marinlm.parallel.mesh import ParallelDims
-
-    config = load_config(TrainConfig, None, ["--parallel.pipeline_parallel=2", "--parallel.tensor_parallel=2"])
-    with pytest.raises(ConfigError) as info:
-        refuse_unbuilt(ParallelDims.resolve(config.parallel, 4))
-    assert info.value.key == "parallel.pipeline_parallel" and "not built yet" in str(info.value)

@@ -21,6 +21,7 @@ LAYOUTS = {
     "hsdp-2x2": {"data_parallel_replicate": 2},
     "pp-2xfsdp-2": {"pipeline_parallel": 2},
     "ep-2xtp-2": {"expert_parallel": 2, "tensor_parallel": 2},
+    "pp-2xtp-2": {"pipeline_parallel": 2, "tensor_parallel": 2},
 }
 
 

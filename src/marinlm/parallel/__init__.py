@@ -62,15 +62,6 @@ class ParallelConfig:
         check(self.stages_per_rank >= 1, "stages_per_rank", f"must be >= 1, got {self.stages_per_rank}")
 
 
-def refuse_unbuilt(dims) -> None:
-    """Layouts this version does not build yet are an error, not a silent no-op."""
-    check(
-        dims.pp == 1 or dims.tp == 1,
-        "parallel.pipeline_parallel",
-        f"{dims.pp} with tensor_parallel {dims.tp} is not built yet: pipeline parallel runs with tensor_parallel 1",
-    )
-
-
 def parallelize(
     model: nn.Module, config: ParallelConfig, info: DistributedInfo, *, rows: int = 0, seq_len: int = 0
 ) -> nn.Module:

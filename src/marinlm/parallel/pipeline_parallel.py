@@ -274,7 +274,8 @@ class PipelinedModel(nn.Module):
         self._reshard()  # a schedule may leave gathered weights from before the last optimizer step
         for s in range(num_stages):
             if s > 0 and owner[s] == me and owner[s - 1] != me:  # receive what stage s - 1 sent
-                x = torch.empty(B, T, self.config.d_model, dtype=self._dtype(), device=input_ids.device)
+                shape = (B, T // self.sequence_split, self.config.d_model)
+                x = torch.empty(shape, dtype=self._dtype(), device=input_ids.device)
                 seg = torch.empty_like(segment_ids)
                 torch.distributed.recv(x, group=self.pp_group, group_src=owner[s - 1])
                 torch.distributed.recv(seg, group=self.pp_group, group_src=owner[s - 1])
@@ -347,6 +348,7 @@ def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len:
         )
     holder = PipelinedModel(model.config, stages, pipeline_stages, None, layout, group)
     holder.stage_indices = ids
+    holder.sequence_split = info.mesh["tp"].size()  # under tensor parallel the stages pass T/tp tokens
     holder.stage_owner = {s: r for r in range(pp) for s in stage_ids(r, pp, layout.schedule, layout.per_rank)}
     cls = schedule_class(layout.schedule)
     holder.schedule = cls(

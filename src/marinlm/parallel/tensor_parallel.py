@@ -42,12 +42,15 @@ from marinlm.model.experts import RoutedExperts
 from marinlm.model.layers import SwiGLU, compute_dtype
 from marinlm.model.loss import IGNORE_INDEX
 from marinlm.model.moe import MoE
+from marinlm.model.transformer import named_blocks
 
 # --- collectives with the gradients a tp region needs ------------------------------------------------
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    """A functional collective's result as a plain tensor, still in the autograd graph (a one-row
+    gather comes back as an AsyncCollectiveTensor whose `.wait()` drops the graph)."""
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def gather_tokens(x_BTD: torch.Tensor, mesh) -> torch.Tensor:
@@ -173,7 +176,8 @@ def _global_kv_heads(mesh, num_used: int, num_stored: int, head_dim: int):
     per_rank = num_used // size
 
     def hook(module, args, output):
-        full_BTC = _waited(funcol.all_gather_single_autograd(args[0].contiguous(), gather_dim=-1, group=mesh))
+        x_BTC = args[0].contiguous()  # a positive dim: funcol's view after the gather misreads -1 on a 3-D input
+        full_BTC = _waited(funcol.all_gather_single_autograd(x_BTC, gather_dim=x_BTC.dim() - 1, group=mesh))
         return full_BTC[..., rank * per_rank * head_dim : (rank + 1) * per_rank * head_dim]
 
     return hook
@@ -201,16 +205,21 @@ def apply_tensor_parallel(model: nn.Module, mesh, *, expert_parallel: bool = Fal
     output SConv sees the whole sequence (all-gathered, each rank keeping its own tokens after).
     """
     size = mesh.size()
-    parallelize_module(model.embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
-    if model.config.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    else:
-        _distribute(model.lm_head, mesh, {"weight": 0})
-    model.loss = VocabParallelLoss(model.loss.z_weight, model.loss.chunk_tokens, mesh)
-    model.lm_head.register_forward_hook(lambda m, args, out: _GatherReplicated.apply(out, -1, mesh.get_group()))
-    model.final_norm.register_forward_hook(lambda m, args, out: gather_tokens(out, mesh))
+    # A pipeline stage holds the embedding, the head, both or neither.
+    if model.embed is not None:
+        parallelize_module(model.embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    if model.lm_head is not None:
+        if model.config.tie_embeddings and model.embed is not None:
+            model.lm_head.weight = model.embed.weight
+        else:
+            _distribute(model.lm_head, mesh, {"weight": 0})
+        model.loss = VocabParallelLoss(model.loss.z_weight, model.loss.chunk_tokens, mesh)
+        model.lm_head.register_forward_hook(lambda m, args, out: _GatherReplicated.apply(out, -1, mesh.get_group()))
+        _compute_on_local_shards(model.lm_head)
+    if model.final_norm is not None:
+        model.final_norm.register_forward_hook(lambda m, args, out: gather_tokens(out, mesh))
 
-    for block in model.layers:
+    for _, block in named_blocks(model):
         attn, mlp = block.attn, block.mlp
         on_shard = expert_parallel and isinstance(mlp, MoE)  # the MoE on this rank's tokens
         attn.register_forward_pre_hook(_gather_input(mesh))
@@ -236,7 +245,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, *, expert_parallel: bool = Fal
         for sub in module.modules() if module is not None else ():
             _distribute(sub, mesh, {})
             _compute_on_local_shards(sub)
-    _compute_on_local_shards(model.lm_head)
 
 
 def _block_splits(block: nn.Module, split_mlp: bool = True) -> dict[nn.Module, dict[str, int]]:

@@ -28,7 +28,7 @@ from marinlm.kernels import apply_kernels
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
-from marinlm.parallel import init_distributed, parallelize, refuse_unbuilt
+from marinlm.parallel import init_distributed, parallelize
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.parallel.offload import OffloadedOptimizer
@@ -113,7 +113,6 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         # The layout first: a degree that does not fit the ranks or the model fails before anything is built.
         self.dims = ParallelDims.resolve(c.parallel, self.world)
         self.dims.check_model(c.model, c.data.seq_len)
-        refuse_unbuilt(self.dims)
         if self.info.mesh is not None:
             self.info.use_layout(self.dims.build_mesh(self.device.type))
         # Batches are split over the data-parallel ranks; tensor-parallel ranks read the same rows.
