@@ -1545,3 +1545,31 @@ def test_a_step_out_of_memory_is_retried_with_fewer_rows_and_trains_as_before(to
     with pytest.raises(OutOfMemory, match=r"out of memory in step 3 at 4 rows per forward \(train.micro_batch auto, "):
         trainer.fit()
     trainer.close()
+
+
+def test_out_of_memory_inside_the_optimizer_update_stops_without_a_save(token_data, tmp_path):
+    """An update that runs out of memory part-way may have changed some weights: it is not retried
+    (fewer rows would not help, and redoing it would apply it twice), the run stops naming the
+    settings that shrink the optimizer's memory, and no checkpoint holds the half-updated weights."""
+    from marinlm.train.signals import OutOfMemory
+
+    config = train_config(
+        token_data, tmp_path / "run", train={"steps": 5, "oom_retry": True}, checkpoint={"every_steps": 2}
+    )
+    trainer = Trainer(config, resume="none")
+    original = trainer.optimizer.step
+
+    def step_out_of_memory(*args, **kwargs):
+        if trainer.step == 2:
+            with torch.no_grad():
+                next(trainer.model.parameters()).add_(1.0)  # the part of the update that happened
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    trainer.optimizer.step = step_out_of_memory
+    with pytest.raises(OutOfMemory, match=r"out of memory in the optimizer update of step 3: .*parallel.offload"):
+        trainer.fit()
+    trainer.close()
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    assert not any(e["event"] == "oom_retry" for e in trainer.events)

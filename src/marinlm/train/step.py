@@ -40,6 +40,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
 
 
+class OutOfMemoryInUpdate(RuntimeError):
+    """The optimizer ran out of memory part-way through its update: some weights and moments may
+    already hold the new step, so the step cannot be redone from where it was."""
+
+
 def split_rows(batches: list[dict], pieces: int) -> list[dict]:
     """Each micro-batch cut into `pieces` along its rows (more accumulation, the same global batch)."""
     if pieces == 1:
@@ -165,7 +170,12 @@ def train_step(
             if coefficient < 1.0:
                 for p in params:  # one by one: DTensors on different meshes take no foreach op together
                     p.grad.mul_(coefficient)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except BaseException as e:
+            if is_out_of_memory(e):
+                raise OutOfMemoryInUpdate(str(e)) from e
+            raise
     optimizer.zero_grad(set_to_none=True)
     stats = reduce_router_stats(router_stats, router_group or group) if router_stats else []
     if not skipped and stats:

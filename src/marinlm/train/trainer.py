@@ -45,6 +45,7 @@ from marinlm.train.reporting import Reporting
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import OutOfMemory, catch_stop_signals
 from marinlm.train.step import (
+    OutOfMemoryInUpdate,
     StepResult,
     is_out_of_memory,
     resolve_precision,
@@ -234,8 +235,10 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         return model
 
     def _step_within_memory(self, micro: list[dict]):
-        """One optimizer step over `micro`; out of memory, the step is abandoned before the update
-        and, with `train.oom_retry`, done again with each micro-batch cut in two, down to one row."""
+        """One optimizer step over `micro`; out of memory before the update, the step is abandoned
+        and, with `train.oom_retry`, done again with each micro-batch cut in two, down to one row.
+        Out of memory inside the update, the run stops: no smaller batch helps, and the weights may be
+        half updated."""
         c = self.config
         while True:
             batches = split_rows(micro, self._oom_pieces)
@@ -252,6 +255,13 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                     router_group=self.info.router_group,
                 )
             except BaseException as e:
+                if isinstance(e, OutOfMemoryInUpdate):  # weights half updated: nothing to redo from
+                    raise OutOfMemory(
+                        f"out of memory in the optimizer update of step {self.step + 1}: some weights may "
+                        "already hold the new step, so the step is not redone and nothing more is saved; "
+                        "resume from the newest checkpoint (--resume auto) with parallel.offload: optimizer "
+                        "(the optimizer state on the host) or more data_parallel_shard ranks to shard it"
+                    ) from None
                 if not is_out_of_memory(e):
                     raise
                 self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go; weights were not touched

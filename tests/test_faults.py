@@ -1,0 +1,320 @@
+"""The fault-injection harness, small and fast: random SIGKILLs during training and during saves
+resumed bitwise; every class of bad input data through `marinlm data run` with the accounting
+checked; every class of broken checkpoint through `--resume auto`, `generate` and `eval`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fault_inject import POINTS
+from marinlm.cli import main as marinlm
+from marinlm.config import save_config
+from marinlm.train.checkpoint import list_checkpoints, validate
+from marinlm.train.metrics import read_metrics
+from marinlm.train.run import Trainer, run_training
+
+from conftest import ROOT, train_config
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+
+
+def run_cli(*args, fault: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
+    """`marinlm ARGS` in a fresh process, killed by itself at `fault` (point, step) if given."""
+    entry = [str(TESTS / "fault_inject.py"), *map(str, fault)] if fault else ["-m", "marinlm.cli"]
+    command = [sys.executable, *entry, *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def step_records(run_dir: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+# --- SIGKILL at random points of training and of saves ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_random_kills_during_steps_and_saves_resume_bitwise(token_data, tmp_path, seed):
+    """Four SIGKILLs at points drawn from `seed` (inside a step, or at each stage of a save: before
+    the tensors, before the completion marker, before the rename, before pruning), each followed by
+    `--resume auto`: the run ends with every step's loss and gradient norm equal to an unbroken
+    run's, bitwise, each step logged once, no half-written folder left and every checkpoint valid."""
+    steps = 12
+    rng = random.Random(seed)
+    faults, at = [], 1
+    for point in rng.sample(POINTS, 4):
+        at = rng.randrange(at + 1, at + 3)
+        if point != "step":
+            at += at % 2  # saves come every 2 steps
+        faults.append((point, at))
+    print("faults:", faults)
+    configs = {}
+    for name in ("reference", "killed"):
+        config = train_config(
+            token_data, tmp_path / name, train={"steps": steps}, checkpoint={"every_steps": 2, "keep_last": 2}
+        )
+        save_config(config, tmp_path / f"{name}.yaml")
+        configs[name] = tmp_path / f"{name}.yaml"
+    out = run_cli("train", configs["reference"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for i, fault in enumerate(faults):
+        out = run_cli("train", configs["killed"], *(["--resume", "auto"] if i else []), fault=fault)
+        assert out.returncode == -signal.SIGKILL, (fault, out.stdout[-2000:] + out.stderr[-2000:])
+    out = run_cli("train", configs["killed"], "--resume", "auto")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in out.stdout
+    reference, killed = step_records(tmp_path / "reference"), step_records(tmp_path / "killed")
+    assert [s for s, _, _ in killed] == list(range(1, steps + 1))  # each step once
+    assert killed == reference  # bitwise
+    root = tmp_path / "killed" / "checkpoints"
+    assert not list(root.glob("*.tmp"))
+    for folder in list_checkpoints(root):
+        validate(folder)
+
+
+# --- bad input data ---------------------------------------------------------------------------------------
+
+
+def _record(i: str, text: str) -> str:
+    return json.dumps({"id": i, "text": text})
+
+
+def _bad_inputs(raw: Path, good: list[str]) -> tuple[dict[str, str], set[str]]:
+    """Writes one file or line of each class of bad input among good documents under `raw`.
+    Returns what `rejected/` must hold ({location: reason start}) and the ids that must be kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = iter(good)
+    lines = [  # (class, line, expected reason or None if the document is kept)
+        ("unterminated string", '{"id": "u", "text": "no end', "malformed JSON"),
+        ("data after the record", _record("tg", next(texts)) + " trailing", "malformed JSON: Extra data"),
+        ("a list, not a record", "[1, 2, 3]", "expected a JSON object (a record) or a string (a text), got a list"),
+        ("a number, not a record", "42", "expected a JSON object (a record) or a string (a text), got a number"),
+        ("no text field", json.dumps({"id": "m", "body": next(texts)}), "missing field 'text'"),
+        ("text is a number", json.dumps({"id": "i", "text": 42}), "field 'text' is int, not a string"),
+        ("text is null", json.dumps({"id": "n", "text": None}), "field 'text' is null"),
+        ("text is an object", json.dumps({"id": "o", "text": {"a": 1}}), "field 'text' is dict, not a string"),
+        ("text is a list of numbers", json.dumps({"id": "l", "text": [1, 2]}), "field 'text' is list, not a string"),
+        ("whitespace only", json.dumps({"id": "w", "text": " \n\t "}), "empty document"),
+        ("too large", _record("big", "word " * 3000), "document too large"),
+        ("a lone surrogate", '{"id": "s", "text": "' + next(texts)[:300] + ' \\ud800 end"}', None),
+        ("nested 100,000 deep", "[" * 100_000 + "]" * 100_000, "malformed JSON: nested too deeply to parse"),
+        ("a NUL character", json.dumps({"id": "nul", "text": next(texts)[:300] + "\u0000 zero"}), None),
+        ("an id that is null", json.dumps({"id": None, "text": next(texts)}), None),
+    ]
+    expected, kept = {}, {"s", "nul", "bom", "crlf1", "crlf2", "last", "z0"}
+    with open(raw / "lines.jsonl", "wb") as f:
+        for number, (_, line, reason) in enumerate(lines, start=1):
+            f.write(line.encode() + b"\n")
+            if reason:
+                expected[f"lines.jsonl:{number}"] = reason
+        f.write(b"\n")  # a blank line: no record
+        f.write(b'{"id": "bad-utf8", "text": "\xff\xfe abc"}\n')
+        expected[f"lines.jsonl:{len(lines) + 2}"] = "invalid UTF-8"
+        f.write(_record("last", next(texts)).encode())  # no final newline
+    (raw / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + _record("bom", next(texts)).encode() + b"\n")
+    crlf = _record("crlf1", next(texts)) + "\r\n" + _record("crlf2", next(texts)) + "\r\n"
+    (raw / "crlf.jsonl").write_bytes(crlf.encode())
+    payload = "".join(_record(f"z{i}", next(texts)) + "\n" for i in range(3)).encode()
+    (raw / "cut.jsonl.gz").write_bytes(gzip.compress(payload)[:-30])
+    expected["cut.jsonl.gz:3"] = "truncated or corrupt stream"  # the records before the cut are kept
+    kept |= {"z1"}
+
+    (raw / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(payload * 50)[:-40])
+    expected["cut.jsonl.zst:1"] = "truncated or corrupt stream"
+    (raw / "plain.jsonl.gz").write_bytes(payload)  # not gzip at all
+    expected["plain.jsonl.gz:1"] = "truncated or corrupt stream: Not a gzipped file"
+    noise = random.Random(0)
+    (raw / "noise.jsonl").write_bytes(bytes(noise.randrange(128, 256) for _ in range(3000)))
+    expected["noise.jsonl:1"] = "invalid UTF-8 at byte 0"
+    (raw / "empty.txt").write_text("")
+    expected["empty.txt"] = "empty document"
+    (raw / "empty.jsonl").write_text("")  # no record, nothing to reject
+    (raw / "bad.txt").write_bytes(b"fine text\n\xc3(\n")
+    expected["bad.txt"] = "invalid UTF-8 at byte 10"
+    (raw / "object.json").write_text(json.dumps({"text": "an object"}))
+    expected["object.json"] = "a .json input must hold a list of records or texts, got an object"
+    (raw / "list.json").write_text(json.dumps([{"id": "j0", "text": next(texts)}, 42, None]))
+    expected["list.json:1"] = "expected a JSON object (a record) or a string (a text), got a number"
+    expected["list.json:2"] = "expected a JSON object (a record) or a string (a text), got null"
+    kept |= {"j0"}
+    rows = [next(texts) for _ in range(9)]
+    pq.write_table(pa.table({"text": rows}), raw / "groups.parquet", row_group_size=3, compression="none")
+    chunk = pq.ParquetFile(raw / "groups.parquet").metadata.row_group(1).column(0)
+    data = bytearray((raw / "groups.parquet").read_bytes())
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    (raw / "groups.parquet").write_bytes(data)
+    expected["groups.parquet:4-6"] = "corrupt parquet data (row group 1, rows 4-6)"
+    (raw / "footless.parquet").write_bytes(data[: len(data) // 2])
+    expected["footless.parquet"] = "unreadable parquet"
+    pq.write_table(pa.table({"content": ["x"]}), raw / "other-column.parquet")
+    expected["other-column.parquet"] = "missing column 'text' (its columns are 'content')"
+    (raw / ".hidden.jsonl").write_text("not read")
+    (raw / "notes.docx").write_bytes(b"PK\x03\x04")
+    return expected, kept
+
+
+def test_every_class_of_bad_input_is_rejected_by_place_and_the_accounting_holds(tmp_path):
+    """27 classes of bad input (broken JSON and records of every wrong shape, bad encodings, cut or
+    mislabelled compression, broken parquet, empty files, hostile nesting, surrogates, NUL bytes,
+    BOMs, CRLF) through `marinlm data run` with 2 workers: each bad record rejected with its file
+    and line (or rows), the good ones kept, nothing lost: in = kept + dropped + rejected."""
+    from test_data_pipeline import synthetic_docs
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    expected, kept = _bad_inputs(raw, synthetic_docs(30, seed=11))
+    config = {
+        "output_dir": str(tmp_path / "out"),
+        "workers": 2,
+        "progress": False,
+        "max_doc_bytes": 10_000,
+        "sources": [{"name": "raw", "inputs": [str(raw)]}],
+        "langid": {"enabled": False},
+        "pii": {"enabled": False},
+        "decontam": {"enabled": False},
+        "dedup": {"exact": False, "fuzzy": False},
+        "quality": {k: {"enabled": False} for k in ("gopher_quality", "gopher_repetition", "c4", "fineweb")},
+    }
+    (tmp_path / "curate.json").write_text(json.dumps(config))
+    out = run_cli("data", "run", tmp_path / "curate.json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "notes.docx" in out.stdout + out.stderr  # named as a type not read
+    rejected = {}
+    for path in sorted((tmp_path / "out" / "rejected").glob("*.jsonl")):
+        for line in path.open():
+            record = json.loads(line)
+            rejected[os.path.relpath(record["location"], raw)] = record["reason"]
+    assert sorted(rejected) == sorted(expected)
+    for location, reason in expected.items():
+        assert rejected[location].startswith(reason), (location, rejected[location])
+    from marinlm.data.pipeline import read_records
+
+    ids = {r["id"] for shard in (tmp_path / "out" / "shards").glob("*.jsonl.zst") for r in read_records(shard)}
+    assert kept <= ids, kept - ids
+    assert not any(".hidden" in i for i in ids)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    a = report["accounting"]["raw"]
+    assert a["in"] == a["kept"] + a["dropped"] + a["rejected"] and a["rejected"] == len(expected)
+
+
+# --- broken checkpoints -------------------------------------------------------------------------------------
+
+
+def _flip_a_byte(folder: Path) -> None:
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _plant_pickle(folder: Path) -> None:
+    """Optimizer state holding a pickle that would create a file, its hashes made consistent."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from marinlm.train.checkpoint import file_listing
+
+    tensors = _load_state_dict_from_keys(checkpoint_id=str(folder))
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(folder.parent.parent / "pwned"),))
+
+    def plant(tree) -> bool:
+        for key, value in tree.items():
+            if isinstance(value, dict) and plant(value):
+                return True
+            if not isinstance(value, (dict, torch.Tensor)):
+                tree[key] = Payload()
+                return True
+        return False
+
+    assert plant(tensors["optim"])
+    dcp.save(tensors, checkpoint_id=str(folder))
+    (folder / "COMPLETE.json").write_text(json.dumps({"files": file_listing(folder), "world_size": 1}))
+
+
+def _marker(text: str):
+    return lambda folder: (folder / "COMPLETE.json").write_text(text)
+
+
+def _drop_sha(folder: Path) -> None:
+    marker = json.loads((folder / "COMPLETE.json").read_text())
+    for entry in marker["files"].values():
+        entry.pop("sha256")
+    (folder / "COMPLETE.json").write_text(json.dumps(marker))
+
+
+def _truncate(folder: Path) -> None:
+    with open(folder / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+
+
+BREAKS = {
+    "a flipped byte in a shard": _flip_a_byte,
+    "a truncated shard": _truncate,
+    "a missing shard": lambda f: (f / "__0_0.distcp").unlink(),
+    "a missing metadata file": lambda f: (f / ".metadata").unlink(),
+    "no completion marker": lambda f: (f / "COMPLETE.json").unlink(),
+    "a marker that is not JSON": _marker('{"files": {'),
+    "a marker that is null": _marker("null"),
+    "a marker with a list of files": _marker('{"files": []}'),
+    "a marker that is a list": _marker("[1, 2]"),
+    "a marker without hashes": _drop_sha,
+    "a broken trainer state": lambda f: (f / "trainer_state.json").write_text("{not json"),
+    "a missing config": lambda f: (f / "config.yaml").unlink(),
+    "an empty folder": lambda f: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(f.iterdir())],
+    "a crafted pickle": _plant_pickle,
+}
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(token_data, tmp_path_factory) -> Path:
+    """A 4-step run with good checkpoints at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("faults") / "run"
+    run_training(train_config(token_data, run, train={"steps": 4}, checkpoint={"every_steps": 2, "keep_last": 3}))
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000004", "step-00000002"]
+    return run
+
+
+@pytest.mark.parametrize("name", list(BREAKS))
+def test_a_broken_newest_checkpoint_is_skipped_by_resume_generate_and_eval(
+    token_data, two_checkpoints, tmp_path, capsys, name
+):
+    """The newest checkpoint broken one way: `generate` and `eval` on the run load step 2 and say
+    which checkpoint they skipped; `--resume auto` resumes from step 2; nothing planted runs, and no
+    message suggests `weights_only=False`."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    newest = run / "checkpoints" / "step-00000004"
+    BREAKS[name](newest)
+    text = tmp_path / "eval.txt"
+    text.write_text("A short text for the bits-per-byte task.\n" * 20)
+    assert marinlm(["generate", str(run), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+    result = tmp_path / "eval.json"
+    assert marinlm(["eval", str(run), "--tasks", f"bpb:{text}", "--limit", "2", "--output", str(result)]) == 0
+    assert json.loads(result.read_text())["config"]["checkpoint"].endswith("step-00000002")
+    trainer = Trainer(train_config(token_data, run, train={"steps": 6}, checkpoint={"every_steps": 2}), resume="auto")
+    assert trainer.step == 2
+    trainer.close()
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert out.count("skipping unusable checkpoint") >= 3 and str(newest) in out, out[-3000:]
+    assert "weights_only" not in out and "Traceback" not in out
+    assert not (run / "pwned").exists()
