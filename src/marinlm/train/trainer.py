@@ -236,31 +236,22 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
 
     def _step_within_memory(self, micro: list[dict]):
         """One optimizer step over `micro`; out of memory before the update, the step is abandoned
-        and, with `train.oom_retry`, done again with each micro-batch cut in two, down to one row.
-        Out of memory inside the update, the run stops: no smaller batch helps, and the weights may be
-        half updated."""
+        and, with `train.oom_retry`, redone with each micro-batch cut in two, down to one row; inside
+        the update (weights maybe half updated, and fewer rows would not help), the run stops."""
         c = self.config
+        how = dict(device=self.device, precision=self.precision, grad_clip=c.train.grad_clip)
+        how["world_size"] = self.data_world
+        groups = dict(group=self.info.batch_group, router_group=self.info.router_group)
         while True:
             batches = split_rows(micro, self._oom_pieces)
             try:
-                return train_step(
-                    self.model,
-                    self._stepper,
-                    batches,
-                    device=self.device,
-                    precision=self.precision,
-                    grad_clip=c.train.grad_clip,
-                    world_size=self.data_world,
-                    group=self.info.batch_group,
-                    router_group=self.info.router_group,
-                )
+                return train_step(self.model, self._stepper, batches, **how, **groups)
             except BaseException as e:
-                if isinstance(e, OutOfMemoryInUpdate):  # weights half updated: nothing to redo from
+                if isinstance(e, OutOfMemoryInUpdate):
                     raise OutOfMemory(
-                        f"out of memory in the optimizer update of step {self.step + 1}: some weights may "
-                        "already hold the new step, so the step is not redone and nothing more is saved; "
-                        "resume from the newest checkpoint (--resume auto) with parallel.offload: optimizer "
-                        "(the optimizer state on the host) or more data_parallel_shard ranks to shard it"
+                        f"out of memory in the optimizer update of step {self.step + 1}: some weights may hold the "
+                        "new step, so it is not redone and nothing more is saved; resume (--resume auto) with "
+                        "parallel.offload: optimizer or more data_parallel_shard ranks to shard the optimizer state"
                     ) from None
                 if not is_out_of_memory(e):
                     raise
