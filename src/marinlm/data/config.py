@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from marinlm.config import ConfigError, check
+from marinlm.data.classify import ClassifierConfig, TopicConfig
 from marinlm.data.decontam import DecontamConfig
 from marinlm.data.dedup import DedupConfig
 from marinlm.data.filters import QualityConfig
@@ -40,12 +41,20 @@ class SourceSpec:
             raise ConfigError("split_pattern", f"{self.split_pattern!r} is not a valid regex: {e}") from None
 
 
+SPLIT_BY = ("none", "quality", "topic", "cell")
+SPLIT_NEEDS = {"quality": "classifier.enabled", "topic": "topic.enabled", "cell": "classifier and topic enabled"}
+
+
 @dataclass(kw_only=True)
 class OutputConfig:
     format: str = "jsonl.zst"  # or parquet
+    # Shards in a folder per quality level (shards/q4/), topic (shards/t07/) or topic x quality
+    # cell (shards/t07-q4/): each tokenizes into a source that `data.mixture_phases` can weight.
+    split_by: str = "none"
 
     def __post_init__(self):
         check(self.format in ("jsonl.zst", "parquet"), "format", f"must be jsonl.zst or parquet, got {self.format!r}")
+        check(self.split_by in SPLIT_BY, "split_by", f"must be one of {', '.join(SPLIT_BY)}, got {self.split_by!r}")
 
 
 @dataclass(kw_only=True)
@@ -64,6 +73,8 @@ class PipelineConfig:
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     langid: LangIdConfig = field(default_factory=LangIdConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+    topic: TopicConfig = field(default_factory=TopicConfig)
     pii: PIIConfig = field(default_factory=PIIConfig)
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
@@ -78,6 +89,26 @@ class PipelineConfig:
         check(self.split_bytes >= 0, "split_bytes", f"must be >= 0 (0 = a task per file), got {self.split_bytes}")
         names = [s.name for s in self.sources]
         check(len(set(names)) == len(names), "sources", f"source names must be unique, got {names}")
+        needs = {"quality": self.classifier.enabled, "topic": self.topic.enabled}
+        needs["cell"] = needs["quality"] and needs["topic"]
+        split = self.output.split_by
+        check(
+            split == "none" or needs[split],
+            "output.split_by",
+            f"{split} needs {SPLIT_NEEDS.get(split)}",
+        )
+        m = self.mixture
+        check(
+            not m.quality_weights or (self.classifier.enabled and len(m.quality_weights) == self.classifier.levels),
+            "mixture.quality_weights",
+            f"needs classifier.enabled and one weight per level ({self.classifier.levels}), got {m.quality_weights}",
+        )
+        check(
+            not m.topic_weights
+            or (self.topic.enabled and all(0 <= int(t) < self.topic.num_clusters for t in m.topic_weights)),
+            "mixture.topic_weights",
+            f"needs topic.enabled and topics in [0, {self.topic.num_clusters}), got {sorted(m.topic_weights)}",
+        )
 
 
 # --- record I/O ---------------------------------------------------------------------------------

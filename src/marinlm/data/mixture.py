@@ -10,7 +10,7 @@ with a tokenizer when one is given, otherwise estimated as UTF-8 bytes / `bytes_
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,9 +24,16 @@ class MixtureConfig:
     bytes_per_token: float = 4.0
     tokenizer: str = ""  # a tokenizer folder: count real tokens instead of estimating
     seed: int = 0
+    # Within each source, a topic x quality cell's share of the source's tokens is its available
+    # tokens times quality_weights[level] times topic_weights[topic] (1 where not given), normalised:
+    # e.g. [0, 0.5, 1, 1, 2] drops the lowest quality level and doubles the highest.
+    quality_weights: list[float] = field(default_factory=list)
+    topic_weights: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         check(self.total_tokens >= 0, "total_tokens", f"must be >= 0, got {self.total_tokens}")
+        check(all(w >= 0 for w in self.quality_weights), "quality_weights", f"must be >= 0, got {self.quality_weights}")
+        check(all(w >= 0 for w in self.topic_weights.values()), "topic_weights", "must be >= 0")
         check(self.bytes_per_token > 0, "bytes_per_token", f"must be positive, got {self.bytes_per_token}")
 
 

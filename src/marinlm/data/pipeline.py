@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from marinlm.data.classify import QualityScore, TopicAssign, cell_name, fit_models
 from marinlm.data.config import OutputConfig, PipelineConfig, SourceSpec  # noqa: E402,F401  (the config API in one place)
 from marinlm.data.decontam import Decontaminate, NgramIndex
 from marinlm.data.dedup import minhash_bands, xxh3
@@ -58,6 +59,10 @@ def _build_steps(config: PipelineConfig, work: Path) -> list:
         if config.langid.enabled:
             steps.append(LanguageId(config.langid))
         steps += quality_steps(config.quality)
+        if config.classifier.enabled:  # after the cheap heuristics: it scores only what they keep
+            steps.append(QualityScore(config.classifier, work / "quality.bin"))
+        if config.topic.enabled:
+            steps.append(TopicAssign(work / "topics.npz"))
         if config.pii.enabled:
             steps.append(MaskPII(config.pii))
         if config.decontam.enabled and config.decontam.eval_paths:
@@ -149,6 +154,8 @@ def run_map(task: dict) -> dict:
         "para_hash": xxh3(para_hash) if para_hash else np.zeros(0, np.uint64),
         "para_tokens": np.asarray(para_tokens, dtype=np.int64),
         "para_ok": np.asarray(para_ok, dtype=bool),
+        "quality": np.asarray([d.metadata.get("quality_score", np.nan) for d in kept], dtype=np.float64),
+        "topic": np.asarray([d.metadata.get("topic", -1) for d in kept], dtype=np.int64),
     }
     write_records(_stage1_docs(work, task), [doc_record(d) for d in kept], "jsonl.zst")
     with atomic_path(work / "stage1" / f"{shard}.index.npz") as tmp, open(tmp, "wb") as f:
@@ -182,6 +189,7 @@ def run_write(task: dict) -> dict:
         removal.setdefault(int(d), set()).add(int(p))
     ctx = ShardContext(shard, out / "dropped")
     output = []
+    cells = []
     in_bytes: dict[str, int] = {}
     kept_bytes: dict[str, int] = {}
     for i, r in enumerate(records):
@@ -195,33 +203,46 @@ def run_write(task: dict) -> dict:
         if i in removal:
             doc.text = "\n\n".join(p for j, p in enumerate(PARAGRAPH.split(doc.text)) if j not in removal[i])
         kept_bytes[doc.source] = kept_bytes.get(doc.source, 0) + len(doc.text.encode("utf-8"))
+        level = int(plan["level"][i]) if config.classifier.enabled else None
+        if level is not None:
+            doc.metadata["quality_level"] = level
+        topic = doc.metadata.get("topic")
+        cell = {"quality": cell_name(None, level), "topic": cell_name(topic, None), "cell": cell_name(topic, level)}
         for k in range(int(plan["repeats"][i])):
             record = doc_record(doc)
             if k:
                 record["id"] = f"{doc.id}#repeat{k}"
             output.append(record)
+            cells.append(cell.get(config.output.split_by, ""))
     ctx.close()
     suffix = "parquet" if config.output.format == "parquet" else "jsonl.zst"
-    path = out / "shards" / f"{shard}.{suffix}"
-    write_records(path, output, config.output.format)
-    by_source: dict[str, dict[str, int]] = {}
-    for r in output:
-        s = by_source.setdefault(r["source"], {"docs": 0, "bytes": 0})
-        s["docs"] += 1
-        s["bytes"] += len(r["text"].encode("utf-8"))
+    files = []
+    for folder in sorted(set(cells)) or [""]:  # one file per cell of the shard (one when not split)
+        records = [r for r, c in zip(output, cells) if c == folder]
+        path = out / "shards" / folder / f"{shard}.{suffix}"
+        write_records(path, records, config.output.format)
+        files.append({"path": str(path.relative_to(out)), "docs": len(records), "by_source": _by_source(records)})
+        files[-1].update(bytes=path.stat().st_size, sha256=sha256_file(path))
     result = {
         "shard": shard,
-        "path": str(path.relative_to(out)),
+        "files": files,
         "docs": len(output),
-        "by_source": by_source,
-        "bytes": path.stat().st_size,
-        "sha256": sha256_file(path),
+        "by_source": _by_source(output),
         "dropped": {s: dict(r) for s, r in ctx.stats["dedup"].dropped.items()},
         "bytes_in": in_bytes,
         "bytes_kept": kept_bytes,
     }
     write_json_atomic(work / "stage3" / f"{shard}.done.json", result)
     return result
+
+
+def _by_source(records: list[dict]) -> dict[str, dict[str, int]]:
+    by_source: dict[str, dict[str, int]] = {}
+    for r in records:
+        s = by_source.setdefault(r["source"], {"docs": 0, "bytes": 0})
+        s["docs"] += 1
+        s["bytes"] += len(r["text"].encode("utf-8"))
+    return by_source
 
 
 # --- orchestration ------------------------------------------------------------------------------
@@ -368,6 +389,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -
         with atomic_path(index_path) as tmp, open(tmp, "wb") as f:
             index.save(f)
 
+    fitted = fit_models(config, tasks, work, lambda line: _say(config, line))
     todo = [t for t in tasks if _done(work / "stage1" / f"{t['shard']}.done.json") is None]
     units_run = len(todo)
     _run_tasks(run_map, todo, config, "curate: filter", lambda t: t["bytes"], len(tasks))
@@ -392,19 +414,16 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -
 
     manifest = {
         "format": config.output.format,
-        "shards": [
-            {
-                "path": s["path"],
-                "docs": s["docs"],
-                "bytes": s["bytes"],
-                "sha256": s["sha256"],
-                "by_source": s["by_source"],
-            }
-            for s in stage3
-        ],
+        "split_by": config.output.split_by,
+        "shards": [f for s in stage3 for f in s["files"]],
         "docs": sum(s["docs"] for s in stage3),
     }
+    # The fitted models travel with the curation: what scored and clustered its documents.
+    for name in ("quality.bin", "topics.npz"):
+        if (work / name).is_file():
+            with atomic_path(out / name) as tmp:
+                tmp.write_bytes((work / name).read_bytes())
     write_json_atomic(out / "manifest.json", manifest)
-    report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start, notes)
+    report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start, notes, fitted)
     report["units_run"] = units_run  # this call's work (0: all done by an earlier run); not in report.json
     return report

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from marinlm.data.classify import cell_name, level_edges, level_of
 from marinlm.data.dedup import first_occurrence, fuzzy_clusters
 from marinlm.data.mixture import plan_repeats, source_targets
 
@@ -69,7 +70,17 @@ def reduce(work: Path, shards: list[dict], config) -> dict:
 
     kept = action == KEEP
     repeats = kept.astype(np.int64)
-    mixture_report = {}
+    # Quality levels at the quantiles of the kept documents' scores, over the whole corpus.
+    scores = np.concatenate([ix["quality"] for ix in indexes]) if n else np.zeros(0)
+    topics = np.concatenate([ix["topic"] for ix in indexes]) if n else np.zeros(0, np.int64)
+    classified, clustered = config.classifier.enabled, config.topic.enabled
+    edges = level_edges(scores[kept], config.classifier.levels) if classified else np.zeros(0)
+    levels = level_of(scores, edges) if classified else np.full(n, -1, dtype=np.int64)
+    cells = np.array(
+        [cell_name(int(t) if clustered else None, int(q) if classified else None) for t, q in zip(topics, levels)],
+        dtype=object,
+    )
+    mixture_report, cell_report = {}, {}
     if config.mixture.enabled and n:
         available = {s.name: int(tokens[kept & (doc_source == s.name)].sum()) for s in config.sources}
         targets = source_targets(
@@ -78,11 +89,20 @@ def reduce(work: Path, shards: list[dict], config) -> dict:
             {s.name: s.tokens for s in config.sources},
             config.mixture.total_tokens,
         )
+        weight_of = _cell_weights(config, topics, levels)
         for s in config.sources:
             members = np.flatnonzero(kept & (doc_source == s.name))
-            repeats[members] = plan_repeats(
-                tokens[members], [ids[i] for i in members], targets[s.name], config.mixture.seed
-            )
+            # Each cell's share of the source's target: its available tokens times its weight.
+            in_source = {c: members[cells[members] == c] for c in sorted(set(cells[members]))}
+            mass = {c: float(tokens[m].sum()) * weight_of[m[0]] for c, m in in_source.items()}
+            total_mass = sum(mass.values()) or 1.0
+            for c, m in in_source.items():
+                target = int(round(targets[s.name] * mass[c] / total_mass))
+                repeats[m] = plan_repeats(tokens[m], [ids[i] for i in m], target, config.mixture.seed)
+                entry = cell_report.setdefault(c, {"available_tokens": 0, "target_tokens": 0, "achieved_tokens": 0})
+                entry["available_tokens"] += int(tokens[m].sum())
+                entry["target_tokens"] += target
+                entry["achieved_tokens"] += int((repeats[m] * tokens[m]).sum())
             achieved = int((repeats[members] * tokens[members]).sum())
             mixture_report[s.name] = {
                 "available_tokens": available[s.name],
@@ -102,6 +122,7 @@ def reduce(work: Path, shards: list[dict], config) -> dict:
             keeper=keeper[lo:hi],
             cluster_size=cluster_size[lo:hi],
             repeats=repeats[lo:hi],
+            level=levels[lo:hi],
             para_remove=np.asarray(removal, dtype=np.int64).reshape(-1, 2),
         )
     sources = sorted(set(source_names))
@@ -125,4 +146,42 @@ def reduce(work: Path, shards: list[dict], config) -> dict:
         "paragraph_emptied_documents": int((action == PARAGRAPHS_EMPTIED).sum()),
         "fuzzy_by_source": fuzzy_loss,
         "mixture": mixture_report,
+        "quality_levels": _level_summary(scores, levels, edges, kept) if classified else None,
+        "topics": {int(t): int(c) for t, c in zip(*np.unique(topics[kept], return_counts=True))} if clustered else None,
+        "cells": _cell_summary(cells, kept, tokens, cell_report) if classified or clustered else None,
     }
+
+
+def _cell_weights(config, topics: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Each document's cell weight: quality_weights[level] x topic_weights[topic] (1 where not given)."""
+    m = config.mixture
+    weight = np.ones(len(topics))
+    if m.quality_weights:
+        weight *= np.asarray(m.quality_weights, dtype=np.float64)[levels]
+    for topic, w in m.topic_weights.items():
+        weight[topics == int(topic)] *= w
+    return weight
+
+
+def _level_summary(scores, levels, edges, kept) -> dict:
+    members = [(levels == q) & kept for q in range(len(edges) + 1)]
+    return {
+        "edges": [round(float(e), 6) for e in edges],
+        "documents": [int(m.sum()) for m in members],
+        "mean_score": [float(scores[m].mean()) if m.any() else None for m in members],
+    }
+
+
+def _cell_summary(cells, kept, tokens, planned: dict) -> dict:
+    """Per cell: kept documents and tokens, and with a mixture its target and realised token share."""
+    out = {}
+    for c in sorted(set(cells[kept])):
+        members = kept & (cells == c)
+        out[c] = {"documents": int(members.sum()), "tokens": int(tokens[members].sum()), **planned.get(c, {})}
+    target_total = sum(v.get("target_tokens", 0) for v in out.values())
+    achieved_total = sum(v.get("achieved_tokens", 0) for v in out.values())
+    for v in out.values():
+        if planned:
+            v["target_share"] = v.get("target_tokens", 0) / max(target_total, 1)
+            v["realised_share"] = v.get("achieved_tokens", 0) / max(achieved_total, 1)
+    return out

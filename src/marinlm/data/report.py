@@ -43,7 +43,7 @@ def _merge(stage1: list[dict]) -> tuple[list[str], dict]:
     return order, merged
 
 
-def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: float, notes=()) -> dict:
+def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: float, notes=(), fitted=None) -> dict:
     order, merged = _merge(stage1)
     sources = [s.name for s in config.sources]
     steps = []
@@ -138,6 +138,18 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
         "input_files": len({task["path"] for task in tasks}),
         "input_notes": list(notes),  # files and folders skipped, big files read whole
     }
+    fitted = fitted or {}
+    if "quality" in fitted:
+        report["classifier"] = {**fitted["quality"], "levels": summary["quality_levels"]}
+    if "topics" in fitted:
+        counts = summary["topics"] or {}
+        clusters = [
+            {**c, "documents": counts.get(c["topic"], counts.get(str(c["topic"]), 0))}
+            for c in fitted["topics"]["clusters"]
+        ]
+        report["topics"] = {"sampled": fitted["topics"]["sampled"], "clusters": clusters}
+    if summary.get("cells"):
+        report["cells"] = summary["cells"]
     write_json_atomic(out / "report.json", report)
     write_text_atomic(out / "report.md", _markdown(report))
     _chart(out / "report.png", steps, sources)
@@ -156,6 +168,7 @@ _STEP_SETTINGS = {
     "c4_document": "quality.c4",
     "fineweb_quality": "quality.fineweb",
     "decontaminate": "decontam",
+    "quality_classifier": "classifier.threshold",
     "dedup": "dedup",
 }
 
@@ -270,8 +283,54 @@ def _markdown(report: dict) -> str:
                 f"| {s} | {m['available_tokens']} | {m['target_tokens']} | {m['achieved_tokens']} | "
                 f"{m['emitted_documents']} |"
             )
+    lines += _model_sections(report)
     lines += ["", "![attrition](report.png)", ""]
     return "\n".join(lines)
+
+
+def _model_sections(report: dict) -> list[str]:
+    """The quality classifier, its levels, the topic clusters and the topic x quality cells."""
+    lines = []
+    if c := report.get("classifier"):
+        lines += [
+            "",
+            "## Quality classifier (fastText)",
+            "",
+            f"Trained on {c['trained_on']} documents ({c['positive_documents']} high-quality, "
+            f"{c['negative_documents']} from the {c['negative_from']}); held-out accuracy "
+            f"**{c['held_out_accuracy']:.1%}** on {c['held_out']} documents it did not see.",
+            "",
+            "| level | score from | documents | mean score |",
+            "| ---: | ---: | ---: | ---: |",
+        ]
+        levels = c["levels"]
+        for q, n in enumerate(levels["documents"]):
+            start = levels["edges"][q - 1] if q else 0.0
+            mean = levels["mean_score"][q]
+            lines.append(f"| {q} | {start:.3f} | {n} | {'-' if mean is None else f'{mean:.3f}'} |")
+    if t := report.get("topics"):
+        lines += [
+            "",
+            f"## Topics (k-means over TF-IDF, fitted on {t['sampled']} sampled documents)",
+            "",
+            "| topic | documents | top words |",
+            "| ---: | ---: | --- |",
+        ]
+        lines += [f"| {c['topic']} | {c['documents']} | {', '.join(c['top_words'])} |" for c in t["clusters"]]
+    if cells := report.get("cells"):
+        planned = any("target_share" in v for v in cells.values())
+        lines += ["", "## Cells (topic x quality)", ""]
+        if planned:
+            lines += ["| cell | documents | tokens | target share | realised share |"]
+            lines += ["| --- | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"| {k} | {v['documents']} | {v['tokens']} | {v['target_share']:.2%} | {v['realised_share']:.2%} |"
+                for k, v in cells.items()
+            ]
+        else:
+            lines += ["| cell | documents | tokens |", "| --- | ---: | ---: |"]
+            lines += [f"| {k} | {v['documents']} | {v['tokens']} |" for k, v in cells.items()]
+    return lines
 
 
 def _chart(path: Path, steps: list[dict], sources: list[str]) -> None:
