@@ -104,6 +104,12 @@ def test_a_threshold_drops_and_the_accounting_counts_it(tmp_path):
     assert dropped == 20 and a["in"] == a["kept"] + a["dropped"] + a["rejected"] == 90
     side = (tmp_path / "out" / "dropped" / "quality_classifier").glob("*.jsonl")
     assert sum(1 for path in side for _ in path.open()) == dropped
+    # A rerun resumes: nothing is fitted or scored again.
+    model = tmp_path / "out" / ".work" / "quality.bin"
+    fitted_at = model.stat().st_mtime_ns
+    again = run_pipeline(config)
+    assert again["units_run"] == 0 and model.stat().st_mtime_ns == fitted_at
+    assert again["accounting"] == report["accounting"]
 
 
 def test_cells_split_the_output_and_the_mixture_meets_their_shares(tmp_path):
