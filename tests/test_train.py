@@ -635,7 +635,8 @@ def test_a_long_runs_mfu_is_against_the_higher_of_the_peaks_measured_at_its_star
     calls = []
     monkeypatch.setattr(trainer_module, "matmul_peak_flops", lambda *a, **k: calls.append(a) or next(peaks))
     monkeypatch.setattr(trainer_module, "REMEASURE_PEAK_AFTER_S", 0.0)
-    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 3}))
+    measured = {"every_steps": 1, "progress": False, "peak_flops": 0.0}
+    trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 3}, logging=measured))
     summary = trainer.fit()
     assert len(calls) == 2 and summary["peak_flops"] == 200e9
     want = trainer.flops_per_token * summary["median_tokens_per_s"] / 200e9
@@ -652,8 +653,12 @@ def test_a_long_runs_mfu_is_against_the_higher_of_the_peaks_measured_at_its_star
     monkeypatch.setattr(trainer_module, "REMEASURE_PEAK_AFTER_S", 3600.0)
     calls.clear()
     peaks = iter([50e9, 200e9])
-    summary = Trainer(train_config(token_data, tmp_path / "short", train={"steps": 2})).fit()
+    summary = Trainer(train_config(token_data, tmp_path / "short", train={"steps": 2}, logging=measured)).fit()
     assert len(calls) == 1 and summary["peak_flops"] == 50e9
+    calls.clear()  # a given peak is used as it is
+    given = {**measured, "peak_flops": 1e12}
+    summary = Trainer(train_config(token_data, tmp_path / "given", train={"steps": 2}, logging=given)).fit()
+    assert not calls and summary["peak_flops"] == 1e12 and summary["peak_source"] == "given"
 
 
 @pytest.mark.parametrize("optim", ["marin", "adamw"])

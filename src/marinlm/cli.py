@@ -117,7 +117,8 @@ def _train(args, overrides) -> int:
         if summary.get("median_tokens_per_s"):
             print(
                 f"median {summary['median_tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['median_mfu']:.1f}% "
-                f"of the measured {summary['peak_dtype']} matmul peak ({summary['peak_flops'] / 1e9:,.0f} GFLOP/s); "
+                f"of the {summary.get('peak_source', 'measured')} {summary['peak_dtype']} matmul peak "
+                f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s); "
                 f"loss curve {summary['loss_plot']}"
             )
     if summary.get("signal"):

@@ -102,9 +102,13 @@ class LoggingConfig:
     wandb_project: str = "marinlm"
     wandb_mode: str = "offline"  # offline works without network; "online" to sync
     progress: bool = True
+    # The matmul FLOP/s of one rank that MFU is against: 0 = measured on the device at the start (a
+    # second; again at the end of a long run); give the datasheet's to compare runs across hosts.
+    peak_flops: float = 0.0
 
     def __post_init__(self):
         check(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}")
+        check(self.peak_flops >= 0, "peak_flops", f"must be >= 0 (0 = measure), got {self.peak_flops}")
         check(self.activations_every >= 0, "activations_every", f"must be >= 0 (0 = off), got {self.activations_every}")
         check(
             self.wandb_mode in ("offline", "online", "disabled"),

@@ -170,7 +170,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (kernels/bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_dtype = gemm_dtype(dtype, self.device)
-        self.peak_flops = matmul_peak_flops(self.peak_dtype, self.device.type)
+        self.peak_flops = c.logging.peak_flops or matmul_peak_flops(self.peak_dtype, self.device.type)
         self.initialized_from: str | None = None
         resumed_from = self._resume(resume)
         if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
@@ -429,7 +429,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                     print(f"profile: {traces[-1]} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
             if self.sinks is not None:
                 self.sinks.close()
-        if not self._signal and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
+        if not (self._signal or c.logging.peak_flops) and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
             self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
         return self._summary(start_time, first_step, stopped_early)
 
@@ -469,6 +469,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             rates = [r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r and r["step"] > first_step]
             summary["median_tokens_per_s"] = statistics.median(rates) if rates else None
             summary["peak_flops"] = self.peak_flops
+            summary["peak_source"] = "given" if self.config.logging.peak_flops else "measured"
             summary["peak_dtype"] = "bf16" if self.peak_dtype == torch.bfloat16 else "fp32"
             summary["median_mfu"] = self.mfu(summary["median_tokens_per_s"]) if rates else None
             if records:
