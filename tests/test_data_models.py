@@ -56,7 +56,7 @@ def planted_low_quality(n: int, seed: int) -> list[str]:
 def classifier_config(out: Path, raw: Path, positive: Path, **overrides):
     settings = {
         "dedup": {"exact": False, "fuzzy": False},
-        "classifier": {"enabled": True, "positive": [str(positive)], "sample_docs": 400, "epochs": 10, "dim": 32},
+        "classifier": {"enabled": True, "positive": [str(positive)], "sample_docs": 400, "epochs": 25, "dim": 32},
     }
     settings.update(overrides)
     return bare_config(out, [{"name": "web", "inputs": [str(raw)]}], **settings)

@@ -49,10 +49,10 @@ class ClassifierConfig:
     held_out: float = 0.1  # this share of each side scores the classifier, not its training
     threshold: float = 0.0  # drop documents whose quality score is below it (0 = keep all)
     levels: int = 5  # quality buckets: quantiles of the score over the curation's documents
-    epochs: int = 5
+    epochs: int = 15
     dim: int = 64
     word_ngrams: int = 2
-    lr: float = 0.5
+    lr: float = 0.1  # fastText's default; 0.5 diverged (NaN) on a few hundred short documents
     max_chars: int = 20_000  # of each document, for training and scoring (fastText reads a line)
     seed: int = 0
 
@@ -285,22 +285,33 @@ class TopicAssign(Step):
             yield doc
 
 
+def _fit(args: tuple) -> dict:
+    fit, config, tasks, work = args
+    return fit(config, tasks, work)
+
+
 def fit_models(config, tasks: list[dict], work: Path, say) -> dict:
     """Fit what the config enables and an earlier run did not (resumable: each model is written
-    atomically, its summary last). Returns {"quality": summary, "topics": summary}."""
+    atomically, its summary last). Returns {"quality": summary, "topics": summary}.
+
+    Each fit runs in a spawned process: k-means starts OpenMP threads (scikit-learn's own runtime),
+    and a process forked after them (the curation's workers, a test's) could hang on a lock one of
+    them held."""
+    from marinlm.utils.pool import call_in_child
+
     fitted = {}
-    if config.classifier.enabled:
-        done = work / "quality.json"
+    for key, enabled, fit, summary, what in (
+        ("quality", config.classifier.enabled, train_classifier, "quality.json", "training the quality classifier"),
+        ("topics", config.topic.enabled, fit_topics, "topics.json", "clustering a sample of the input into topics"),
+    ):
+        if not enabled:
+            continue
+        done = work / summary
         if not done.is_file():
-            say("curate: training the quality classifier")
-            train_classifier(config.classifier, tasks, work)
-        fitted["quality"] = json.loads(done.read_text())
-    if config.topic.enabled:
-        done = work / "topics.json"
-        if not done.is_file():
-            say(f"curate: clustering a sample of the input into {config.topic.num_clusters} topics")
-            fit_topics(config.topic, tasks, work)
-        fitted["topics"] = json.loads(done.read_text())
+            say(f"curate: {what}")
+            section = config.classifier if key == "quality" else config.topic
+            call_in_child(_fit, (fit, section, tasks, work))
+        fitted[key] = json.loads(done.read_text())
     return fitted
 
 
