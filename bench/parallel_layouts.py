@@ -16,14 +16,13 @@ regressions, not for choosing a layout on GPUs (`marinlm plan` does that). Print
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from train_throughput import make_tokens  # bench/ is on the path when run
+from train_throughput import make_tokens, step_records, train_command  # bench/ is on the path when run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.attention.num_kv_heads=4", "--model.attention.num_global_kv_heads=2"]  # TP 2 divides them
@@ -61,14 +60,10 @@ def run(name: str, procs: int, extra: list[str], tokens: Path, steps: int, work:
         *MODEL,
         *extra,
     ]
-    train = ["-m", "marinlm.cli", "train", str(ROOT / "configs" / "train" / "tiny.yaml"), *overrides, "--resume=none"]
-    if procs > 1:
-        train = ["-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port=29578", *train]
-    out = subprocess.run([sys.executable, *train], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, *train_command(overrides, procs, port=29578)], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{name}: " + out.stdout[-2000:] + out.stderr[-2000:])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if "perf/step_time_s" in r and r["step"] > 2]
+    steady = [r for r in step_records(run_dir) if "perf/step_time_s" in r and r["step"] > 2]
     return {
         "step_s": statistics.median(r["perf/step_time_s"] for r in steady),
         "a2a_bytes": statistics.median(r["ep/a2a_bytes"] for r in steady) if "ep/a2a_bytes" in steady[0] else 0.0,

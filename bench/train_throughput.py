@@ -45,6 +45,19 @@ def make_tokens(folder: Path) -> Path:
     return folder / "tokens"
 
 
+def train_command(overrides: list[str], procs: int, port: int) -> list[str]:
+    """The arguments after `python` of `marinlm train` on configs/train/tiny.yaml with `overrides`,
+    under torchrun on `procs` gloo processes when there are several."""
+    train = ["-m", "marinlm.cli", "train", str(ROOT / "configs" / "train" / "tiny.yaml"), *overrides, "--resume=none"]
+    if procs > 1:
+        train = ["-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}", *train]
+    return train
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def run(preset: str, procs: int, tokens: Path, steps: int, work: Path) -> dict:
     run_dir = work / f"{preset}-{procs}"
     overrides = [
@@ -61,15 +74,12 @@ def run(preset: str, procs: int, tokens: Path, steps: int, work: Path) -> dict:
         "--train.global_batch=8",
         "--data.seq_len=256",
     ]
-    train = ["-m", "marinlm.cli", "train", str(ROOT / "configs" / "train" / "tiny.yaml"), *overrides, "--resume=none"]
-    if procs > 1:
-        train = ["-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port=29577", *train]
+    train = train_command(overrides, procs, port=29577)
     out = subprocess.run([sys.executable, "-c", RSS_WRAPPER, sys.executable, *train], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
     peak = int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("PEAK_RSS_KB")))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if "perf/tokens_per_s" in r and r["step"] > 1]
+    steady = [r for r in step_records(run_dir) if "perf/tokens_per_s" in r and r["step"] > 1]
     return {
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in steady),
         "mfu": statistics.median(r["perf/mfu"] for r in steady),

@@ -309,17 +309,23 @@ def test_an_empty_jsonl_source_is_warned_of_as_an_empty_txt_one(tmp_path):
     assert not any("'good'" in w for w in report["warnings"])
 
 
-def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_else(tmp_path):
+def parquet_with_a_corrupt_row_group(path: Path, texts: list[str]) -> bytes:
+    """`texts` as a parquet file in row groups of 3, the second group's data overwritten; returns its bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    texts = [f"parquet document {i}" for i in range(9)]
-    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=3, compression="none")
-    chunk = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(1).column(0)
-    data = bytearray((tmp_path / "a.parquet").read_bytes())
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=3, compression="none")
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
     start = chunk.dictionary_page_offset or chunk.data_page_offset
     data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
-    (tmp_path / "a.parquet").write_bytes(data)
+    path.write_bytes(data)
+    return bytes(data)
+
+
+def test_malformed_files_of_every_format_are_rejected_by_place_and_lose_nothing_else(tmp_path):
+    texts = [f"parquet document {i}" for i in range(9)]
+    data = parquet_with_a_corrupt_row_group(tmp_path / "a.parquet", texts)
     items = list(read_documents(tmp_path / "a.parquet"))
     assert [d.text for d in items if isinstance(d, Document)] == texts[:3] + texts[6:]  # groups 0 and 2 kept
     [bad] = [r for r in items if isinstance(r, Rejected)]

@@ -22,6 +22,7 @@ from marinlm.config import save_config
 from marinlm.train.checkpoint import list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
 from marinlm.train.run import Trainer, run_training
+from test_data_pipeline import parquet_with_a_corrupt_row_group, synthetic_docs
 
 from conftest import ROOT, train_config
 
@@ -151,13 +152,7 @@ def _bad_inputs(raw: Path, good: list[str]) -> tuple[dict[str, str], set[str]]:
     expected["list.json:1"] = "expected a JSON object (a record) or a string (a text), got a number"
     expected["list.json:2"] = "expected a JSON object (a record) or a string (a text), got null"
     kept |= {"j0"}
-    rows = [next(texts) for _ in range(9)]
-    pq.write_table(pa.table({"text": rows}), raw / "groups.parquet", row_group_size=3, compression="none")
-    chunk = pq.ParquetFile(raw / "groups.parquet").metadata.row_group(1).column(0)
-    data = bytearray((raw / "groups.parquet").read_bytes())
-    start = chunk.dictionary_page_offset or chunk.data_page_offset
-    data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
-    (raw / "groups.parquet").write_bytes(data)
+    data = parquet_with_a_corrupt_row_group(raw / "groups.parquet", [next(texts) for _ in range(9)])
     expected["groups.parquet:4-6"] = "corrupt parquet data (row group 1, rows 4-6)"
     (raw / "footless.parquet").write_bytes(data[: len(data) // 2])
     expected["footless.parquet"] = "unreadable parquet"
@@ -173,8 +168,6 @@ def test_every_class_of_bad_input_is_rejected_by_place_and_the_accounting_holds(
     mislabelled compression, broken parquet, empty files, hostile nesting, surrogates, NUL bytes,
     BOMs, CRLF) through `marinlm data run` with 2 workers: each bad record rejected with its file
     and line (or rows), the good ones kept, nothing lost: in = kept + dropped + rejected."""
-    from test_data_pipeline import synthetic_docs
-
     raw = tmp_path / "raw"
     raw.mkdir()
     expected, kept = _bad_inputs(raw, synthetic_docs(30, seed=11))

@@ -214,6 +214,18 @@ def fit_topics(config: TopicConfig, tasks: list[dict], work: Path) -> dict:
     return summary
 
 
+def batched(docs, size: int):
+    """Lists of up to `size` documents of the stream `docs`: the models score a batch in one call."""
+    batch: list[Document] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 class QualityScore(Step):
     """Scores each document with the quality classifier (metadata `quality_score`); below
     `threshold`, the document is dropped, counted as `quality_classifier`."""
@@ -228,17 +240,10 @@ class QualityScore(Step):
 
         if self._model is None:
             self._model = fasttext.load_model(str(self.model_path))
-        pending: list[Document] = []
-        for doc in docs:
-            pending.append(doc)
-            if len(pending) == self.batch:
-                yield from self._flush(pending, ctx)
-                pending = []
-        yield from self._flush(pending, ctx)
+        for batch in batched(docs, self.batch):
+            yield from self._score(batch, ctx)
 
-    def _flush(self, docs: list[Document], ctx):
-        if not docs:
-            return
+    def _score(self, docs: list[Document], ctx):
         for doc, score in zip(docs, score_texts(self._model, [d.text for d in docs], self.config.max_chars)):
             doc.metadata["quality_score"] = round(score, 6)
             if score < self.config.threshold:
@@ -267,17 +272,10 @@ class TopicAssign(Step):
     def run(self, docs, ctx):
         if self._fitted is None:
             self._fitted = self._load()
-        pending: list[Document] = []
-        for doc in docs:
-            pending.append(doc)
-            if len(pending) == self.batch:
-                yield from self._assign(pending)
-                pending = []
-        yield from self._assign(pending)
+        for batch in batched(docs, self.batch):
+            yield from self._assign(batch)
 
     def _assign(self, docs: list[Document]):
-        if not docs:
-            return
         vectorizer, centroids = self._fitted
         topics = np.asarray((vectorizer.transform([d.text for d in docs]) @ centroids.T).argmax(axis=1)).ravel()
         for doc, topic in zip(docs, topics):
@@ -300,16 +298,15 @@ def fit_models(config, tasks: list[dict], work: Path, say) -> dict:
     from marinlm.utils.pool import call_in_child
 
     fitted = {}
-    for key, enabled, fit, summary, what in (
-        ("quality", config.classifier.enabled, train_classifier, "quality.json", "training the quality classifier"),
-        ("topics", config.topic.enabled, fit_topics, "topics.json", "clustering a sample of the input into topics"),
+    for key, section, fit, summary, what in (
+        ("quality", config.classifier, train_classifier, "quality.json", "training the quality classifier"),
+        ("topics", config.topic, fit_topics, "topics.json", "clustering a sample of the input into topics"),
     ):
-        if not enabled:
+        if not section.enabled:
             continue
         done = work / summary
         if not done.is_file():
             say(f"curate: {what}")
-            section = config.classifier if key == "quality" else config.topic
             call_in_child(_fit, (fit, section, tasks, work))
         fitted[key] = json.loads(done.read_text())
     return fitted

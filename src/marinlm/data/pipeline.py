@@ -207,13 +207,15 @@ def run_write(task: dict) -> dict:
         if level is not None:
             doc.metadata["quality_level"] = level
         topic = doc.metadata.get("topic")
-        cell = {"quality": cell_name(None, level), "topic": cell_name(topic, None), "cell": cell_name(topic, level)}
+        split = config.output.split_by  # the shard folder: "" unsplit, else the cell on the split's axes
+        axes = (None if split == "quality" else topic, None if split == "topic" else level)
+        folder = "" if split == "none" else cell_name(*axes)
         for k in range(int(plan["repeats"][i])):
             record = doc_record(doc)
             if k:
                 record["id"] = f"{doc.id}#repeat{k}"
             output.append(record)
-            cells.append(cell.get(config.output.split_by, ""))
+            cells.append(folder)
     ctx.close()
     suffix = "parquet" if config.output.format == "parquet" else "jsonl.zst"
     files = []

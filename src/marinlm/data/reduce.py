@@ -147,7 +147,7 @@ def reduce(work: Path, shards: list[dict], config) -> dict:
         "fuzzy_by_source": fuzzy_loss,
         "mixture": mixture_report,
         "quality_levels": _level_summary(scores, levels, edges, kept) if classified else None,
-        "topics": {int(t): int(c) for t, c in zip(*np.unique(topics[kept], return_counts=True))} if clustered else None,
+        "topics": {str(t): int(c) for t, c in zip(*np.unique(topics[kept], return_counts=True))} if clustered else None,
         "cells": _cell_summary(cells, kept, tokens, cell_report) if classified or clustered else None,
     }
 

@@ -143,10 +143,7 @@ def write_report(out: Path, config, tasks, stage1, summary, stage3, seconds: flo
         report["classifier"] = {**fitted["quality"], "levels": summary["quality_levels"]}
     if "topics" in fitted:
         counts = summary["topics"] or {}
-        clusters = [
-            {**c, "documents": counts.get(c["topic"], counts.get(str(c["topic"]), 0))}
-            for c in fitted["topics"]["clusters"]
-        ]
+        clusters = [{**c, "documents": counts.get(str(c["topic"]), 0)} for c in fitted["topics"]["clusters"]]
         report["topics"] = {"sampled": fitted["topics"]["sampled"], "clusters": clusters}
     if summary.get("cells"):
         report["cells"] = summary["cells"]
