@@ -4,13 +4,15 @@ The saved folder holds `tokenizer.json`, `tokenizer_config.json` (with the chat 
 `special_tokens_map.json`, so `transformers.AutoTokenizer.from_pretrained(folder)` loads it and
 produces the same ids. There is no normaliser: `decode(encode(x)) == x` for any Unicode string.
 
-Pre-tokenisation (a regex split, then bytes):
-- runs of CJK characters (Han, kana, Hangul) form their own pre-tokens, apart from Latin letters;
-- digits split into groups of at most 3;
-- whitespace runs keep all but their last space together, and the final space attaches to the
-  next word (GPT-4-style);
+Pre-tokenisation (a regex split, then bytes), GPT-2's pattern with four changes:
+- runs of CJK characters (Han, kana, Hangul) form their own pre-tokens, apart from Latin letters,
+  and keep the full-width punctuation that closes them;
+- digits split into groups of at most 3 (the first may take the space before it);
+- punctuation keeps the line break after it when the next line is not indented (prose's ".\n");
 - a line break and the next line's indentation are one pre-token, less the indentation's last
   space: code's "):\n    if" is `):` `\n   ` ` if`, so BPE learns newline-plus-indent tokens.
+Letters take at most a space before them, not any punctuation mark (GPT-4's `(self`, `.append`):
+those variants spend a vocabulary that prose and CJK need (`bench/tokenizer_quality.py`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from marinlm.utils.pool import call_in_child
 from marinlm.utils.progress import is_terminal, progress_bar
 
 CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
+# Full-width punctuation (、。，「」 ...) that closes a CJK run joins it: a clause and its comma.
+CJK_PUNCT = r"[\p{P}&&[\u3001-\u303f\uff00-\uffef]]"
 SPLIT_PATTERN = (
-    rf"[{CJK}]+"
+    rf"[{CJK}]+{CJK_PUNCT}*"
     r"|(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}&&[^{CJK}]]+"
-    r"|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+"
+    rf"| ?[\p{{L}}\p{{M}}&&[^{CJK}]]+"
+    r"| ?\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+(?:\r?\n(?!\s))?"
     r"|\s*[\r\n]+(?:[ \t]*(?=[ \t]\S)|[ \t]*)"
     r"|\s+(?!\S)"
     r"|\s+"
