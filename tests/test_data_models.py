@@ -239,3 +239,33 @@ def test_the_shared_corpora_report_the_classifier_its_levels_and_the_topics(tmp_
     for heading in ("## Quality classifier (fastText)", "## Topics", "## Cells (topic x quality)"):
         assert heading in md
     print(md[md.index("## Quality classifier") :])
+
+
+def test_the_model_steps_score_the_same_on_ray_as_on_the_process_pool(tmp_path):
+    """Quality scoring and topic assignment are map-stage steps: on Ray they give the same records."""
+    pytest.importorskip("ray")
+    write_jsonl(tmp_path / "raw" / "web.jsonl", synthetic_docs(80, seed=51) + planted_low_quality(15, seed=52), "d")
+    write_jsonl(tmp_path / "reference" / "good.jsonl", synthetic_docs(80, seed=53), "r")
+    models = {"topic": {"enabled": True, "num_clusters": 3, "sample_docs": 95}, "output": {"split_by": "cell"}}
+    local = run_pipeline(classifier_config(tmp_path / "local", tmp_path / "raw", tmp_path / "reference", **models))
+    try:
+        on_ray = run_pipeline(
+            classifier_config(
+                tmp_path / "ray", tmp_path / "raw", tmp_path / "reference", executor="ray", workers=2, **models
+            )
+        )
+    finally:
+        import ray
+
+        ray.shutdown()
+    assert on_ray["accounting"] == local["accounting"] and on_ray["cells"] == local["cells"]
+
+    def records(root: Path) -> dict[str, tuple]:
+        return {
+            r["id"]: (r["metadata"]["quality_score"], r["metadata"]["quality_level"], r["metadata"]["topic"])
+            for path in sorted((root / "shards").rglob("*.jsonl.zst"))
+            for r in read_records(path)
+        }
+
+    scored = records(tmp_path / "local")
+    assert len(scored) == local["accounting"]["web"]["kept"] and scored == records(tmp_path / "ray")
