@@ -133,9 +133,9 @@ def test_a_packed_row_has_the_token_weighted_loss_of_its_examples_run_one_by_one
         for ex in rendered:
             alone = pack(Examples([ex[0]], [ex[1]]), len(ex[0]), tokenizer.pad_id)
             out = model(alone["input_ids"], None, alone["labels"])
-            total += float(out.ce_loss) * out.num_tokens
-            count += out.num_tokens
-    assert packed.num_tokens == count
+            total += float(out.ce_loss) * int(out.num_tokens)
+            count += int(out.num_tokens)
+    assert int(packed.num_tokens) == count
     assert float(packed.ce_loss) == pytest.approx(total / count, rel=1e-5)
 
 

@@ -321,6 +321,30 @@ def test_loss_terms_and_ignore_index():
     assert math.isclose(out.ce_loss.item(), math.log(config.vocab_size), rel_tol=0.1)  # near uniform at init
 
 
+@pytest.mark.parametrize("name", ["tiny", "qwen3-moe-style"])
+def test_a_training_forward_never_waits_for_the_device(name):
+    """The GPU path (`grouped_mm` experts, the routers, the fused loss) reads no value back to the
+    host in a forward: a wait there leaves the GPU idle while the host queues the backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default  # .item(), int(), .tolist()
+            return func(*args, **(kwargs or {}))
+
+    config = load_config(MarinConfig, CONFIGS / "model" / f"{name}.yaml")
+    model = build(config, kernels=True)
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    with HostReads() as mode:
+        out = model(ids, labels=ids, return_logits=False)
+    assert mode.reads == 0
+    assert int(out.num_tokens) == ids.numel()
+
+
 @KERNELS
 @pytest.mark.parametrize("tied, vocab_rows", [(False, None), (True, None), (False, 37)])
 def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, kernels, monkeypatch):

@@ -106,7 +106,9 @@ class CausalLMOutput:
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-    num_tokens: int = 0  # tokens that count towards the loss
+    # Tokens that count towards the loss: a 0-dim tensor on the model's device, so that a training
+    # step does not wait for the device to read it (`int()` it when the number is needed).
+    num_tokens: torch.Tensor | int = 0
     # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring; None on the
     # fused loss kernel's training path (kernels/loss.py), which never forms it.
     token_ce: torch.Tensor | None = None
@@ -215,7 +217,7 @@ class MarinForCausalLM(nn.Module):
             )
             out.lm_loss = out.ce_loss + out.z_loss
         out.aux_loss = torch.stack(aux_losses).mean() if aux_losses else torch.zeros((), device=out.lm_loss.device)
-        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, int(count)
+        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, count
         out.token_ce = None if token_ce is None else token_ce.view(B, T)
         return out
 

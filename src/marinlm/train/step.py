@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from marinlm.model.loss import IGNORE_INDEX
 from marinlm.model.router import RouterStats
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.utils.device import native_bf16
@@ -104,8 +105,12 @@ def reduce_router_stats(merged: list[RouterStats], group=None) -> list[RouterSta
 def forward_backward(model, batches, *, device, precision, global_tokens: int, world_size: int):
     """Forward and backward over the rank's micro-batches, the loss of each weighted by its share of
     the global batch's loss tokens. Returns the fp64 sums (ce x tokens, z x tokens, aux) and the
-    merged router statistics."""
-    sums = torch.zeros(3, dtype=torch.float64)  # ce * n, z * n, aux; fp64 so that fp64 runs log exactly
+    merged router statistics.
+
+    Nothing here waits for the device: each share is counted on the host batch, and the sums stay
+    on the device until the last backward is queued (a wait per micro-batch would leave a GPU idle
+    while the host queues the next one's kernels)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # fp64 so that fp64 runs log exactly
     # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
     router_stats: list[RouterStats] = []
     fsdp = hasattr(model, "set_requires_gradient_sync")
@@ -115,19 +120,13 @@ def forward_backward(model, batches, *, device, precision, global_tokens: int, w
         ids = batch["input_ids"].to(device)
         with autocast_context(device, precision):
             out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
-        share = out.num_tokens / max(global_tokens, 1)
-        loss = out.lm_loss * share * world_size + out.aux_loss / len(batches)
+        tokens = int((batch["labels"] != IGNORE_INDEX).sum())  # out.num_tokens, without the wait
+        loss = out.lm_loss * (tokens / max(global_tokens, 1)) * world_size + out.aux_loss / len(batches)
         loss.backward()
-        sums += torch.tensor(
-            [
-                out.ce_loss.item() * out.num_tokens,
-                out.z_loss.item() * out.num_tokens,
-                out.aux_loss.item() / len(batches),
-            ],
-            dtype=torch.float64,
-        )
+        ce, z, aux = (t.detach().double() for t in (out.ce_loss, out.z_loss, out.aux_loss))
+        sums += torch.stack([ce * tokens, z * tokens, aux / len(batches)])
         router_stats = merge_router_stats(router_stats, [s.detach() for s in out.router_stats], i)
-    return sums, router_stats
+    return sums.cpu(), router_stats
 
 
 def merge_router_stats(merged: list[RouterStats], fresh: list[RouterStats], seen: int) -> list[RouterStats]:
