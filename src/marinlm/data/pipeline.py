@@ -188,8 +188,8 @@ def run_write(task: dict) -> dict:
     for d, p in plan["para_remove"]:
         removal.setdefault(int(d), set()).add(int(p))
     ctx = ShardContext(shard, out / "dropped")
-    output = []
-    cells = []
+    split = config.output.split_by  # the shard folder: "" unsplit, else the cell on the split's axes
+    by_folder: dict[str, list[dict]] = {}  # one file per cell of the shard (one when not split)
     in_bytes: dict[str, int] = {}
     kept_bytes: dict[str, int] = {}
     for i, r in enumerate(records):
@@ -207,20 +207,19 @@ def run_write(task: dict) -> dict:
         if level is not None:
             doc.metadata["quality_level"] = level
         topic = doc.metadata.get("topic")
-        split = config.output.split_by  # the shard folder: "" unsplit, else the cell on the split's axes
         axes = (None if split == "quality" else topic, None if split == "topic" else level)
         folder = "" if split == "none" else cell_name(*axes)
         for k in range(int(plan["repeats"][i])):
             record = doc_record(doc)
             if k:
                 record["id"] = f"{doc.id}#repeat{k}"
-            output.append(record)
-            cells.append(folder)
+            by_folder.setdefault(folder, []).append(record)
     ctx.close()
+    output = [r for records in by_folder.values() for r in records]
     suffix = "parquet" if config.output.format == "parquet" else "jsonl.zst"
     files = []
-    for folder in sorted(set(cells)) or [""]:  # one file per cell of the shard (one when not split)
-        records = [r for r, c in zip(output, cells) if c == folder]
+    for folder in sorted(by_folder) or [""]:
+        records = by_folder.get(folder, [])
         path = out / "shards" / folder / f"{shard}.{suffix}"
         write_records(path, records, config.output.format)
         files.append({"path": str(path.relative_to(out)), "docs": len(records), "by_source": _by_source(records)})
