@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from marinlm.model.loss import IGNORE_INDEX
 from marinlm.model.router import RouterStats
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.utils.device import native_bf16
@@ -120,7 +119,7 @@ def forward_backward(model, batches, *, device, precision, global_tokens: int, w
         ids = batch["input_ids"].to(device)
         with autocast_context(device, precision):
             out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
-        tokens = int((batch["labels"] != IGNORE_INDEX).sum())  # out.num_tokens, without the wait
+        tokens = int(batch["loss_mask"].sum())  # out.num_tokens, counted as global_tokens is, without the wait
         loss = out.lm_loss * (tokens / max(global_tokens, 1)) * world_size + out.aux_loss / len(batches)
         loss.backward()
         ce, z, aux = (t.detach().double() for t in (out.ce_loss, out.z_loss, out.aux_loss))
