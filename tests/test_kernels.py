@@ -142,6 +142,32 @@ def test_fused_experts(precision, impl, capacity):
     assert dropped[0] == dropped[1]
 
 
+@pytest.mark.parametrize("capacity", [None, 9])
+def test_grouped_mm_experts_on_bf16_weights_take_torchs_autograd(monkeypatch, capacity):
+    """With bf16 operands (a GPU under autocast, or bf16 weights) `grouped_mm` runs torch's own op
+    and autograd, not the custom op: the same values and gradients as the reference loop."""
+    import marinlm.kernels.experts as fast_experts
+
+    def custom_op(*args):
+        raise AssertionError("the custom grouped_mm op ran on bf16 operands")
+
+    monkeypatch.setattr(fast_experts, "grouped_mm", custom_op)
+    torch.manual_seed(1)
+    experts = RoutedExperts(8, 32, 48, init_std=0.2, impl="loop")
+    experts.reset_parameters()
+    experts.to(torch.bfloat16)
+    fast = kernel_of(experts)
+    fast.impl = "grouped_mm"
+    N, k = 40, 2
+    x, weights = torch.randn(N, 32).bfloat16(), torch.rand(N, k).bfloat16()
+    chosen = torch.randn(N, 8).topk(k, dim=-1).indices
+
+    def call(m, x, w):
+        return m(x, chosen, w, capacity=capacity)[0]
+
+    assert_same(run(experts, [x, weights], "fp32", call), run(fast, [x, weights], "fp32", call), "bf16")
+
+
 @PRECISIONS
 @pytest.mark.parametrize("z_weight", [0.0, 1e-2])
 def test_fused_next_token_loss(precision, z_weight):
