@@ -291,7 +291,7 @@ def test_qb_histogram_beta_is_the_global_quantile_and_split_invariant():
     exact_router = QBRouter(QBRouterConfig(estimator="topk"), 16, E, k, 0.3)
     exact_router.load_state_dict(router.state_dict())
     exact = exact_router(x).stats.beta  # the N*k/E-th largest margin over the whole batch
-    estimate = router.beta_from_histogram(whole.hist, N)
+    estimate = router.beta_from_histogram(whole.hist, whole.num_tokens)
     width = 2 * 8.0 / 10_000
     assert (estimate - exact).abs().max() <= 2 * width
     router.update_bias(halves)

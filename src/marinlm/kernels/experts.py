@@ -318,7 +318,7 @@ class FusedRoutedExperts(RoutedExperts):
         elif impl == "grouped_mm":
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
             if keep_A is not None:  # the zero rows after the kept ones go to the last expert
-                offsets_E[-1] = P
+                offsets_E[-1:].fill_(P)
             h_PF = F.silu(_grouped(x_PD, w_gate, offsets_E)) * _grouped(x_PD, w_up, offsets_E) * w_P1
             y_PD = _grouped(h_PF, w_down, offsets_E)
         else:  # loop

@@ -105,7 +105,8 @@ class Router(nn.Module):
             load=load,
             z_loss=(z * z).mean(),
             dropped=torch.zeros((), device=logits_NE.device),
-            num_tokens=torch.tensor(float(logits_NE.shape[0]), device=logits_NE.device),
+            # filled on the device: torch.tensor(..., device=cuda) would copy from the host and wait
+            num_tokens=torch.full((), float(logits_NE.shape[0]), device=logits_NE.device),
             beta=beta,
         )
 
@@ -148,10 +149,11 @@ class QBRouter(Router):
         flat = (index + torch.arange(E, device=index.device) * bins).reshape(-1)
         return bincount(flat, E * bins).float().view(E, bins)
 
-    def beta_from_histogram(self, hist_EB: torch.Tensor, num_tokens: float) -> torch.Tensor:
-        """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin."""
+    def beta_from_histogram(self, hist_EB: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin.
+        `num_tokens` stays a (0-dim) tensor: reading it on the host would wait for the device."""
         width = 2 * self.range / self.bins
-        target = num_tokens * self.top_k / self.num_experts  # margins at or above beta, per expert
+        target = num_tokens.double() * self.top_k / self.num_experts  # margins at or above beta, per expert
         from_top = hist_EB.flip(-1).cumsum(-1).flip(-1)  # [E, B]: count of margins in bins >= b
         b = ((from_top >= target).sum(-1) - 1).clamp(0, self.bins - 1)
         above = from_top.gather(1, b.unsqueeze(1)).squeeze(1)
@@ -167,7 +169,7 @@ class QBRouter(Router):
     @torch.no_grad()
     def update_bias(self, stats: RouterStats) -> None:
         if stats.hist is not None:
-            stats.beta = self.beta_from_histogram(stats.hist, float(stats.num_tokens))
+            stats.beta = self.beta_from_histogram(stats.hist, stats.num_tokens)
         self.bias.copy_(-stats.beta + stats.beta.mean())
 
 
