@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from marinlm.config import load_config
 from marinlm.kernels.attention import band_block, banded_attention, banded_mask
 from marinlm.kernels.layers import FusedSConv
-from marinlm.kernels.loss import fused_chunked_loss
+from marinlm.kernels.loss import chunk_tokens, fused_chunked_loss
 from marinlm.model import MarinConfig
 from marinlm.model.context import ForwardContext, attention_mask
 from marinlm.model.layers import SConv, doc_ids_and_positions
@@ -345,6 +345,16 @@ def test_a_training_forward_never_waits_for_the_device(name):
         out = model(ids, labels=ids, return_logits=False)
     assert mode.reads == 0
     assert int(out.num_tokens) == ids.numel()
+
+
+def test_fused_loss_chunks_grow_on_accelerators_up_to_the_memory_of_marins():
+    """On GPUs a chunk may hold 512 MiB of fp32 logits, about what 1,024 tokens take at Marin's 128k
+    vocabulary (each chunk costs the same kernel launches); on CPU the configured chunk stays."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert chunk_tokens(1024, 16384, cpu) == 1024
+    assert chunk_tokens(1024, 16384, gpu) == 8192  # bench/train_step.py's 16 x 1,024 tokens: 2 chunks, not 16
+    assert chunk_tokens(1024, 128256, gpu) == 1046
+    assert chunk_tokens(4096, 128256, gpu) == 4096  # a larger setting is kept
 
 
 @KERNELS

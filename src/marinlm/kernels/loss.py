@@ -8,15 +8,16 @@ gradient with respect to the logits in closed form,
     d(ce + w·lse²)/d logits = softmax · (1 + 2·w·lse) − onehot(label),
 
 which it turns at once into the chunk's dh = g·W and its share of dW = gᵀ·h. The chunk's logits
-are held transposed, [V, C], and worked through in blocks of vocabulary rows (8 MB on CPU, the
-whole vocabulary on GPU): a first pass computes each block, takes its target logits, folds it
-into an online logsumexp and leaves exp(logits − running max) in its place (as exp2, faster on
-CPU); a second scales each block to its softmax, turns it into its gradient in place and feeds
-it to both GEMMs while it is still in cache. Only dh [N, D] and dW [V, D] are kept for the
-backward pass; the price is that dW (fp32, the head's unsharded size) lives from the forward
-pass until the backward pass reaches the head. The forward pass does the backward's matmuls, so
-the fused path is only taken when a backward pass will follow; under `no_grad` the chunks
-compute the loss alone. `bench/lm_loss.py` measures it against the reference.
+are held transposed, [V, C], and worked through in blocks of vocabulary rows (8 MB on CPU; on
+GPUs the whole vocabulary, with chunks grown to 512 MiB of logits by `chunk_tokens`): a first pass
+computes each block, takes its target logits, folds it into an online logsumexp and leaves
+exp(logits − running max) in its place (as exp2, faster on CPU); a second scales each block to
+its softmax, turns it into its gradient in place and feeds it to both GEMMs while it is still in
+cache. Only dh [N, D] and dW [V, D] are kept for the backward pass; the price is that dW (fp32,
+the head's unsharded size) lives from the forward pass until the backward pass reaches the head.
+The forward pass does the backward's matmuls, so the fused path is only taken when a backward
+pass will follow; under `no_grad` the chunks compute the loss alone. `bench/lm_loss.py` measures
+it against the reference.
 
 The LM-head weight is read directly, so it must be a plain (unsharded) tensor in the calling
 module's forward; with FSDP2 that holds while the head belongs to the root unit.
@@ -53,6 +54,22 @@ def vocab_block_rows(vocab: int, tokens: int, device: torch.device) -> int:
     if device.type != "cpu":
         return vocab
     return max(1, min(vocab, (1 << 21) // max(tokens, 1)))
+
+
+# On accelerators a chunk's fp32 logits may take 512 MiB: about what the default 1,024 tokens take
+# at Marin's 128k vocabulary (501 MiB).
+ACCELERATOR_CHUNK_BYTES = 512 << 20
+
+
+def chunk_tokens(chunk: int, vocab: int, device: torch.device) -> int:
+    """Tokens per chunk: `model.loss_chunk_tokens` on CPU; on accelerators, more where a smaller
+    vocabulary leaves room under ACCELERATOR_CHUNK_BYTES. A chunk costs ~70 torch ops forward and
+    backward whatever its size: on an H200 one of 1,024 tokens at a 16k vocabulary took 1-2 ms,
+    bound by its launches (bench/lm_loss.py: 0.54-0.66x torch's materialised logits), and
+    bench/train_step.py's 16 x 1,024 tokens made 16 of them (now 2)."""
+    if device.type == "cpu":
+        return chunk
+    return max(chunk, ACCELERATOR_CHUNK_BYTES // (4 * vocab))
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -157,6 +174,7 @@ def fused_chunked_loss(
     device = h_ND.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h_ND.dtype
     count = (labels_N != IGNORE_INDEX).sum()
+    chunk = chunk_tokens(chunk, weight_VD.shape[0], h_ND.device)
     if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
         with torch.autocast(device, enabled=False):
             loss, ce, z = _FusedLinearCrossEntropy.apply(h_ND, weight_VD, labels_N, z_weight, chunk, dtype)
