@@ -203,7 +203,7 @@ class MarinConfig:
     # > 0: training steps compute the LM head and loss in chunks of this many tokens, never
     # holding the whole [tokens, vocab] logits (model/loss.py); 0 = materialise them. An
     # implementation knob, not an architecture one. On GPUs the fused kernel takes more tokens a
-    # chunk where the vocabulary is under 128k (kernels/loss.py `chunk_tokens`).
+    # chunk where their fp32 logits fit in 512 MiB (kernels/loss.py `chunk_tokens`).
     loss_chunk_tokens: int = 1024
     # auto: the fast paths of marinlm.kernels, swapped in before parallelize; reference: the plain
     # modules of marinlm.model everywhere. An implementation knob: both compute the same maths.
