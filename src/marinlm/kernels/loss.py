@@ -64,9 +64,8 @@ ACCELERATOR_CHUNK_BYTES = 512 << 20
 def chunk_tokens(chunk: int, vocab: int, device: torch.device) -> int:
     """Tokens per chunk: `model.loss_chunk_tokens` on CPU; on accelerators, more where a smaller
     vocabulary leaves room under ACCELERATOR_CHUNK_BYTES. A chunk costs ~70 torch ops forward and
-    backward whatever its size: on an H200 one of 1,024 tokens at a 16k vocabulary took 1-2 ms,
-    bound by its launches (bench/lm_loss.py: 0.54-0.66x torch's materialised logits), and
-    bench/train_step.py's 16 x 1,024 tokens made 16 of them (now 2)."""
+    backward whatever its size, and a GPU running small chunks waits on their launches
+    (bench/lm_loss.py; the numbers are in docs/performance.md)."""
     if device.type == "cpu":
         return chunk
     return max(chunk, ACCELERATOR_CHUNK_BYTES // (4 * vocab))
