@@ -36,6 +36,7 @@ ONE_STAGE_A_RANK = ("1F1B", "GPipe")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = ONE_STAGE_A_RANK + LOOPED + V_SHAPED
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # sent between stages as an index
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # weight gradients in a pass of their own
 
 
@@ -274,8 +275,10 @@ class PipelinedModel(nn.Module):
         self._reshard()  # a schedule may leave gathered weights from before the last optimizer step
         for s in range(num_stages):
             if s > 0 and owner[s] == me and owner[s - 1] != me:  # receive what stage s - 1 sent
+                dtype = torch.empty(1, dtype=torch.int64, device=input_ids.device)
+                torch.distributed.recv(dtype, group=self.pp_group, group_src=owner[s - 1])
                 shape = (B, T // self.sequence_split, self.config.d_model)
-                x = torch.empty(shape, dtype=self._dtype(), device=input_ids.device)
+                x = torch.empty(shape, dtype=HIDDEN_DTYPES[int(dtype)], device=input_ids.device)
                 seg = torch.empty_like(segment_ids)
                 torch.distributed.recv(x, group=self.pp_group, group_src=owner[s - 1])
                 torch.distributed.recv(seg, group=self.pp_group, group_src=owner[s - 1])
@@ -289,6 +292,10 @@ class PipelinedModel(nn.Module):
                 break
             x, seg = out
             if owner[s + 1] != me:
+                # The dtype first: the residual stream keeps the weights' dtype under autocast, which
+                # the receiver cannot tell from its own autocast state.
+                dtype = torch.tensor([HIDDEN_DTYPES.index(x.dtype)], device=x.device)
+                torch.distributed.send(dtype, group=self.pp_group, group_dst=owner[s + 1])
                 torch.distributed.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
                 torch.distributed.send(seg.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
         self._reshard()
@@ -304,13 +311,6 @@ class PipelinedModel(nn.Module):
             for module in stage.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-
-    def _dtype(self) -> torch.dtype:
-        """The hidden states' dtype between stages (autocast's when on)."""
-        device = next(self.parameters()).device.type
-        if torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-        return next(p for p in self.parameters() if p.is_floating_point()).dtype
 
     def _moe(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
