@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--search", action="store_true", help="also rank other layouts of the same number of GPUs")
     plan.add_argument("--gpus", type=_positive(int, "an integer"), default=None, help="GPUs to search over")
-    plan.add_argument("--out", default="plan", help="folder for plan.md, plan.json and plan.png")
+    plan.add_argument("--out", default="runs/plan", help="folder for plan.md, plan.json and plan.png")
     plan.set_defaults(func=_plan, takes_overrides=True)
 
     quick = commands.add_parser(
