@@ -109,8 +109,9 @@ class CausalLMOutput:
     # Tokens that count towards the loss: a 0-dim tensor on the model's device, so that a training
     # step does not wait for the device to read it (`int()` it when the number is needed).
     num_tokens: torch.Tensor | int = 0
-    # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring; None on the
-    # fused loss kernel's training path (kernels/loss.py), which never forms it.
+    # [B, T] cross-entropy of each token (0 where its label is ignored), for scoring: detached (no
+    # gradient flows through it; a view that did would trip FSDP2's hooks). None on the fused loss
+    # kernel's training path (kernels/loss.py), which never forms it.
     token_ce: torch.Tensor | None = None
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
 
@@ -218,7 +219,7 @@ class MarinForCausalLM(nn.Module):
             out.lm_loss = out.ce_loss + out.z_loss
         out.aux_loss = torch.stack(aux_losses).mean() if aux_losses else torch.zeros((), device=out.lm_loss.device)
         out.loss, out.num_tokens = out.lm_loss + out.aux_loss, count
-        out.token_ce = None if token_ce is None else token_ce.view(B, T)
+        out.token_ce = None if token_ce is None else token_ce.detach().view(B, T)
         return out
 
     def context(self, input_ids, segment_ids, caches, doc_ids, positions) -> ForwardContext:
