@@ -20,9 +20,11 @@ from marinlm.finetune.adapters import (
     merge_adapters,
     peft_state,
     peft_twin,
+    save_peft_adapter,
 )
 from marinlm.finetune.config import FinetuneConfig
 from marinlm.finetune.data import ChatRenderer, Examples, SFTDataError, pack, render_all
+from marinlm.hf.export import MANIFEST, verify
 from marinlm.hf.importer import save_run
 from marinlm.model.experts import RoutedExperts
 from marinlm.tokenizer import CHAT_TEMPLATE, MarinTokenizer, train_bpe
@@ -214,6 +216,21 @@ def test_merged_lora_computes_what_the_adapters_did(tokenizer):
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
 
 
+def test_an_experts_only_adapter_says_its_rank_and_alpha_to_peft(tmp_path):
+    """With no linear layer adapted there is no peft config to copy: the adapter still states r and
+    alpha (peft would read its defaults, r 8 and alpha 8, and scale the deltas wrongly)."""
+    from peft import LoraConfig
+
+    config = sft_config(method="lora", lora={"r": 4, "alpha": 12.0, "experts": True, "target_modules": []})
+    model = build(config.model, seed=0)
+    info = apply_method(model, config)
+    assert info["lora_targets"] == [] and info.get("peft_config") is None
+    save_peft_adapter(peft_state(model), info, tmp_path, "base")
+    saved = LoraConfig.from_pretrained(str(tmp_path))
+    assert (saved.r, saved.lora_alpha) == (4, 12.0)
+    assert saved.target_parameters == [f"experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+
+
 def expected_lora_count(config: FinetuneConfig, model) -> int:
     """r * (in + out) for each adapted linear layer (attention, shared experts, latent projections:
     the default targets), and per expert for each of the three routed stacks."""
@@ -324,6 +341,19 @@ def test_finetuning_lowers_the_held_out_answer_loss(tmp_path, base_run, method, 
         torch.testing.assert_close(loaded.model(ids).logits, merged.model(ids).logits, rtol=0, atol=1e-5)
     assert main(["generate", str(run), "--chat", "--prompt", "What is 2 + 3?", "--max-new-tokens", "4"]) == 0
     assert (run / "tokenizer" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    # The base and the adapter, loaded by transformers and peft, compute what the merged run does
+    # (--check exits 1 on a next-token KL over 1e-6 or another greedy decoding).
+    hf = tmp_path / "hf"
+    capsys.readouterr()
+    if method in ("lora", "qlora"):
+        assert main(["export", str(run), str(hf), "--adapter", "--check"]) == 0
+        assert "check (PeftModel(MarinHFForCausalLM) in transformers" in capsys.readouterr().out
+        assert (
+            verify(hf) == [] and "adapter/adapter_model.safetensors" in json.loads((hf / MANIFEST).read_text())["files"]
+        )
+    else:
+        assert main(["export", str(run), str(hf), "--adapter"]) != 0
+        assert "trains no adapter" in capsys.readouterr().err
 
 
 @pytest.mark.slow

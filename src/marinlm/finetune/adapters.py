@@ -65,11 +65,14 @@ class GroupedLoraExperts(RoutedExperts):
         return project(h_AF, "down_proj")
 
     @torch.no_grad()
-    def merge(self) -> None:
-        """Fold the adapters into the stacks and become plain RoutedExperts."""
+    def merge(self, fold: bool = True) -> None:
+        """Fold the adapters into the stacks (`fold=False`: drop them) and become plain RoutedExperts.
+        The sum is fp32: rounding it to a QLoRA base's bf16 would lose most of a small delta."""
         for name in EXPERT_PROJECTIONS:
             a, b = getattr(self, f"lora_A_{name}"), getattr(self, f"lora_B_{name}")
-            getattr(self, name).add_(self.lora_scale * torch.bmm(a, b).to(getattr(self, name).dtype))
+            if fold:
+                w = getattr(self, name)
+                w.data = w.float() + self.lora_scale * torch.bmm(a.float(), b.float())
             delattr(self, f"lora_A_{name}")
             delattr(self, f"lora_B_{name}")
         self.__class__ = RoutedExperts
@@ -139,6 +142,7 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
         info["trained"] = trained
         return info
     lora = config.lora
+    info["lora"] = {"r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout}
     targets = lora_targets(model, config)
     if method == "qlora":
         info["quantized_linears"] = quantize_base(model, skip=tuple(n for n in ("lm_head",) if not lora.lm_head))
@@ -175,24 +179,26 @@ def trainable_summary(model: nn.Module) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def merge_adapters(model: nn.Module) -> int:
-    """Fold every LoRA adapter into its base weight, leaving the plain model; returns how many."""
+def merge_adapters(model: nn.Module, fold: bool = True) -> int:
+    """Fold every LoRA adapter into its base weight, leaving the plain model; returns how many.
+    `fold=False` drops the adapters instead: the base they were trained on (a 4-bit base
+    dequantised), which an exported peft adapter applies to."""
     from peft.tuners.lora import LoraLayer
 
     merged = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, LoraLayer):
-                setattr(module, child_name, _merged_linear(child))
+                setattr(module, child_name, _merged_linear(child, fold))
                 merged += 1
     for module in model.modules():
         if isinstance(module, GroupedLoraExperts):
-            module.merge()
+            module.merge(fold)
             merged += 1
     return merged
 
 
-def _merged_linear(layer) -> nn.Linear:
+def _merged_linear(layer, fold: bool = True) -> nn.Linear:
     """W + scale * B A as a plain fp32 nn.Linear; a 4-bit base is dequantised first (peft's own merge
     would quantise the sum again, and the merged model would not compute what the adapter did)."""
     base = layer.get_base_layer()
@@ -201,9 +207,10 @@ def _merged_linear(layer) -> nn.Linear:
         import bitsandbytes.functional as bnbF
 
         weight = bnbF.dequantize_4bit(weight.data, weight.quant_state)
-    delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
     out = nn.Linear(base.in_features, base.out_features, bias=False, device=weight.device)
-    out.weight.data = (weight.float() + delta.float()).contiguous()
+    out.weight.data = weight.float().contiguous()
+    if fold:
+        out.weight.data += sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A).float()
     return out
 
 
@@ -296,7 +303,6 @@ def peft_twin(box: ExpertsBox) -> nn.Module:
         delattr(base, f"lora_A_{proj}")
         delattr(base, f"lora_B_{proj}")
     base.__class__ = RoutedExperts
-    base.is_transposed = True  # ours are [E, in, out]; peft's default reading is [E, out, in]
     config = LoraConfig(
         r=grouped.lora_r,
         lora_alpha=grouped.lora_scale * grouped.lora_r,
@@ -311,17 +317,23 @@ def peft_twin(box: ExpertsBox) -> nn.Module:
     return twin
 
 
-def save_peft_adapter(state: dict[str, torch.Tensor], info: dict, folder: Path, base: str) -> None:
-    """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them."""
+def save_peft_adapter(
+    state: dict[str, torch.Tensor], info: dict, folder: Path, base: str, target_modules: list[str] | None = None
+) -> None:
+    """adapter_config.json + adapter_model.safetensors, as peft's save_pretrained writes them.
+    `target_modules`: the adapted linear layers' full names in the model the adapter is for."""
     import json
 
+    from peft import LoraConfig
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = info.get("peft_config")
-    data = config.to_dict() if config is not None else {"peft_type": "LORA"}
-    data = {k: (sorted(v) if isinstance(v, set) else v) for k, v in data.items()}
+    # Without adapted linear layers (experts only) there is no peft config: r and alpha still count.
+    config = info.get("peft_config") or LoraConfig(**info["lora"])
+    data = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
     data["base_model_name_or_path"] = base
+    if target_modules is not None:
+        data["target_modules"] = sorted(target_modules) or None
     if any(".experts." in k and ".lora_A." in k for k in state):
         data["target_parameters"] = [f"experts.{p}" for p in EXPERT_PROJECTIONS]
     (folder / "adapter_config.json").write_text(json.dumps(data, indent=2, default=str) + "\n")

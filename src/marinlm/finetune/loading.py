@@ -35,11 +35,10 @@ def is_finetune_config(path: Path) -> bool:
     return isinstance(data, dict) and "method" in data and "base" in data
 
 
-def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True):
-    """(plain merged model, config) of a fine-tuning checkpoint: the base weights, the method's
-    adapters with this checkpoint's trained tensors, folded together."""
+def adapted_model(folder: Path):
+    """(model, config, what apply_method did) of a fine-tuning checkpoint on the CPU: the base
+    weights under the method's adapters, which hold this checkpoint's trained tensors, not merged."""
     from marinlm.config import load_config
-    from marinlm.kernels import apply_kernels
     from marinlm.model import MarinForCausalLM
 
     config = load_config(FinetuneConfig, folder / "config.yaml")
@@ -52,11 +51,20 @@ def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: b
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     load_base_weights(model, base)
-    apply_method(model, config)
+    info = apply_method(model, config)
     options = StateDictOptions(ignore_frozen_params=True)
     tensors = {"model": get_model_state_dict(model, options=options)}
     load_tensors(folder, tensors)
     set_model_state_dict(model, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    return model, config, info
+
+
+def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True):
+    """(plain merged model, config) of a fine-tuning checkpoint: the base weights, the method's
+    adapters with this checkpoint's trained tensors, folded together."""
+    from marinlm.kernels import apply_kernels
+
+    model, config, _ = adapted_model(folder)
     merge_adapters(model)
     dequantize_base(model)
     for p in model.parameters():
@@ -70,21 +78,27 @@ def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: b
 def merge_run(run: str | Path, out_dir: str | Path | None = None) -> Path:
     """`marinlm finetune merge RUN`: the newest checkpoint with its adapters folded in, written as a
     plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft."""
-    from marinlm.hf.importer import save_run
-    from marinlm.train.config import TrainConfig
-
     folder = resolve_checkpoint(run)
     model, config = finetuned_model(folder)
     out_dir = Path(out_dir) if out_dir else Path(run) / "merged"
+    saved = save_plain_run(model, config, folder, out_dir, "merged_from")
+    print(f"merged {folder} -> {saved}", file=sys.stderr)
+    return saved
+
+
+def save_plain_run(model: torch.nn.Module, config: FinetuneConfig, folder: Path, out_dir: Path, key: str) -> Path:
+    """`model` (plain modules) as the step-0 checkpoint of a training run in `out_dir`, with the
+    fine-tuning checkpoint `folder`'s tokenizer; `key` names `folder` in its trainer state."""
+    from marinlm.hf.importer import save_run
+    from marinlm.train.config import TrainConfig
+
     if (out_dir / "checkpoints").exists():
         raise ValueError(f"{out_dir}: already holds a run; remove it or give another folder")
     plain = {k: v for k, v in vars(config).items() if k in TrainConfig.__dataclass_fields__}
     train = TrainConfig(**{**plain, "run_dir": str(out_dir)})
     train.checkpoint.init_from = None
-    tokenizer_dir = checkpoint_tokenizer(folder)
-    tokenizer = MarinTokenizer.load(tokenizer_dir)
+    tokenizer = MarinTokenizer.load(checkpoint_tokenizer(folder))
     step = json.loads((folder / "trainer_state.json").read_text())["step"]
-    saved = save_run(out_dir, train, model.state_dict(), tokenizer, {"merged_from": str(folder), "finetune_step": step})
-    print(f"merged {folder} -> {saved}", file=sys.stderr)
+    saved = save_run(out_dir, train, model.state_dict(), tokenizer, {key: str(folder), "finetune_step": step})
     (out_dir / "config.yaml").write_text(dump_config(train))
     return saved

@@ -22,6 +22,11 @@ def add_commands(commands) -> None:
     ex.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (huggingface_hub syntax)")
     ex.add_argument("--overwrite", action="store_true")
     ex.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA/QLoRA fine-tuning run: its base model plus OUT_DIR/adapter for peft, instead of the merged model",
+    )
+    ex.add_argument(
         "--check",
         action="store_true",
         help="load the export in transformers and compare it with marinlm: logits, KL divergence, greedy decoding",
@@ -36,9 +41,10 @@ def add_commands(commands) -> None:
 
 
 def _export(args: argparse.Namespace, overrides) -> int:
+    from marinlm.hf.adapter import export_adapter
     from marinlm.hf.export import export
 
-    report = export(
+    report = (export_adapter if args.adapter else export)(
         args.run,
         args.out_dir,
         fmt=args.format,
@@ -50,12 +56,15 @@ def _export(args: argparse.Namespace, overrides) -> int:
         f"exported {report.checkpoint} -> {report.out_dir} ({report.format}): {report.tensors} tensors, "
         f"{report.bytes / 1e6:.1f} MB in {report.shards} shard(s); held at most {report.peak_tensor_bytes / 1e6:.1f} MB"
     )
-    if report.format == "remote":
-        print(f"load it with AutoModelForCausalLM.from_pretrained({str(report.out_dir)!r}, trust_remote_code=True)")
+    load = f"AutoModelForCausalLM.from_pretrained({str(report.out_dir)!r}, trust_remote_code=True)"
+    if args.adapter:
+        print(f"load it with PeftModel.from_pretrained({load}, {str(report.out_dir / 'adapter')!r})")
+    elif report.format == "remote":
+        print(f"load it with {load}")
     if args.check:
         from marinlm.hf.export import parity_check
 
-        check = parity_check(report.out_dir, report.checkpoint)
+        check = parity_check(report.out_dir, report.checkpoint, adapter=args.adapter)
         same = "the same" if check["greedy_equal"] else "DIFFERENT"
         print(
             f"check ({check['hf_class']} in transformers vs marinlm, fp32): max |logit diff| "

@@ -270,11 +270,18 @@ def verify(out_dir: str | Path) -> list[str]:
     return bad
 
 
-def parity_check(out_dir: str | Path, source: str | Path | None = None, *, new_tokens: int = 32, seed: int = 0) -> dict:
-    """Load the export in `transformers` and compare it with marinlm's model of the checkpoint it came
-    from (torchtitan's conversion check): the largest logit difference and the next-token KL
-    divergence on a left-padded batch of three documents of different lengths, and whether greedy
-    generate() gives the same tokens for `new_tokens` steps."""
+def parity_check(
+    out_dir: str | Path,
+    source: str | Path | None = None,
+    *,
+    adapter: bool = False,
+    new_tokens: int = 32,
+    seed: int = 0,
+) -> dict:
+    """Load the export in `transformers` (`adapter`: under peft, with its `adapter/`) and compare it
+    with marinlm's model of the checkpoint it came from (torchtitan's conversion check): the largest
+    logit difference and the next-token KL divergence on a left-padded batch of three documents of
+    different lengths, and whether greedy generate() gives the same tokens for `new_tokens` steps."""
     from transformers import AutoModelForCausalLM
 
     from marinlm.model import SamplingConfig, generate
@@ -284,6 +291,12 @@ def parity_check(out_dir: str | Path, source: str | Path | None = None, *, new_t
     source = source or json.loads((out_dir / MANIFEST).read_text())["checkpoint"]
     ours = load_model(source).model
     hf = AutoModelForCausalLM.from_pretrained(str(out_dir), trust_remote_code=True, dtype=torch.float32).eval()
+    hf_class = type(hf).__name__
+    if adapter:
+        from peft import PeftModel
+
+        hf = PeftModel.from_pretrained(hf, str(out_dir / "adapter")).eval()
+        hf_class = f"PeftModel({hf_class})"
     vocab = min(ours.config.vocab_size, hf.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     lengths = [min(n, ours.config.max_seq_len - new_tokens) for n in (48, 31, 17)]
@@ -312,5 +325,5 @@ def parity_check(out_dir: str | Path, source: str | Path | None = None, *, new_t
         "max_kl": kl,
         "greedy_equal": bool(torch.equal(mine_gen, hf_gen)),
         "greedy_tokens": new_tokens,
-        "hf_class": type(hf).__name__,
+        "hf_class": hf_class,
     }

@@ -69,6 +69,8 @@ def sort_assignments(experts_NK: torch.Tensor, num_experts: int, capacity: int |
 class RoutedExperts(nn.Module):
     """E SwiGLU experts stored as stacked [E, in, out] matrices (one matrix per expert for Muon)."""
 
+    is_transposed = True  # says [E, in, out] to peft's `target_parameters` LoRA, which assumes [E, out, in]
+
     def __init__(self, num_experts: int, dim: int, hidden: int, init_std: float, impl: str = "auto"):
         super().__init__()
         self.num_experts, self.init_std, self.impl = num_experts, init_std, impl
