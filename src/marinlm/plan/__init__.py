@@ -1,7 +1,7 @@
 """`marinlm plan`: a training config's layout planned on a simulated cluster before anyone pays for it.
 
     marinlm plan configs/train/marin-535b-a23b.yaml --hardware gb200-nvl72
-    marinlm plan CONFIG --hardware h100-sxm --layout dp_shard=8,ep=8,pp=24,ac=full
+    marinlm plan CONFIG --hardware h100-sxm --layout dp_shard=8,ep=8,pp=24,microbatches=32,ac=full
     marinlm plan CONFIG --hardware gb200-nvl72 --search
 
 The config's model is built on `meta` under a fake process group of the cluster's size and sharded
