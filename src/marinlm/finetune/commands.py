@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from marinlm.commands import help_of
@@ -62,6 +63,8 @@ def _finetune(args: argparse.Namespace, overrides) -> int:
 
     config = load_finetune_config(args.config, list(overrides))
     summary = run_finetune(config, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the first rank reports
+        return 0
     if summary.get("validation"):
         print(f"held-out answer loss {summary['validation']['val/answer_loss']:.4f}")
     if summary.get("adapter"):
