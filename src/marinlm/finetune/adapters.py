@@ -167,9 +167,12 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
 
 
 def freeze_router_biases(model: nn.Module) -> None:
-    """Routers frozen: their load-balancing bias stays as the base model left it."""
-    if not any(isinstance(m, Router) and m.weight.requires_grad for m in model.modules()):
-        model.update_router_biases = lambda stats: None
+    """Routers frozen: their load-balancing bias stays as the base model left it. Set on each router,
+    so that it holds in every copy of a layer (a pipeline stage updates its own routers)."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not any(r.weight.requires_grad for r in routers):
+        for router in routers:
+            router.update_bias = lambda stats: None
 
 
 def trainable_summary(model: nn.Module) -> tuple[int, int]:

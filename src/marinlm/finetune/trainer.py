@@ -197,6 +197,11 @@ class FinetuneTrainer(Trainer):
         summary["trainable_parameters"] = self.trainable_parameters
         if self.config.method in ("lora", "qlora"):  # every rank gathers its shards; the first writes
             state = peft_state(self.model)
+            pp_group = getattr(self.model, "pp_group", None)
+            if pp_group is not None:  # a pipeline rank holds its stages' layers only: the union
+                parts = [None] * torch.distributed.get_world_size(pp_group)
+                torch.distributed.all_gather_object(parts, state, group=pp_group)
+                state = {key: tensor for part in parts for key, tensor in part.items()}
             if self.info.is_main:
                 save_peft_adapter(state, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
             summary["adapter"] = str(self.run_dir / "adapter")

@@ -125,6 +125,20 @@ class ExpertParallelExperts(RoutedExperts):
         return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=compute_dtype(y_SD)).to(dtype), plan.dropped
 
 
+_EP_CLASSES: dict[type, type] = {}
+
+
+def expert_parallel_class(cls: type) -> type:
+    """`ExpertParallelExperts` for plain `RoutedExperts`; for a subclass that computes its experts
+    its own way (fine-tuning's grouped LoRA), one that dispatches as `ExpertParallelExperts` and
+    runs the experts as `cls` does."""
+    if issubclass(cls, ExpertParallelExperts) or cls is RoutedExperts:
+        return ExpertParallelExperts if cls is RoutedExperts else cls
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+    return _EP_CLASSES[cls]
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -> None:
     """Spread every MoE layer's routed experts over the 1-D `ep_mesh`, in place (on meta or
     initialised). `tensor_parallel`: the tp degree, whose ranks each route their own tokens."""
@@ -133,7 +147,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -
             for name, p in list(module.named_parameters(recurse=False)):
                 dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None if p.is_meta else 0)
                 module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-            module.__class__ = ExpertParallelExperts
+            module.__class__ = expert_parallel_class(type(module))
             module.ep_mesh = ep_mesh
             module.capacity_factor = model.config.moe.capacity_factor
             module.traffic = torch.zeros(3, dtype=torch.float64)  # rows sent, received; bytes to other ranks
