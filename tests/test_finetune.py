@@ -231,6 +231,15 @@ def test_an_experts_only_adapter_says_its_rank_and_alpha_to_peft(tmp_path):
     assert saved.target_parameters == [f"experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
 
 
+def test_what_tensor_parallel_cannot_fine_tune_is_refused_naming_the_key():
+    from marinlm.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        sft_config(lora={"lm_head": True}, parallel={"tensor_parallel": 2})
+    assert info.value.key == "lora.lm_head"
+    sft_config(lora={"lm_head": True}, parallel={"expert_parallel": 2})  # the head is whole there
+
+
 def expected_lora_count(config: FinetuneConfig, model) -> int:
     """r * (in + out) for each adapted linear layer (attention, shared experts, latent projections:
     the default targets), and per expert for each of the three routed stacks."""
@@ -263,8 +272,14 @@ def base_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("base")
     texts = SAMPLE_TEXTS * 20 + [json.loads(line)["answer"] for line in _gsm8k_lines(200)]
     tok = MarinTokenizer(train_bpe(texts, 800))
-    # dropless experts: capacity would depend on the rows per forward, which differ between layouts
-    config = tiny_config(num_layers=2, vocab_size=896, attention={"sliding_window": 64}, moe={"capacity_factor": None})
+    # Dropless experts: capacity would depend on the rows per forward, which differ between layouts.
+    # Global layers read both KV heads, so that tensor parallel 2 splits them.
+    config = tiny_config(
+        num_layers=2,
+        vocab_size=896,
+        attention={"sliding_window": 64, "num_global_kv_heads": 2},
+        moe={"capacity_factor": None},
+    )
     model = build(config, seed=0)
     save_run(root / "run", replace(TrainConfig(model=config), run_dir=str(root / "run")), model.state_dict(), tok, {})
     return root / "run"
@@ -384,13 +399,14 @@ def test_a_finetune_resumes_exactly(tmp_path, base_run):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout",
-    [[], ["--parallel.expert_parallel=2"], ["--parallel.pipeline_parallel=2"]],
-    ids=["fsdp", "ep", "pp"],
+    [[], ["--parallel.expert_parallel=2"], ["--parallel.pipeline_parallel=2"], ["--parallel.tensor_parallel=2"]],
+    ids=["fsdp", "ep", "pp", "tp"],
 )
 def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, base_run, layout):
-    """FSDP, expert and pipeline parallel: the losses and the whole adapter of one process. Expert
-    parallelism once dropped the grouped expert adapters' forward, a pipeline moved the frozen
-    router biases and wrote the first stage's adapters only."""
+    """FSDP, expert, pipeline and tensor parallel: the losses and the whole adapter of one process.
+    Expert parallelism once dropped the grouped expert adapters' forward, a pipeline moved the
+    frozen router biases and wrote the first stage's adapters only, and tensor parallel split the
+    base layers under the adapters but not the adapters."""
     import subprocess
     import sys
 
@@ -434,8 +450,11 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
         assert two_ranks[step] == pytest.approx(loss, rel=1e-5), step
     adapters = [load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "two")]
     assert sorted(adapters[0]) == sorted(adapters[1])
-    for key, tensor in adapters[0].items():  # Adam's first steps magnify fp32 rounding: lr is 1e-2
-        torch.testing.assert_close(adapters[1][key], tensor, rtol=0, atol=2e-3)
+    for key, tensor in adapters[0].items():
+        # Adam's first steps turn fp32 rounding in a near-zero gradient into up to lr (1e-2) a step:
+        # a few elements differ. An adapter that did not train, or trained otherwise, differs in most.
+        diff = (adapters[1][key] - tensor).abs()
+        assert float((diff > 1e-4).float().mean()) < 0.01 and float(diff.max()) < 2 * 1e-2 * 3, key
     # the 2-rank checkpoint goes on in one process
     more = finetune_args(base_run, files, tmp_path / "two", "lora", steps=4, **common)
     assert main(["finetune", config_file, *more]) == 0

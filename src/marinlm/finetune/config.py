@@ -95,3 +95,8 @@ class FinetuneConfig(TrainConfig):
             "freeze",
             "method freeze needs freeze.last_layers or freeze.patterns",
         )
+        check(
+            not (self.parallel.tensor_parallel > 1 and self.method == "lora" and self.lora.lm_head),
+            "lora.lm_head",
+            "an adapter on the vocabulary-split LM head is not written for parallel.tensor_parallel; set it false",
+        )

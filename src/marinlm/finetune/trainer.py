@@ -138,6 +138,12 @@ class FinetuneTrainer(Trainer):
     # --- model ----------------------------------------------------------------------------------
 
     def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.config.method == "qlora" and self.info.world_size > 1:
+            raise ConfigError(
+                "method",
+                f"qlora runs in one process, not {self.info.world_size}: bitsandbytes' 4-bit weights do not "
+                "shard under FSDP2 or split under tensor parallel; use lora on several",
+            )
         load_base_weights(model, self.base_folder)
         total = sum(p.numel() for p in model.parameters())  # the base's, before 4-bit packing halves numel()
         self.adapt_info = apply_method(model, self.config)

@@ -252,24 +252,38 @@ def _block_splits(block: nn.Module, split_mlp: bool = True) -> dict[nn.Module, d
     (norms, GatedNorm, router, latent projections, SConv of the branch outputs; the whole MLP where
     `split_mlp` is False) are replicated."""
     attn = block.attn
-    splits = {
-        attn.q_proj: {"weight": 0},  # [heads * Dh, D]: by heads
-        attn.k_proj: {"weight": 0},
-        attn.v_proj: {"weight": 0},
-        attn.o_proj: {"weight": 1},
-    }
-    if attn.gate is not None:
-        splits[attn.gate] = {"weight": 0}
+    splits: dict[nn.Module, dict[str, int]] = {}
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.gate):  # [heads * Dh, D]: by heads
+        _split_linear(splits, proj, 0)
+    _split_linear(splits, attn.o_proj, 1)
     for sconv in (attn.sconv_k, attn.sconv_v):
         if sconv is not None:
             splits[sconv] = {"weight": 1}  # [taps, channels]: the channels of this rank's KV heads
     for module in block.modules() if split_mlp else ():
         if isinstance(module, SwiGLU):  # shared experts and dense FFNs, by hidden width
-            splits[module.gate_proj] = splits[module.up_proj] = {"weight": 0}
-            splits[module.down_proj] = {"weight": 1}
+            _split_linear(splits, module.gate_proj, 0)
+            _split_linear(splits, module.up_proj, 0)
+            _split_linear(splits, module.down_proj, 1)
         elif isinstance(module, RoutedExperts):  # [E, in, hidden] and [E, hidden, in], by hidden width
             splits[module] = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+            # Fine-tuning's grouped LoRA, x A_e B_e: B by hidden width going in, A coming out.
+            names = {"lora_B_gate_proj": 2, "lora_B_up_proj": 2, "lora_A_down_proj": 1}
+            splits[module].update({n: d for n, d in names.items() if n in module._parameters})
     return splits
+
+
+def _split_linear(splits: dict, linear: nn.Module | None, dim: int) -> None:
+    """Split `linear`'s weight [out, in] along `dim`. Under a peft LoRA adapter (x A B, scaled) the
+    base layer splits so, and so does B for an output split (A then sees the whole input) or A for an
+    input split (B then adds to the partial sums the base layer leaves): the rest is replicated."""
+    if linear is None:
+        return
+    if not hasattr(linear, "base_layer"):
+        splits[linear] = {"weight": dim}
+        return
+    splits[linear.base_layer] = {"weight": dim}
+    for adapters in (linear.lora_B if dim == 0 else linear.lora_A).values():
+        splits[adapters] = {"weight": dim}
 
 
 # --- the loss on vocabulary shards ----------------------------------------------------------------------
