@@ -132,8 +132,10 @@ def expert_parallel_class(cls: type) -> type:
     """`ExpertParallelExperts` for plain `RoutedExperts`; for a subclass that computes its experts
     its own way (fine-tuning's grouped LoRA), one that dispatches as `ExpertParallelExperts` and
     runs the experts as `cls` does."""
-    if issubclass(cls, ExpertParallelExperts) or cls is RoutedExperts:
-        return ExpertParallelExperts if cls is RoutedExperts else cls
+    if cls is RoutedExperts:
+        return ExpertParallelExperts
+    if issubclass(cls, ExpertParallelExperts):
+        return cls
     if cls not in _EP_CLASSES:
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
     return _EP_CLASSES[cls]
