@@ -166,6 +166,12 @@ def test_sub_config_can_be_a_file_reference(tmp_path):
     for overrides in ([f"--model={qwen}", "--model.num_layers=2"], ["--model.num_layers=2", f"--model={qwen}"]):
         run = load_config(Run, run_file, overrides)
         assert run.model.d_model == 384 and run.model.num_layers == 2 and run.name == "demo", overrides
+    # A whole config (a run's config.yaml) given for a section: that section of it, which is how a
+    # run continues from another run's model (checkpoint.init_from).
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.yaml").write_text(f"name: other\nmodel: {qwen}\n")
+    run = load_config(Run, run_file, [f"--model={tmp_path / 'other' / 'config.yaml'}", "--model.num_layers=2"])
+    assert run.model.d_model == 384 and run.model.num_layers == 2 and run.name == "demo"
     # The same in a file: `include:` in a sub-config's mapping, relative to that file.
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "run.yaml").write_text("model:\n  include: ../model.yaml\n  num_layers: 3\n")

@@ -703,7 +703,8 @@ def test_continued_training_starts_from_another_runs_weights(token_data, tmp_pat
     assert "init_from is not used" in capsys.readouterr().out
     with pytest.raises(
         CheckpointMismatch,
-        match=r"init_from: not a checkpoint of this model: .*; its config.yaml differs at model\.num_layers: 2 -> 3$",
+        match=r"init_from: not a checkpoint of this model: .*; its config.yaml differs at model\.num_layers: 2 -> 3; "
+        r"to train the checkpoint's own model, add --model=.*step-00000004/config\.yaml$",
     ):
         Trainer(train_config(token_data, tmp_path / "other", model={"num_layers": 3}, **later), resume="auto")
 

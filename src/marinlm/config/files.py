@@ -214,18 +214,18 @@ def resolve_file_refs(data: dict[str, Any], base_dir: Path, cls: type) -> dict[s
         if sub is None:
             continue
         try:
-            out[key] = _resolve_sub_config(value, base_dir, sub, tp)
+            out[key] = _resolve_sub_config(value, base_dir, sub, tp, key)
         except ConfigError as e:
             raise e.under(key) from None
     return out
 
 
-def _resolve_sub_config(value: Any, base_dir: Path, cls: type, tp: Any) -> Any:
+def _resolve_sub_config(value: Any, base_dir: Path, cls: type, tp: Any, section: str) -> Any:
     if _is_yaml_ref(value):
-        return _read_sub_config(value, base_dir, cls)
+        return _read_sub_config(value, base_dir, cls, section)
     if isinstance(value, dict) and _is_yaml_ref(value.get("include")):
         rest = {k: v for k, v in value.items() if k != "include"}
-        return merge(_read_sub_config(value["include"], base_dir, cls), resolve_file_refs(rest, base_dir, cls))
+        return merge(_read_sub_config(value["include"], base_dir, cls, section), resolve_file_refs(rest, base_dir, cls))
     if isinstance(value, dict):
         return resolve_file_refs(value, base_dir, cls)
     if isinstance(value, str) and typing.get_origin(tp) in (None, typing.Union, types.UnionType):
@@ -254,9 +254,14 @@ def _find_ref(name: str, base_dir: Path) -> Path:
     return shipped_config(name) or (shipped_config(sibling) if sibling and sibling.parts else None) or ref
 
 
-def _read_sub_config(name: str, base_dir: Path, cls: type) -> dict[str, Any]:
+def _read_sub_config(name: str, base_dir: Path, cls: type, section: str) -> dict[str, Any]:
+    """The file's mapping; from a whole config holding the section (a run's config.yaml for
+    `--model=RUN/config.yaml`), that section."""
     ref = _find_ref(name, base_dir)
-    return resolve_file_refs(read_yaml(ref), ref.parent, cls)
+    data = read_yaml(ref)
+    if section in data and section not in _field_names(cls):
+        return _resolve_sub_config(data[section], ref.parent, cls, cls, section)
+    return resolve_file_refs(data, ref.parent, cls)
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None, kinds=None) -> T:
@@ -286,8 +291,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             data = merge(data, resolved)
             # A file given for a section replaces it (`--model=FILE` is that file's model, not the
             # base's with the file's keys merged in); `--model=FILE --model.x=y` is that file, edited.
-            for path in _file_sections(over):
-                _set_path(data, path, _get_path(resolved, path))
+            for section in _file_sections(over):
+                _set_path(data, section, _get_path(resolved, section))
         except ConfigError as e:
             raise ConfigError(e.key, e.reason + " (set on the command line)") from None
     try:

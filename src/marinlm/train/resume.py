@@ -140,7 +140,10 @@ class ResumeMixin:
         try:
             load_tensors(folder, tensors)
         except CheckpointMismatch as e:
-            hint = _differences_hint(self._config_changes(folder, ("model",)))
+            changes = self._config_changes(folder, ("model",))
+            hint = _differences_hint(changes)
+            if changes:  # a model of another shape: train that model instead
+                hint += f"; to train the checkpoint's own model, add --model={folder / 'config.yaml'}"
             raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}{hint}") from None
         set_model_state_dict(self.model, tensors["model"])
         self.initialized_from = str(folder)
