@@ -103,6 +103,9 @@ class ChatRenderer:
             )
         self.template, self.template_name = template, template_name
         self.hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        # Examples are cut to seq_len after rendering and counted in the report: not the tokenizer's
+        # "longer than the maximum sequence length" warning.
+        self.hf.model_max_length = int(1e30)
 
     def render(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         out = self.hf.apply_chat_template(
