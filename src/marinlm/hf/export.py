@@ -293,9 +293,13 @@ def parity_check(
     hf = AutoModelForCausalLM.from_pretrained(str(out_dir), trust_remote_code=True, dtype=torch.float32).eval()
     hf_class = type(hf).__name__
     if adapter:
+        import warnings
+
         from peft import PeftModel
 
-        hf = PeftModel.from_pretrained(hf, str(out_dir / "adapter")).eval()
+        with warnings.catch_warnings():  # peft reads a property transformers has renamed
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            hf = PeftModel.from_pretrained(hf, str(out_dir / "adapter")).eval()
         hf_class = f"PeftModel({hf_class})"
     vocab = min(ours.config.vocab_size, hf.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
