@@ -383,3 +383,16 @@ def test_a_file_given_for_a_section_replaces_it():
     assert edited.model == replace(qwen, num_layers=2)
     # the rest of the training config stays the file's
     assert swapped.optim == load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml").optim
+
+
+def test_training_eval_tasks_under_a_pipeline_or_tensor_parallel_are_refused_naming_the_key():
+    """They crashed at the first evaluation, after the steps before it (no logits from a pipeline; a
+    collective mismatch in tensor-parallel decoding)."""
+    from marinlm.train.config import TrainConfig
+
+    hook = ["--eval.every_n_steps=4", "--eval.tasks=[hellaswag]"]
+    for layout in ("--parallel.pipeline_parallel=2", "--parallel.tensor_parallel=2"):
+        with pytest.raises(ConfigError) as info:
+            load_config(TrainConfig, None, [*hook, layout])
+        assert info.value.key == "eval.every_n_steps"
+    load_config(TrainConfig, None, [*hook, "--parallel.expert_parallel=2"])

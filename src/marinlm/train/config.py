@@ -173,6 +173,13 @@ class TrainConfig:
     def __post_init__(self):
         check(bool(self.run_dir.strip()), "run_dir", "must name a folder")
         check(
+            not (self.eval.every_n_steps and max(self.parallel.pipeline_parallel, self.parallel.tensor_parallel) > 1),
+            "eval.every_n_steps",
+            "the tasks score with the whole model's logits and decoding caches, which pipeline and tensor "
+            "parallel do not give; set it 0 and run `marinlm eval RUN` on the checkpoints (validation runs "
+            "under every layout)",
+        )
+        check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
             f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.seq_len}",
