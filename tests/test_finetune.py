@@ -238,6 +238,14 @@ def test_what_tensor_parallel_cannot_fine_tune_is_refused_naming_the_key():
         sft_config(lora={"lm_head": True}, parallel={"tensor_parallel": 2})
     assert info.value.key == "lora.lm_head"
     sft_config(lora={"lm_head": True}, parallel={"expert_parallel": 2})  # the head is whole there
+    # QLoRA on several processes failed with bitsandbytes' "quant_state is required" (FSDP2, EP, PP).
+    from marinlm.finetune.config import check_processes
+
+    with pytest.raises(ConfigError) as info:
+        check_processes(sft_config(method="qlora"), 2)
+    assert info.value.key == "method" and "qlora runs in one process, not 2" in str(info.value)
+    check_processes(sft_config(method="qlora"), 1)
+    check_processes(sft_config(method="lora"), 2)
 
 
 def expected_lora_count(config: FinetuneConfig, model) -> int:

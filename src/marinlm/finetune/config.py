@@ -100,3 +100,14 @@ class FinetuneConfig(TrainConfig):
             "lora.lm_head",
             "an adapter on the vocabulary-split LM head is not written for parallel.tensor_parallel; set it false",
         )
+
+
+def check_processes(config: FinetuneConfig, world_size: int) -> None:
+    """Raise ConfigError for a method that cannot run on `world_size` processes: QLoRA's 4-bit
+    weights (bitsandbytes) neither shard under FSDP2 nor split under tensor parallel."""
+    check(
+        config.method != "qlora" or world_size == 1,
+        "method",
+        f"qlora runs in one process, not {world_size}: bitsandbytes' 4-bit weights do not shard under FSDP2 "
+        "or split under tensor parallel; use lora on several",
+    )

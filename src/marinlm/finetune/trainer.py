@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from marinlm.config import ConfigError
 from marinlm.finetune.adapters import apply_method, freeze_router_biases, peft_state, save_peft_adapter
-from marinlm.finetune.config import FinetuneConfig
+from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
 from marinlm.finetune.loading import base_checkpoint, load_base_weights
 from marinlm.model.loss import IGNORE_INDEX
@@ -138,12 +138,7 @@ class FinetuneTrainer(Trainer):
     # --- model ----------------------------------------------------------------------------------
 
     def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.config.method == "qlora" and self.info.world_size > 1:
-            raise ConfigError(
-                "method",
-                f"qlora runs in one process, not {self.info.world_size}: bitsandbytes' 4-bit weights do not "
-                "shard under FSDP2 or split under tensor parallel; use lora on several",
-            )
+        check_processes(self.config, self.info.world_size)
         load_base_weights(model, self.base_folder)
         total = sum(p.numel() for p in model.parameters())  # the base's, before 4-bit packing halves numel()
         self.adapt_info = apply_method(model, self.config)
