@@ -173,6 +173,11 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     out = capsys.readouterr().out
     assert f"resuming the training that was stopped at step 40 of {planned}" in out, out[-2000:]
     assert "replacing the earlier training run" not in out and "s/step measured" not in out
+    # A resumed run keeps its plan, unless the host slowed so much that the rest no longer fits the
+    # time left: then it is only shortened (a fresh-clone `make test` here did so once, to 231 steps).
+    shortened = re.findall(r"the host slowed to [\d.]+ s/step over steps \d+-\d+: shortened from \d+ to (\d+)", out)
+    assert "lengthened" not in out
+    planned = int(shortened[-1]) if shortened else planned
     text = report.read_text()
     precision, passes, tokens = re.search(
         rf"Training \((.+?)\): {planned} steps, resumed at step 40, ([\d.]+) passes over the ([\d,]+) ", text
