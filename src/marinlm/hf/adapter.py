@@ -19,26 +19,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from marinlm.hf.export import MANIFEST, ExportReport, export
-from marinlm.utils.io import sha256_file, write_json_atomic
+from marinlm.hf.export import MANIFEST, ExportReport, export, manifest_entry
+from marinlm.utils.io import write_json_atomic
 
 ADAPTER_DIR = "adapter"
 PREFIX = "base_model.model."  # peft's name for the model it wraps
 HF_PREFIX = "model."  # where MarinHFForCausalLM holds marinlm's model
 
 
-def export_adapter(
-    source: str | Path,
-    out_dir: str | Path,
-    *,
-    fmt: str = "auto",
-    dtype: str | None = None,
-    max_shard_size: str | int = "2GB",
-    overwrite: bool = False,
-    quiet: bool = False,
-) -> ExportReport:
+def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto", **options) -> ExportReport:
     """Write the base of fine-tuning run (or checkpoint) `source` to `out_dir` and its adapter to
-    `out_dir/adapter`, both listed in the export's checksum manifest."""
+    `out_dir/adapter`, both listed in the export's checksum manifest. `options`: `export`'s."""
     from marinlm.finetune.adapters import dequantize_base, merge_adapters, peft_state, save_peft_adapter
     from marinlm.finetune.loading import adapted_model, is_finetune_config, save_plain_run
     from marinlm.train.checkpoint import resolve_checkpoint
@@ -62,9 +53,7 @@ def export_adapter(
     dequantize_base(model)
     with tempfile.TemporaryDirectory() as tmp:
         base = save_plain_run(model.float(), config, folder, Path(tmp) / "base", "adapter_base_of")
-        report = export(
-            base, out_dir, fmt="remote", dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet
-        )
+        report = export(base, out_dir, fmt="remote", **options)
     staging = report.out_dir / f".{ADAPTER_DIR}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     targets = [HF_PREFIX + name for name in info["lora_targets"]]
@@ -72,7 +61,7 @@ def export_adapter(
     staging.rename(report.out_dir / ADAPTER_DIR)
     manifest = json.loads((report.out_dir / MANIFEST).read_text())
     for path in sorted((report.out_dir / ADAPTER_DIR).iterdir()):
-        manifest["files"][f"{ADAPTER_DIR}/{path.name}"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        manifest["files"][f"{ADAPTER_DIR}/{path.name}"] = manifest_entry(path)
     manifest.update(checkpoint=str(folder.resolve()), adapter=ADAPTER_DIR, method=config.method)
     write_json_atomic(report.out_dir / MANIFEST, manifest)
     report.checkpoint = folder

@@ -246,7 +246,7 @@ def export(
         (tmp / "modeling_marin.py").write_text(modeling_source(__version__))
         (tmp / "configuration_marin.py").write_text(configuration_source())
 
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
+    files = {p.name: manifest_entry(p) for p in sorted(tmp.iterdir())}
     state = json.loads((folder / "trainer_state.json").read_text())
     manifest = {"format": fmt, "checkpoint": str(folder.resolve()), "step": state.get("step"), "files": files}
     write_json_atomic(tmp / MANIFEST, manifest)
@@ -256,6 +256,11 @@ def export(
     tmp.rename(out_dir)
     total = sum(f["bytes"] for n, f in files.items() if n.endswith(".safetensors"))
     return ExportReport(out_dir, fmt, folder, len(plan), len(split.filename_to_tensors), total, largest)
+
+
+def manifest_entry(path: Path) -> dict:
+    """A file's line in the export's checksum manifest."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def verify(out_dir: str | Path) -> list[str]:
