@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from marinlm.data.records import original_id, repeat_id
 from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
 from marinlm.dataset.loader import MixturePhaseConfig, TokenLoader, open_sources
 from marinlm.dataset.packing import PackedSource
@@ -111,6 +112,38 @@ def test_a_fraction_that_holds_out_no_document_is_raised_to_hold_out_one():
     many = [f"doc-{i}" for i in range(500)]
     assert fraction_holding_out_one(many, 0, 0.02) == 0.02
     assert fraction_holding_out_one(ids[:1], 0, 0.02) == 0.02 and fraction_holding_out_one([], 0, 0.02) == 0.02
+
+
+def test_a_mixtures_repeated_copies_are_held_out_with_their_original(tmp_path, tok_dir):
+    """Curation's mixture upsamples a source by writing copies `ID#repeatK`. Their ids hashed apart,
+    so most held-out documents had a copy in training (20 of 21 on the shared corpora): validation
+    scored text the model had seen. All copies now fall on the side of their original."""
+    copies = 3
+    with open(tmp_path / "mixed.jsonl", "w") as f:
+        for i in range(60):
+            for k in range(copies):
+                doc_id = repeat_id(f"d{i}", k) if k else f"d{i}"
+                f.write(
+                    json.dumps({"id": doc_id, "text": f"document {i}: " + SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]}) + "\n"
+                )
+    config = TokenizeConfig(
+        inputs=[str(tmp_path / "mixed.jsonl")],
+        tokenizer=str(tok_dir),
+        output_dir=str(tmp_path / "tokens"),
+        val_fraction=0.2,
+        workers=1,
+    )
+    manifest = tokenize(config, progress=False)
+    held = sum(is_validation(f"d{i}", 0, 0.2) for i in range(60))
+    assert 0 < held < 60 and manifest["val_docs"] == copies * held
+    assert original_id("d7#repeat2") == "d7" and original_id("d7#repeat") == "d7#repeat"
+    # A small corpus's raised fraction holds out the lowest document with its copies, and stays short.
+    ids = [f"doc-{i}" for i in range(5)]
+    lowest = min(ids, key=lambda i: split_key(i, 0))
+    ids += [repeat_id(lowest, 1), repeat_id(lowest, 2)]
+    raised = fraction_holding_out_one(ids, 0, 0.02)
+    assert [i for i in ids if is_validation(i, 0, raised)] == [lowest, repeat_id(lowest, 1), repeat_id(lowest, 2)]
+    assert float(f"{raised:.2g}") == raised
 
 
 def test_the_fraction_that_holds_out_one_is_short_but_never_holds_out_two(monkeypatch):

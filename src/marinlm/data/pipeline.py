@@ -36,7 +36,7 @@ from marinlm.data.inputs import expand_inputs, input_note
 from marinlm.data.normalize import LanguageId, Normalize
 from marinlm.data.pii import MaskPII
 from marinlm.data.readers import Document, document_location, input_parts, read_documents, whole_file_reason
-from marinlm.data.records import doc_record, read_records, write_records  # noqa: E402,F401
+from marinlm.data.records import doc_record, read_records, repeat_id, write_records  # noqa: E402,F401
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
 from marinlm.utils.pool import process_map, ray_map
@@ -212,7 +212,7 @@ def run_write(task: dict) -> dict:
         for k in range(int(plan["repeats"][i])):
             record = doc_record(doc)
             if k:
-                record["id"] = f"{doc.id}#repeat{k}"
+                record["id"] = repeat_id(doc.id, k)
             by_folder.setdefault(folder, []).append(record)
     ctx.close()
     output = [r for records in by_folder.values() for r in records]

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 from marinlm.data.readers import Document
 from marinlm.utils.io import atomic_path
+
+REPEAT = re.compile(r"#repeat\d+$")
+
+
+def repeat_id(doc_id: str, k: int) -> str:
+    """The id of the k-th extra copy of a document that the mixture upsamples."""
+    return f"{doc_id}#repeat{k}"
+
+
+def original_id(doc_id: str) -> str:
+    """The id a repeated copy was made from: the train/val split keys on it, so that every copy of a
+    document falls on the same side and validation never scores text that training saw."""
+    return REPEAT.sub("", doc_id)
 
 
 def doc_record(doc: Document) -> dict:

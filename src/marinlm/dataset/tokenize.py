@@ -23,6 +23,7 @@ import numpy as np
 
 from marinlm.config import check
 from marinlm.data.readers import input_parts
+from marinlm.data.records import original_id
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, copy_folder_atomic, job_output, named, sha256_file, write_json_atomic
 from marinlm.utils.pool import check_executor, process_map, ray_map
@@ -61,8 +62,9 @@ class TokenizeConfig:
 
 
 def split_key(doc_id: str, seed: int) -> float:
-    """hash(seed, id) as a uniform number in [0, 1): a document is held out when it is below the fraction."""
-    digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8).digest()
+    """hash(seed, id) as a uniform number in [0, 1): a document is held out when it is below the
+    fraction. A mixture's repeated copies hash as their original, so they are held out together."""
+    digest = hashlib.blake2b(f"{seed}\x00{original_id(doc_id)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
@@ -73,10 +75,11 @@ def is_validation(doc_id: str, seed: int, fraction: float) -> bool:
 
 def fraction_holding_out_one(doc_ids: Iterable[str], seed: int, fraction: float) -> float:
     """`fraction`, or, where it holds out none of `doc_ids`, the smallest fraction that holds out
-    one: the document with the lowest key, and no other. A small corpus (a few dozen documents at
-    2%) then still has a validation document, chosen by the same hash, so the split stays
-    deterministic. With fewer than two documents there is nothing to spare for it: `fraction`."""
-    keys = sorted(split_key(doc_id, seed) for doc_id in doc_ids)
+    one: the document with the lowest key (with a mixture's copies of it), and no other. A small
+    corpus (a few dozen documents at 2%) then still has a validation document, chosen by the same
+    hash, so the split stays deterministic. With fewer than two documents there is nothing to spare
+    for it: `fraction`."""
+    keys = sorted(split_key(doc_id, seed) for doc_id in {original_id(doc_id) for doc_id in doc_ids})
     if len(keys) < 2 or keys[0] < fraction:
         return fraction
     # A short decimal above the lowest key and not above the next (a document is held out when
