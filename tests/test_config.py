@@ -110,7 +110,7 @@ def test_errors_say_whether_the_file_or_the_command_line_set_the_key(tmp_path):
     from marinlm.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"data.sources\[0\].weight: .* \(set on the command line\)$"):
-        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--data.sources=[{path: x, weight: 0}]"])
+        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--data.sources=[{path: x, weight: -1}]"])
     bad = tmp_path / "bad.yaml"
     bad.write_text(path.read_text().replace("top_k: 2", "top_k: 999"))
     with pytest.raises(ConfigError, match=r"moe.top_k: .*bad.yaml\)$"):

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from marinlm.config import ConfigError
 from marinlm.data.records import original_id, repeat_id
 from marinlm.dataset import DataConfig, ShardError, SourceConfig, TokenDataset, build_loader, validation_batches
 from marinlm.dataset.loader import MixturePhaseConfig, TokenLoader, open_sources
@@ -440,6 +441,16 @@ def test_mixture_proportions_and_seeds(dataset, tmp_path, tok_dir):
     assert counts[19] == [120, 40]  # 160 rows of phase 0 at 3:1
     assert [b[1] - a[1] for a, b in zip(counts[19:], counts[20:])] == [6] * 5  # 2:6 in every batch after
     assert counts[-1] == [130, 70]
+    # A source may wait at weight 0 for a later phase (a recipe's top levels); all at 0 is an error.
+    waiting = DataConfig(
+        sources=[SourceConfig(path=s.path, weight=w) for s, w in zip(config.sources, [1.0, 0.0])],
+        seq_len=16,
+        mixture_phases=[phase],
+    )
+    waits = build_loader(waiting, global_batch=8, rows_per_step=16)
+    assert collect(waits, 20) and waits.state_dict()["counts"] == [160, 0]
+    with pytest.raises(ConfigError, match=r"sources: the weights must have a positive sum, got \[0.0, 0.0\]"):
+        DataConfig(sources=[SourceConfig(path=s.path, weight=0.0) for s in config.sources])
     # What the trainer plans (the epochs it reports and records) follows the phases too.
     assert loader.planned_rows(200).tolist() == [130, 70]
     assert loader.planned_rows(400).tolist() == [180, 220]  # 3:1 over 160 rows, then 1:3 over 240

@@ -32,10 +32,10 @@ from marinlm.dataset.shards import EmptySplitError, ShardError, TokenDataset
 @dataclass(kw_only=True)
 class SourceConfig:
     path: str  # a `marinlm tokenize` output folder
-    weight: float = 1.0
+    weight: float = 1.0  # 0 leaves it out until a mixture phase weights it (it is still validated on)
 
     def __post_init__(self):
-        check(self.weight > 0, "weight", f"must be positive, got {self.weight}")
+        check(self.weight >= 0, "weight", f"must be >= 0, got {self.weight}")
 
 
 @dataclass(kw_only=True)
@@ -83,6 +83,11 @@ class DataConfig:
         check(self.verify in ("size", "full"), "verify", f"must be 'size' or 'full', got {self.verify!r}")
         check(self.read_retries >= 0, "read_retries", f"must be >= 0, got {self.read_retries}")
         check(self.read_backoff_s >= 0, "read_backoff_s", f"must be >= 0, got {self.read_backoff_s}")
+        check(
+            not self.sources or sum(s.weight for s in self.sources) > 0,
+            "sources",
+            f"the weights must have a positive sum, got {[s.weight for s in self.sources]}",
+        )
         for i, phase in enumerate(self.mixture_phases):
             check(
                 len(phase.weights) == len(self.sources),
@@ -171,15 +176,16 @@ class TokenLoader:
         """Passes over each source that the first `total_rows` global rows make."""
         return [float(n / s.rows_per_epoch) for n, s in zip(self.planned_rows(total_rows), self.sources, strict=True)]
 
-    def _phase(self, rows_done: int) -> int:
+    def phase_at(self, rows_done: int) -> int:
+        """The phase (0 = `sources`' weights, k = `mixture_phases[k-1]`) that draws the next row."""
         return max(i for i, (row, _) in enumerate(self.phases) if row <= rows_done)
 
     def _specs(self) -> Iterator:
         rows_done, counts, base = self.rows_consumed, self.counts.copy(), self.phase_start_counts.copy()
         per_rank = self.global_batch // self.world_size
-        phase = self._phase(rows_done)
+        phase = self.phase_at(rows_done)
         while True:
-            if (now := self._phase(rows_done)) != phase:  # a new phase: its rule counts its own rows only
+            if (now := self.phase_at(rows_done)) != phase:  # a new phase: its rule counts its own rows only
                 phase, base = now, counts.copy()
             choices, new_in_phase = webster_assign(self.phases[phase][1], counts - base, self.global_batch)
             new_counts = base + new_in_phase
