@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marinlm.config import save_config, to_dict
+from marinlm.dataset.loader import source_names
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
 from marinlm.train.run import Trainer, run_training
@@ -1143,9 +1144,10 @@ def test_a_rank_that_cannot_write_fails_every_rank_instead_of_hanging(tmp_path, 
     assert list((tmp_path / "ckpts").iterdir()) == []  # the partial folder is gone
 
 
-def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path):
+def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path, capsys):
     """data.mixture_phases start at optimizer steps, whatever the micro-batching: here a step is two
-    micro-batches of 2 rows, and from step 2 on only the second source is drawn."""
+    micro-batches of 2 rows, and from step 2 on only the second source is drawn. The run says so,
+    and logs each source's share of the rows and the passes read over it."""
     config = train_config(
         token_data,
         tmp_path / "run",
@@ -1154,11 +1156,23 @@ def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path):
             "mixture_phases": [{"start_step": 2, "weights": [0, 1]}],
         },
         train={"steps": 4, "micro_batch": 2},
+        logging={"every_steps": 1},
     )
     trainer = Trainer(config, resume="none")
-    trainer.fit()
+    summary = trainer.fit()
     trainer.close()
     assert trainer.loader.state_dict()["counts"] == [4, 12]  # 1:1 over steps 0-1, then 0:1
+    a, b = source_names(config.data)
+    said = f"[step 2] data: the mixture of data.mixture_phases[0] from here on: {a} 0%, {b} 100%"
+    assert said in capsys.readouterr().out
+    assert [e for e in summary["events"] if e["event"] == "mixture_phase"] == [
+        {"step": 2, "event": "mixture_phase", "phase": 1, "weights": [0.0, 1.0]}
+    ]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares = [(m[f"data/{a}/share"], m[f"data/{b}/share"]) for m in logged if f"data/{a}/share" in m]
+    assert shares == [(0.5, 0.5), (0.5, 0.5), (0.0, 1.0), (0.0, 1.0)]
+    rows = trainer.loader.sources[0].rows_per_epoch
+    assert [m[f"data/{b}/epochs"] for m in logged if f"data/{b}/epochs" in m][-1] == 12 / rows
 
 
 def _train_on_two_ranks(rank: int, port: int, config: str, out: str) -> None:

@@ -11,12 +11,6 @@ from marinlm.dataset.loader import build_loader, open_dataset, validation_source
 from marinlm.train.provenance import copy_tokenizer, data_record, software_environment
 from marinlm.utils.io import write_json_atomic, write_text_atomic
 
-# A run whose training loop lasted this long measures the matmul peak again at its end and takes
-# MFU against the higher of the two measurements: a 1 s measurement at the start can fall on a
-# moment when the host is busy (on the 2-core dev VM one start measured ~112 GFLOP/s against
-# 175-193 in every other run, and the run reported 58% MFU where 33% was true).
-REMEASURE_PEAK_AFTER_S = 60.0
-
 
 class TrainingData:
     def _open_data(self) -> None:

@@ -113,9 +113,15 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple[str, float] | None = None) -> Path:
-    """Train and validation loss (and each source's, where several) against step, as a PNG (with an
-    optional labelled horizontal line)."""
+def plot_loss(
+    metrics: list[dict],
+    path: str | Path,
+    title: str,
+    baseline: tuple[str, float] | None = None,
+    marks: list[tuple[str, int]] = (),
+) -> Path:
+    """Train and validation loss (and each source's, where several) against step, as a PNG, with an
+    optional labelled horizontal line and labelled steps (where a mixture phase began)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +149,9 @@ def plot_loss(metrics: list[dict], path: str | Path, title: str, baseline: tuple
         ax.plot(*zip(*points), marker=".", linestyle=":", label=f"validation loss: {name}")
     if baseline is not None:
         ax.axhline(baseline[1], color="grey", linestyle="--", label=f"{baseline[0]} ({baseline[1]:.2f})")
+    for label, step in marks:
+        ax.axvline(step, color="grey", linestyle="-.", linewidth=0.8)
+        ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)

@@ -3,22 +3,19 @@ profiler."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import torch
 from tqdm import tqdm
 
+from marinlm.dataset.loader import TokenLoader, source_names
 from marinlm.parallel.expert_parallel import expert_traffic
-from marinlm.train.metrics import router_metrics
+from marinlm.train.metrics import plot_loss, router_metrics
 from marinlm.train.step import (
     StepResult,
     param_norm,
 )
-
-# A run whose training loop lasted this long measures the matmul peak again at its end and takes
-# MFU against the higher of the two measurements: a 1 s measurement at the start can fall on a
-# moment when the host is busy (on the 2-core dev VM one start measured ~112 GFLOP/s against
-# 175-193 in every other run, and the run reported 58% MFU where 33% was true).
-REMEASURE_PEAK_AFTER_S = 60.0
 
 
 class Reporting:
@@ -55,7 +52,51 @@ class Reporting:
         if self.device.type == "cuda":
             scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
         router_scalars, histograms = router_metrics(r.router_stats)
-        self.sinks.log(self.step, scalars | router_scalars | traffic, histograms)
+        self.sinks.log(self.step, scalars | router_scalars | traffic | self._mixture_scalars(), histograms)
+
+    def _mark_data_position(self) -> None:
+        """Where the data stands as the loop starts (after a resume): mixture metrics count from here."""
+        if isinstance(self.loader, TokenLoader):
+            self._counts_logged = self.loader.counts.copy()
+            self._phase_said = self.loader.phase_at(self.loader.rows_consumed)
+
+    def _mixture_scalars(self) -> dict[str, float]:
+        """With several sources: each one's share of the rows drawn since the last log, and how many
+        passes over it have been read, so that a weighted or phased mixture is seen doing as told."""
+        loader = self.loader
+        if not isinstance(loader, TokenLoader) or len(loader.sources) < 2:
+            return {}
+        counts = loader.counts.copy()
+        since = counts - self._counts_logged
+        self._counts_logged = counts
+        scalars, names = {}, source_names(self.config.data)
+        for name, drawn, total, source in zip(names, since, counts, loader.sources, strict=True):
+            if since.sum() > 0:  # not after a rollback to an earlier position
+                scalars[f"data/{name}/share"] = drawn / since.sum()
+            scalars[f"data/{name}/epochs"] = total / source.rows_per_epoch
+        return scalars
+
+    def _phase_hook(self, result: StepResult) -> None:
+        """Says when `data.mixture_phases` switches the weights, after the last step of the old ones."""
+        loader = self.loader
+        if not isinstance(loader, TokenLoader) or len(loader.phases) == 1:
+            return
+        phase = loader.phase_at(loader.rows_consumed)
+        if phase != self._phase_said:
+            weights = loader.phases[phase][1] / loader.phases[phase][1].sum()
+            shares = ", ".join(f"{n} {w:.0%}" for n, w in zip(source_names(self.config.data), weights, strict=True))
+            which = f"data.mixture_phases[{phase - 1}]" if phase else "data.sources' weights"
+            self._log_event(f"data: the mixture of {which} from here on: {shares}")
+            self.events.append(
+                {"step": self.step, "event": "mixture_phase", "phase": phase, "weights": weights.tolist()}
+            )
+        self._phase_said = phase
+
+    def _plot_loss(self, records: list[dict]) -> Path:
+        """RUN/loss.png, marking the steps where the run's mixture phases began."""
+        phases = self.config.data.mixture_phases if isinstance(self.loader, TokenLoader) else []
+        marks = [(f"mixture_phases[{i}]", p.start_step) for i, p in enumerate(phases) if p.start_step <= self.step]
+        return plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}", marks=marks)
 
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation at `tokens_per_s` (all ranks together) against the measured peak."""

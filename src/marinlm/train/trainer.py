@@ -39,7 +39,7 @@ from marinlm.train.checkpoint import (
 )
 from marinlm.train.config import TrainConfig
 from marinlm.train.data_hooks import TrainingData
-from marinlm.train.metrics import MetricSinks, plot_loss, read_metrics
+from marinlm.train.metrics import MetricSinks, read_metrics
 from marinlm.train.provenance import check_training_memory
 from marinlm.train.reporting import Reporting
 from marinlm.train.resume import ResumeMixin
@@ -202,6 +202,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             self.add_hook(self.validate, every=c.validation.every_steps)
         if c.checkpoint.every_steps:
             self.add_hook(lambda result: self.save_checkpoint(), every=c.checkpoint.every_steps)
+        self.add_hook(self._phase_hook, every=1)
         self._last_result: StepResult | None = None
         self._data_wait = 0.0
 
@@ -342,6 +343,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         c = self.config
         start_time, first_step = time.perf_counter(), self.step
         batches = iter(self.loader)
+        self._mark_data_position()
         bar = progress_bar(
             total=c.train.steps,
             initial=self.step,
@@ -473,7 +475,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             summary["peak_dtype"] = "bf16" if self.peak_dtype == torch.bfloat16 else "fp32"
             summary["median_mfu"] = self.mfu(summary["median_tokens_per_s"]) if rates else None
             if records:
-                summary["loss_plot"] = str(plot_loss(records, self.run_dir / "loss.png", f"marinlm: {self.run_dir}"))
+                summary["loss_plot"] = str(self._plot_loss(records))
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 
