@@ -150,6 +150,7 @@ def grouped_and_peft(E=4, D=16, F=8, r=4, alpha=8.0):
     experts.add_lora(r, alpha, 0.0)
     with torch.no_grad():
         for name, p in experts.named_parameters():
+            p.requires_grad_("lora_" in name)  # the base frozen, as apply_method leaves it
             if "lora_" in name:
                 p.normal_(0, 0.3)
     box = ExpertsBox(experts)
@@ -377,6 +378,37 @@ def test_finetuning_lowers_the_held_out_answer_loss(tmp_path, base_run, method, 
     else:
         assert main(["export", str(run), str(hf), "--adapter"]) != 0
         assert "trains no adapter" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_routers_and_norms_that_lora_trains_travel_in_the_adapter(tmp_path, base_run, capsys):
+    """With lora.train_router and train_norms, RUN/adapter held the LoRA factors only, and the
+    exported --adapter base carried the trained routers and norms: neither was the pair peft
+    users expect. Both now go in the adapter as peft's modules_to_save, over the base run's base."""
+    from safetensors.torch import load_file
+
+    from marinlm.cli import main
+    from marinlm.train.inference import load_model
+
+    files = gsm8k_slice(tmp_path, 16, 4)
+    run = tmp_path / "run"
+    extra = {"optim.lr": 1e-2, "lora.r": 4, "lora.train_router": "true", "lora.train_norms": "true"}
+    config_file = CONFIGS / "finetune" / "gsm8k-lora.yaml"
+    assert main(["finetune", str(config_file), *finetune_args(base_run, files, run, "lora", steps=3, **extra)]) == 0
+    saved = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert {"layers.0.mlp.router", "layers.1.attn_norm.0", "final_norm.0"} <= set(saved["modules_to_save"])
+    tensors = load_file(run / "adapter" / "adapter_model.safetensors")
+    base = load_model(base_run).model.state_dict()
+    trained = tensors["base_model.model.layers.0.mlp.router.weight"]
+    assert not torch.equal(trained, base["layers.0.mlp.router.weight"])  # it trained
+    hf = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export", str(run), str(hf), "--adapter", "--check"]) == 0
+    assert "greedy decoding the same" in capsys.readouterr().out
+    exported = load_file(hf / "model.safetensors")
+    assert torch.equal(exported["model.layers.0.mlp.router.weight"], base["layers.0.mlp.router.weight"])
+    assert torch.equal(exported["model.final_norm.0.weight"], base["final_norm.0.weight"])
+    assert "model.final_norm.0" in json.loads((hf / "adapter" / "adapter_config.json").read_text())["modules_to_save"]
 
 
 @pytest.mark.slow

@@ -240,16 +240,28 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).cpu()
 
 
+def whole_trained_modules(model: nn.Module) -> list[str]:
+    """The modules that train whole beside the LoRA factors (`lora.train_router`, `train_norms`)."""
+    names = {n.rpartition(".")[0] for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    return sorted(names)
+
+
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors as peft names and lays them out: linear layers as
     `base_model.model.<module>.lora_A.weight`; each experts stack as the ParamWrappers that peft's
     `target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"]` nests (gate
-    innermost), A [E*r, in] and B [out, r*E], so peft loads our grouped adapters as its own."""
+    innermost), A [E*r, in] and B [out, r*E], so peft loads our grouped adapters as its own. Modules
+    trained whole (routers, norms) go as `base_model.model.<module>.<name>`, their buffers too: peft's
+    layout of `modules_to_save`."""
     out = {}
     for name, p in model.named_parameters():
         if ".lora_A.default." in name or ".lora_B.default." in name:
             key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
             out[f"base_model.model.{key}"] = _whole(p).contiguous()
+    modules = dict(model.named_modules())
+    for name in whole_trained_modules(model):  # with their buffers (a router's bias), as peft saves them
+        for key, tensor in modules[name].state_dict().items():
+            out[f"base_model.model.{name}.{key}"] = _whole(tensor).clone()  # a copy: export restores the base
     for name, module in model.named_modules():
         if not isinstance(module, GroupedLoraExperts):
             continue
@@ -264,7 +276,7 @@ def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_peft_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """The inverse of `peft_state`, into a model adapted by `apply_method`."""
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, module in model.named_modules():
         if not isinstance(module, GroupedLoraExperts):
             continue
@@ -320,6 +332,13 @@ def peft_twin(box: ExpertsBox) -> nn.Module:
     return twin
 
 
+def modules_to_save(state: dict[str, torch.Tensor]) -> list[str]:
+    """The modules whose trained tensors `state` holds whole (not as LoRA factors), by full name: peft
+    matches `modules_to_save` against the ends of module names, so a full name picks one module."""
+    whole = [key.removeprefix("base_model.model.") for key in state if ".lora_" not in key]
+    return sorted({key.rpartition(".")[0] for key in whole})
+
+
 def save_peft_adapter(
     state: dict[str, torch.Tensor], info: dict, folder: Path, base: str, target_modules: list[str] | None = None
 ) -> None:
@@ -339,5 +358,6 @@ def save_peft_adapter(
         data["target_modules"] = sorted(target_modules) or None
     if any(".experts." in k and ".lora_A." in k for k in state):
         data["target_parameters"] = [f"experts.{p}" for p in EXPERT_PROJECTIONS]
+    data["modules_to_save"] = modules_to_save(state) or None
     (folder / "adapter_config.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -28,6 +28,29 @@ def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
     set_model_state_dict(model, tensors["model"])
 
 
+def base_of(folder: Path, config: FinetuneConfig) -> Path:
+    """The base checkpoint that fine-tuning checkpoint `folder` was trained from."""
+    state = json.loads((folder / "trainer_state.json").read_text())
+    base = Path(state.get("base_checkpoint") or base_checkpoint(config))
+    if not base.is_dir():
+        raise FileNotFoundError(f"{folder}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
+    return base
+
+
+@torch.no_grad()
+def restore_base(model: torch.nn.Module, folder: Path, modules: list[str]) -> None:
+    """Every tensor of `modules` (parameters and buffers) of a plain model back to base checkpoint
+    `folder`'s values. The load reads a copy of the whole model: DCP's structure check wants it."""
+    if not modules:
+        return
+    state = get_model_state_dict(model)
+    tensors = {"model": {k: v.clone() for k, v in state.items()}}
+    load_tensors(folder, tensors)
+    for key, tensor in state.items():
+        if key.rpartition(".")[0] in modules:
+            tensor.copy_(tensors["model"][key])
+
+
 def is_finetune_config(path: Path) -> bool:
     import yaml
 
@@ -42,10 +65,7 @@ def adapted_model(folder: Path):
     from marinlm.model import MarinForCausalLM
 
     config = load_config(FinetuneConfig, folder / "config.yaml")
-    state = json.loads((folder / "trainer_state.json").read_text())
-    base = Path(state.get("base_checkpoint") or base_checkpoint(config))
-    if not base.is_dir():
-        raise FileNotFoundError(f"{folder}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
+    base = base_of(folder, config)
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)
     model.to_empty(device="cpu")

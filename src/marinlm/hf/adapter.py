@@ -6,7 +6,9 @@ The base is the model the adapters were trained on: the base run's weights, for 
 from NF4 as training computed with them. It is exported in the remote-code format, which keeps
 marinlm's module names under the wrapper's `model.`: the adapter's keys are peft's for that tree,
 and the routed experts' grouped adapters load as peft's `target_parameters` LoRA. (Native
-Qwen3-MoE renames the modules and splits the experts into a linear layer each.)
+Qwen3-MoE renames the modules and splits the experts into a linear layer each.) Routers or norms
+that the run trained (`lora.train_router`, `lora.train_norms`) travel in the adapter, as peft's
+`modules_to_save`; the base keeps the base run's.
 
     base = AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
     model = PeftModel.from_pretrained(base, f"{OUT}/adapter")
@@ -30,8 +32,14 @@ HF_PREFIX = "model."  # where MarinHFForCausalLM holds marinlm's model
 def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto", **options) -> ExportReport:
     """Write the base of fine-tuning run (or checkpoint) `source` to `out_dir` and its adapter to
     `out_dir/adapter`, both listed in the export's checksum manifest. `options`: `export`'s."""
-    from marinlm.finetune.adapters import dequantize_base, merge_adapters, peft_state, save_peft_adapter
-    from marinlm.finetune.loading import adapted_model, is_finetune_config, save_plain_run
+    from marinlm.finetune.adapters import (
+        dequantize_base,
+        merge_adapters,
+        peft_state,
+        save_peft_adapter,
+        whole_trained_modules,
+    )
+    from marinlm.finetune.loading import adapted_model, base_of, is_finetune_config, restore_base, save_plain_run
     from marinlm.train.checkpoint import resolve_checkpoint
 
     folder = resolve_checkpoint(source)
@@ -49,8 +57,10 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
             "export it merged, without --adapter"
         )
     state = {PREFIX + HF_PREFIX + key.removeprefix(PREFIX): t for key, t in peft_state(model).items()}
+    trained_whole = whole_trained_modules(model)
     merge_adapters(model, fold=False)
     dequantize_base(model)
+    restore_base(model, base_of(folder, config), trained_whole)  # the routers or norms it trained: in the adapter
     with tempfile.TemporaryDirectory() as tmp:
         base = save_plain_run(model.float(), config, folder, Path(tmp) / "base", "adapter_base_of")
         report = export(base, out_dir, fmt="remote", **options)
