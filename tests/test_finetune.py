@@ -545,3 +545,67 @@ def test_tokenizer_template_adds_a_template_and_special_tokens_keeping_every_id(
         main(["tokenizer", "template", str(tok_dir), "--add-special-tokens", "<|user|>", "--out", str(tmp_path / "x")])
         == 2
     )
+
+
+def test_a_larger_vocab_takes_the_base_rows_and_starts_new_rows_at_their_mean(tmp_path, base_run):
+    """--model.vocab_size above the base's makes room for the tokens sft.tokenizer adds, as
+    transformers' resize_token_embeddings does; a smaller one, or too little room, is an error
+    that names the size to set."""
+    from marinlm.finetune.loading import load_base_weights
+    from marinlm.train.inference import load_model
+
+    base = load_model(base_run).model.state_dict()
+    config = replace(load_model(base_run).config.model, vocab_size=1024)
+    model = build(config, seed=1)
+    load_base_weights(model, base_run / "checkpoints" / "step-00000000")
+    for key in ("embed.weight", "lm_head.weight"):
+        grown = model.state_dict()[key]
+        assert grown.shape[0] == 1024 and torch.equal(grown[:896], base[key])
+        torch.testing.assert_close(grown[896:], base[key].mean(0).expand(128, -1))
+    with pytest.raises(ValueError, match="model.vocab_size 512 is smaller than the base's 896"):
+        load_base_weights(build(replace(config, vocab_size=512), seed=1), base_run / "checkpoints" / "step-00000000")
+
+
+@pytest.mark.slow
+def test_new_special_tokens_train_their_rows_and_export_with_the_adapter(tmp_path, base_run, capsys):
+    """A tokenizer with a new turn-end token, a vocabulary grown for it, and LoRA that trains the
+    embedding and the LM head whole: the new token's rows learn, and the adapter (with them as peft's
+    modules_to_save) over the exported base computes what the merged model does."""
+    from safetensors.torch import load_file
+
+    from marinlm.cli import main
+    from marinlm.finetune.trainer import frozen_new_rows
+    from marinlm.train.checkpoint import checkpoint_tokenizer, resolve_checkpoint
+    from marinlm.train.inference import load_model
+
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        CHAT_TEMPLATE.replace("'<|end|>' }}{% endgeneration %}", "'<|end|><|tool|>' }}{% endgeneration %}")
+    )
+    ext = tmp_path / "ext"
+    base_tok = checkpoint_tokenizer(resolve_checkpoint(base_run))
+    args = ["tokenizer", "template", str(base_tok), "--template", str(template), "--add-special-tokens", "<|tool|>"]
+    assert main([*args, "--out", str(ext)]) == 0
+    tool = MarinTokenizer.load(ext).special_ids["<|tool|>"]
+    files = gsm8k_slice(tmp_path, 16, 4)
+    run = tmp_path / "run"
+    extra = {"optim.lr": 1e-2, "lora.r": 4, "sft.tokenizer": str(ext), "model.vocab_size": 1024}
+    capsys.readouterr()
+    config_file = CONFIGS / "finetune" / "gsm8k-lora.yaml"
+    assert main(["finetune", str(config_file), *finetune_args(base_run, files, run, "lora", steps=1, **extra)]) == 0
+    assert "sft.tokenizer adds 1 token(s) whose embedding and LM-head rows stay frozen" in capsys.readouterr().out
+    extra["lora.train_embeddings"] = "true"
+    run = tmp_path / "run2"
+    assert main(["finetune", str(config_file), *finetune_args(base_run, files, run, "lora", steps=3, **extra)]) == 0
+    assert "stay frozen" not in capsys.readouterr().out
+    saved = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert {"embed", "lm_head"} <= set(saved["modules_to_save"])
+    trained = load_file(run / "adapter" / "adapter_model.safetensors")["base_model.model.lm_head.weight"]
+    start = load_model(base_run).model.state_dict()["lm_head.weight"].mean(0).to(trained.dtype)
+    assert trained.shape[0] == 1024 and not torch.allclose(trained[tool], start)  # the new row learned
+    hf = tmp_path / "hf"
+    assert main(["export", str(run), str(hf), "--adapter", "--check"]) == 0
+    assert "greedy decoding the same" in capsys.readouterr().out
+    assert json.loads((hf / "config.json").read_text())["vocab_size"] == 1024
+    freeze = replace(sft_config(), method="freeze", freeze=replace(sft_config().freeze, patterns=["embed.*"]))
+    assert "freeze.patterns=[embed.*, lm_head.*]" in frozen_new_rows(1, freeze)

@@ -78,14 +78,14 @@ class GroupedLoraExperts(RoutedExperts):
         self.__class__ = RoutedExperts
 
 
-def _matches(name: str, patterns: list[str]) -> bool:
+def matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def lora_targets(model: nn.Module, config: FinetuneConfig) -> list[str]:
     """Names of the nn.Linear modules the LoRA config adapts."""
     patterns = list(config.lora.target_modules) + (["lm_head"] if config.lora.lm_head else [])
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, patterns)]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches(n, patterns)]
     if not names and not config.lora.experts:
         raise ValueError(f"lora.target_modules: {patterns} match no linear layer of the model")
     return names
@@ -134,7 +134,7 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
         if config.freeze.last_layers:
             keep += ["final_norm.*", "lm_head.*"]
         keep += list(config.freeze.patterns)
-        trained = [n for n, p in model.named_parameters() if _matches(n, keep)]
+        trained = [n for n, p in model.named_parameters() if matches(n, keep)]
         if not trained:
             raise ValueError(f"freeze: {keep} match no parameter of the model")
         for n, p in model.named_parameters():
@@ -162,6 +162,8 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
     info["lora_targets"] = targets
     for n, p in model.named_parameters():
         if "lora_" in n or lora.train_router and ".router." in n or lora.train_norms and "norm" in n and p.ndim == 1:
+            p.requires_grad_(True)
+        if lora.train_embeddings and n in ("embed.weight", "lm_head.weight"):  # new tokens' rows among them
             p.requires_grad_(True)
     return info
 

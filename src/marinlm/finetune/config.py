@@ -59,6 +59,9 @@ class LoraConfig:
     lm_head: bool = False
     train_router: bool = False  # routers and norms stay frozen unless asked
     train_norms: bool = False
+    # The embedding and the LM head trained whole, as peft's modules_to_save: what the rows of
+    # tokens that sft.tokenizer adds need to learn.
+    train_embeddings: bool = False
 
     def __post_init__(self):
         check(self.r >= 1, "r", f"must be >= 1, got {self.r}")
@@ -99,6 +102,11 @@ class FinetuneConfig(TrainConfig):
             not (self.parallel.tensor_parallel > 1 and self.method == "lora" and self.lora.lm_head),
             "lora.lm_head",
             "an adapter on the vocabulary-split LM head is not written for parallel.tensor_parallel; set it false",
+        )
+        check(
+            not (self.lora.lm_head and self.lora.train_embeddings),
+            "lora.lm_head",
+            "lora.train_embeddings trains the LM head whole; an adapter on it as well is one too many: set it false",
         )
 
 

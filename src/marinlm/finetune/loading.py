@@ -21,11 +21,40 @@ def base_checkpoint(config: FinetuneConfig) -> Path:
     return resolve_checkpoint(config.base).resolve()
 
 
-def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
-    """The base run's model tensors into the (plain, unsharded) model."""
-    tensors = {"model": get_model_state_dict(model)}
+VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # [vocab_size, d_model]
+
+
+def base_vocab_size(folder: Path) -> int:
+    """The rows of the embedding in base checkpoint `folder`."""
+    from marinlm.train.safe_load import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return next(metadata[f"model.{key}"].size[0] for key in VOCAB_ROWS if f"model.{key}" in metadata)
+
+
+@torch.no_grad()
+def read_base(folder: Path, targets: dict[str, torch.Tensor], vocab_size: int) -> None:
+    """Base checkpoint `folder`'s model tensors into `targets` (a model's state dict, in place). A
+    model with a larger `vocab_size` (room for the special tokens fine-tuning adds) takes the base's
+    rows, and each new row of the embedding and the LM head starts at the mean of the base's rows,
+    as transformers' `resize_token_embeddings` starts them: a neutral input, a logit near the average."""
+    base_rows = base_vocab_size(folder)
+    if vocab_size < base_rows:
+        raise ValueError(f"model.vocab_size {vocab_size} is smaller than the base's {base_rows}")
+    grown = {k: v for k, v in targets.items() if k in VOCAB_ROWS and v.shape[0] != base_rows}
+    tensors = {"model": {k: v.new_empty(base_rows, *v.shape[1:]) if k in grown else v for k, v in targets.items()}}
     load_tensors(folder, tensors)
-    set_model_state_dict(model, tensors["model"])
+    for key, target in grown.items():
+        rows = tensors["model"][key]
+        target[:base_rows] = rows
+        target[base_rows:] = rows.float().mean(0).to(target.dtype)
+
+
+def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
+    """The base run's model tensors into the (plain, unsharded) model (`read_base`)."""
+    state = get_model_state_dict(model)
+    read_base(folder, state, model.config.vocab_size)
+    set_model_state_dict(model, state)
 
 
 def base_of(folder: Path, config: FinetuneConfig) -> Path:
@@ -40,15 +69,16 @@ def base_of(folder: Path, config: FinetuneConfig) -> Path:
 @torch.no_grad()
 def restore_base(model: torch.nn.Module, folder: Path, modules: list[str]) -> None:
     """Every tensor of `modules` (parameters and buffers) of a plain model back to base checkpoint
-    `folder`'s values. The load reads a copy of the whole model: DCP's structure check wants it."""
+    `folder`'s values (grown vocabulary rows: as `read_base` starts them). The load reads a copy of
+    the whole model: DCP's structure check wants every entry."""
     if not modules:
         return
     state = get_model_state_dict(model)
-    tensors = {"model": {k: v.clone() for k, v in state.items()}}
-    load_tensors(folder, tensors)
+    copies = {k: v.clone() for k, v in state.items()}
+    read_base(folder, copies, model.config.vocab_size)
     for key, tensor in state.items():
         if key.rpartition(".")[0] in modules:
-            tensor.copy_(tensors["model"][key])
+            tensor.copy_(copies[key])
 
 
 def is_finetune_config(path: Path) -> bool:

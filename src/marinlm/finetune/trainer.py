@@ -16,10 +16,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from marinlm.config import ConfigError
-from marinlm.finetune.adapters import apply_method, freeze_router_biases, peft_state, save_peft_adapter
+from marinlm.finetune.adapters import apply_method, freeze_router_biases, matches, peft_state, save_peft_adapter
 from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
-from marinlm.finetune.loading import base_checkpoint, load_base_weights
+from marinlm.finetune.loading import VOCAB_ROWS, base_checkpoint, load_base_weights
 from marinlm.model.loss import IGNORE_INDEX
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer
@@ -62,12 +62,26 @@ def extended_tokenizer(base: MarinTokenizer, folder: Path, config: FinetuneConfi
     if changed:
         raise ConfigError("sft.tokenizer", f"{folder}: {len(changed)} base tokens have other ids, e.g. {changed[0]!r}")
     if new.vocab_size > config.model.vocab_size:
+        room = -(-new.vocab_size // 128) * 128
         raise ConfigError(
             "sft.tokenizer",
-            f"{folder}: {new.vocab_size} tokens, more than the model's vocab_size {config.model.vocab_size}; the new "
-            "special tokens need rows of the embedding the base model has",
+            f"{folder}: {new.vocab_size} tokens, more than the model's vocab_size {config.model.vocab_size}; "
+            f"--model.vocab_size={room} grows the embedding and the LM head to hold them (the new rows start at "
+            "the mean of the base's)",
         )
     return new
+
+
+def frozen_new_rows(added: int, config: FinetuneConfig) -> str | None:
+    """A warning where the tokens sft.tokenizer adds keep their embedding and LM-head rows frozen."""
+    lora = config.method in ("lora", "qlora") and not config.lora.train_embeddings
+    frozen = config.method == "freeze" and not all(matches(n, config.freeze.patterns) for n in VOCAB_ROWS)
+    if added <= 0 or not (lora or frozen):
+        return None
+    how = "lora.train_embeddings=true" if lora else "freeze.patterns=[embed.*, lm_head.*]"
+    return (
+        f"warning: sft.tokenizer adds {added} token(s) whose embedding and LM-head rows stay frozen; {how} trains them"
+    )
 
 
 class FinetuneTrainer(Trainer):
@@ -91,7 +105,10 @@ class FinetuneTrainer(Trainer):
         if trained_with is not None and trained_with != tokenizer.hash:
             raise ValueError(f"{tokenizer_dir}: not the tokenizer {self.base_folder} was trained with")
         if c.sft.tokenizer:
+            base_size = tokenizer.vocab_size
             tokenizer_dir, tokenizer = Path(c.sft.tokenizer), extended_tokenizer(tokenizer, Path(c.sft.tokenizer), c)
+            if self.info.is_main and (warning := frozen_new_rows(tokenizer.vocab_size - base_size, c)):
+                print(warning, flush=True)
         self.tokenizer_hash = tokenizer.hash
         self._tokenizer_source = str(tokenizer_dir)
         self.chat_template, template_name = chat_template(c, tokenizer, tokenizer_dir)
