@@ -243,7 +243,8 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
 
 
 def whole_trained_modules(model: nn.Module) -> list[str]:
-    """The modules that train whole beside the LoRA factors (`lora.train_router`, `train_norms`)."""
+    """The modules that train whole beside the LoRA factors (lora.train_router, train_norms,
+    train_embeddings)."""
     names = {n.rpartition(".")[0] for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
     return sorted(names)
 
@@ -253,7 +254,7 @@ def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     `base_model.model.<module>.lora_A.weight`; each experts stack as the ParamWrappers that peft's
     `target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"]` nests (gate
     innermost), A [E*r, in] and B [out, r*E], so peft loads our grouped adapters as its own. Modules
-    trained whole (routers, norms) go as `base_model.model.<module>.<name>`, their buffers too: peft's
+    trained whole (routers, norms, embeddings) go as `base_model.model.<module>.<name>`, their buffers too: peft's
     layout of `modules_to_save`."""
     out = {}
     for name, p in model.named_parameters():
