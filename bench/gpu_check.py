@@ -17,6 +17,8 @@ all on an H100/H200:
   to 30 steps with FSDP2 CPU offload (the paths CPU CI cannot run).
 - plan: `marinlm plan`'s activation estimate against a real bf16 forward of a ~1B hero-shaped model.
 - offload: optimizer-only offload's device-memory saving in MuonH steps, and its losses.
+- finetune: LoRA SFT on the GPU (grouped expert adapters on its grouped GEMM; QLoRA too where
+  bitsandbytes is installed), then the peft adapter over the exported base against the merged model.
 
     python bench/gpu_check.py [--parts kernels,steps,...] [--out DIR]   # on the GPU host
     python bench/gpu_check.py --device cpu    # a small dry run of every part, to catch bugs first
@@ -443,6 +445,86 @@ def part_offload(device: str, dry: bool) -> None:
     )
 
 
+def part_finetune(device: str, dry: bool) -> None:
+    """LoRA SFT on the device (bf16, the grouped expert adapters on the GPU's grouped GEMM), and
+    QLoRA where bitsandbytes is installed; then the peft adapter over the exported base against the
+    merged model (`export --adapter --check`)."""
+    import json
+    import random
+    from dataclasses import replace
+
+    from marinlm.config import load_config
+    from marinlm.hf.importer import save_run
+    from marinlm.model import MarinForCausalLM
+    from marinlm.presets import preset
+    from marinlm.tokenizer import MarinTokenizer, train_bpe
+    from marinlm.train.config import TrainConfig
+
+    rng = random.Random(0)
+    pairs = [(a, b) for a, b in ((rng.randint(1, 99), rng.randint(1, 99)) for _ in range(400))]
+    examples = [{"prompt": f"What is {a} + {b}?", "completion": f"{a} + {b} = {a + b}."} for a, b in pairs]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, part in (("train", examples[:360]), ("test", examples[360:])):
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in part))
+        tok = MarinTokenizer(train_bpe([e["prompt"] + " " + e["completion"] for e in examples] * 4, 512))
+        config = load_config(TrainConfig, preset("train", "tiny"), [f"--run_dir={tmp / 'base'}"])
+        config.model = replace(config.model, vocab_size=512)
+        with torch.device("meta"):
+            model = MarinForCausalLM(config.model)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)  # an untrained base: the answer loss starts near ln(512)
+        save_run(tmp / "base", config, model.state_dict(), tok, {})
+        methods = ["lora"]
+        try:
+            import bitsandbytes  # noqa: F401
+
+            methods.append("qlora")
+        except ImportError:
+            summary("finetune: qlora skipped, bitsandbytes is not installed here")
+        for method in methods:
+            run = tmp / method
+            cmd = [
+                *(
+                    sys.executable,
+                    "-m",
+                    "marinlm.cli",
+                    "finetune",
+                    str(ROOT / "configs" / "finetune" / "gsm8k-lora.yaml"),
+                ),
+                *(f"--base={tmp / 'base'}", f"--run_dir={run}", f"--method={method}", f"--train.device={device}"),
+                *(f"--sft.train_files=[{tmp / 'train.jsonl'}]", f"--sft.val_files=[{tmp / 'test.jsonl'}]"),
+                *("--sft.prompt_field=prompt", "--sft.completion_field=completion", "--data.seq_len=128"),
+                *(f"--train.steps={10 if dry else 60}", "--train.precision=auto", "--logging.progress=false"),
+            ]
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            print(out.stdout, out.stderr, flush=True)
+            losses = [line for line in out.stdout.splitlines() if "answer loss" in line]
+            status = "ok" if out.returncode == 0 else f"FAILED (exit {out.returncode})"
+            summary(f"finetune {method} on {device}: {status}; {' / '.join(losses)}")
+            if out.returncode:
+                continue
+            check = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "marinlm.cli",
+                    "export",
+                    str(run),
+                    str(tmp / f"{method}-hf"),
+                    "--adapter",
+                    "--check",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
+            print(check.stdout, check.stderr, flush=True)
+            found = [line for line in check.stdout.splitlines() if line.startswith("check")]
+            status = "ok" if check.returncode == 0 else f"MISMATCH (exit {check.returncode})"
+            summary(f"finetune {method}: export --adapter --check: {status}; {' / '.join(found)}")
+
+
 PARTS = {
     "kernels": part_kernels,
     "steps": part_steps,
@@ -453,6 +535,7 @@ PARTS = {
     "torchrun": part_torchrun,
     "plan": part_plan,
     "offload": part_offload,
+    "finetune": part_finetune,
 }
 
 
