@@ -459,7 +459,13 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
 
     files = gsm8k_slice(tmp_path, 48, 8)
     config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
-    common = {"checkpoint.every_steps": 3, "optim.lr": 1e-2}
+    # Norms, embedding and head trained whole too: peft's modules_to_save, gathered like the adapters.
+    common = {
+        "checkpoint.every_steps": 3,
+        "optim.lr": 1e-2,
+        "lora.train_norms": "true",
+        "lora.train_embeddings": "true",
+    }
     assert (
         main(["finetune", config_file, *finetune_args(base_run, files, tmp_path / "one", "lora", steps=3, **common)])
         == 0
