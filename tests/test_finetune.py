@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from marinlm.config import from_dict, to_dict
+from marinlm.config import from_dict, load_config, to_dict
 from marinlm.finetune.adapters import (
     ExpertsBox,
     GroupedLoraExperts,
@@ -615,3 +615,19 @@ def test_new_special_tokens_train_their_rows_and_export_with_the_adapter(tmp_pat
     assert json.loads((hf / "config.json").read_text())["vocab_size"] == 1024
     freeze = replace(sft_config(), method="freeze", freeze=replace(sft_config().freeze, patterns=["embed.*"]))
     assert "freeze.patterns=[embed.*, lm_head.*]" in frozen_new_rows(1, freeze)
+
+
+def test_a_model_file_on_the_command_line_replaces_the_base_runs_model(base_run):
+    """`--model=FILE` crashed with a traceback (a string merged as a section); it now stands for that
+    file's model (what `marinlm plan` of a fine-tuning config for another base needs), and plain
+    keys still edit the base run's."""
+    from marinlm.finetune.commands import load_finetune_config
+    from marinlm.model.config import MarinConfig
+
+    config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
+    hero = load_finetune_config(
+        config_file, [f"--base={base_run}", f"--model={CONFIGS / 'model' / 'marin-535b-a23b.yaml'}"]
+    )
+    assert hero.model == load_config(MarinConfig, CONFIGS / "model" / "marin-535b-a23b.yaml")
+    edited = load_finetune_config(config_file, [f"--base={base_run}", "--model.vocab_size=1024"])
+    assert edited.model.vocab_size == 1024 and edited.model.num_layers == 2  # the base run's, edited

@@ -149,3 +149,54 @@ def test_layout_overrides_and_errors_name_the_key():
         load_hardware("tpu-v9")
     hero = load_hardware("gb200-nvl72")
     assert hero.gpus_per_nvlink_domain == 72 and math.isclose(hero.peak_bf16_flops, 2.5e15)
+
+
+def test_a_fine_tuning_plan_counts_gradients_and_optimizer_state_of_what_trains_only():
+    """LoRA keeps the base's weights but not their gradients or Adam moments; QLoRA stores its linear
+    layers in NF4 and the experts in bf16; freeze trains its patterns; the rows of a step must
+    divide among the data-parallel ranks (a batch of 8 over 64 ranks crashed the plan)."""
+    from dataclasses import replace
+
+    from marinlm.dataset import DataConfig
+    from marinlm.finetune.config import FinetuneConfig, SFTDataConfig
+    from marinlm.model import MarinForCausalLM
+    from marinlm.model.summary import summarize
+    from marinlm.optim import AdamWConfig
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.finetune import NF4_BYTES, training
+    from marinlm.plan.hardware import Efficiency, load_hardware
+
+    model = plan_model()
+    sft = SFTDataConfig(train_files=["x.jsonl"])
+    base = FinetuneConfig(base="base-run", model=model, sft=sft, data=DataConfig(seq_len=64), optim=AdamWConfig())
+    h100, eff, parallel = load_hardware("h100-sxm"), Efficiency(), ParallelConfig(data_parallel_shard=2)
+
+    def rank0(method, **changes):
+        config = replace(base, method=method, **changes)
+        return plan_layout(config, parallel, 2, h100, eff).ranks[0]
+
+    total = summarize(model).total
+    full, lora = rank0("full"), rank0("lora")
+    assert full.device["gradients"] == full.device["weights"] == pytest.approx(4 * total / 2, rel=0.05)
+    assert full.device["optimizer_state"] == pytest.approx(2 * full.device["gradients"])
+    adapters = training(replace(base, method="lora")).adapter_parameters
+    assert 0 < adapters < total / 2
+    # The LoRA factors, sharded with the model: this rank's share of them, their gradients, two moments.
+    share = adapters * lora.local_parameters / total
+    assert lora.device["weights"] == pytest.approx(full.device["weights"] + 4 * share)
+    assert lora.device["gradients"] == pytest.approx(4 * share)
+    assert lora.device["optimizer_state"] == pytest.approx(8 * share)
+    qlora = rank0("qlora")
+    assert qlora.device["gradients"] == lora.device["gradients"]
+    with torch.device("meta"):  # NF4 linear layers (not the head), bf16 experts, the rest fp32
+        modules = dict(MarinForCausalLM(model).named_modules())
+    linear = sum(m.weight.numel() for n, m in modules.items() if type(m) is torch.nn.Linear and n != "lm_head")
+    experts = sum(p.numel() for n, p in modules[""].named_parameters() if p.ndim == 3)
+    stored = (linear * NF4_BYTES + 2 * experts + 4 * (total - linear - experts)) / 2 + 4 * share
+    assert qlora.device["weights"] == pytest.approx(stored, rel=0.02) and stored < 0.7 * lora.device["weights"]
+    last = rank0("freeze", freeze=replace(base.freeze, last_layers=1))
+    assert 0 < last.device["gradients"] < full.device["gradients"] / 2
+    embeddings = rank0("lora", lora=replace(base.lora, train_embeddings=True))
+    assert embeddings.device["gradients"] > lora.device["gradients"] + 4 * model.vocab_size * model.d_model / 2 * 0.9
+    with pytest.raises(ConfigError, match="train.global_batch: 8 rows do not divide among 64"):
+        plan_layout(base, ParallelConfig(data_parallel_shard=64), 64, h100, eff)

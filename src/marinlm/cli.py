@@ -200,10 +200,17 @@ def _model_summary(args, overrides) -> int:
 
 def _plan(args, overrides) -> int:
     from marinlm.config import load_config
+    from marinlm.finetune.loading import is_finetune_config
     from marinlm.plan import run_plan
+    from marinlm.presets import find_config
     from marinlm.train.config import TrainConfig
 
-    train = load_config(TrainConfig, args.config, overrides)
+    if is_finetune_config(find_config(args.config)):  # the base run's model, what the method trains
+        from marinlm.finetune.commands import load_finetune_config
+
+        train = load_finetune_config(args.config, overrides)
+    else:
+        train = load_config(TrainConfig, args.config, overrides)
     run_plan(train, args.hardware, args.layout, args.search, Path(args.out), args.gpus)
     return 0
 
@@ -261,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary.set_defaults(func=_model_summary, takes_overrides=True)
 
     plan = commands.add_parser("plan", help=help_of("plan"))
-    plan.add_argument("config", help="a training config, e.g. configs/train/marin-535b-a23b.yaml")
+    plan.add_argument("config", help="a training or fine-tuning config, e.g. configs/train/marin-535b-a23b.yaml")
     plan.add_argument("--hardware", required=True, help="a profile in configs/hardware/ (gb200-nvl72, h100-sxm, ...)")
     plan.add_argument(
         "--layout", default=None, help="override the config's parallel section: dp_replicate=11,dp_shard=64,ep=64,..."

@@ -120,6 +120,13 @@ def quantize_base(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int
     return count
 
 
+def freeze_patterns(config: FinetuneConfig) -> list[str]:
+    """The parameter-name globs that `method: freeze` trains."""
+    n, last = config.model.num_layers, config.freeze.last_layers
+    keep = [f"layers.{i}.*" for i in range(n - last, n)] + ["final_norm.*", "lm_head.*"] if last else []
+    return keep + list(config.freeze.patterns)
+
+
 def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
     """Freeze, adapt or quantise `model` in place for `config.method`; returns what was done."""
     method = config.method
@@ -129,11 +136,7 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     if method == "freeze":
-        n = config.model.num_layers
-        keep = [f"layers.{i}.*" for i in range(n - config.freeze.last_layers, n)] if config.freeze.last_layers else []
-        if config.freeze.last_layers:
-            keep += ["final_norm.*", "lm_head.*"]
-        keep += list(config.freeze.patterns)
+        keep = freeze_patterns(config)
         trained = [n for n, p in model.named_parameters() if matches(n, keep)]
         if not trained:
             raise ValueError(f"freeze: {keep} match no parameter of the model")

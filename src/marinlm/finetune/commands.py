@@ -13,7 +13,7 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
     run's (keys given under `model:` change it, e.g. model.kernels)."""
     from marinlm.config import ConfigError, from_dict, load_config, merge, parse_overrides, read_yaml, to_dict
-    from marinlm.config.files import resolve_file_refs
+    from marinlm.config.files import _file_sections, resolve_file_refs
     from marinlm.finetune.config import FinetuneConfig
     from marinlm.presets import find_config
     from marinlm.train.checkpoint import resolve_checkpoint
@@ -23,13 +23,20 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     if path is not None:
         found = find_config(path)
         data, base_dir = read_yaml(found), found.parent
+    model_file = ("model",) in _file_sections(data)
     data = resolve_file_refs(data, base_dir, FinetuneConfig)
     if overrides:
-        data = merge(data, parse_overrides(overrides))
+        try:
+            over = parse_overrides(overrides)
+            model_file = model_file or ("model",) in _file_sections(over)
+            data = merge(data, resolve_file_refs(over, Path.cwd(), FinetuneConfig))
+        except ConfigError as e:
+            raise ConfigError(e.key, e.reason + " (set on the command line)") from None
     if not data.get("base"):
         raise ConfigError("base", "name the run or checkpoint to fine-tune (--base=RUN)")
-    base = load_config(TrainConfig, resolve_checkpoint(data["base"]) / "config.yaml")
-    data["model"] = merge(to_dict(base.model), data.get("model") or {})
+    if not model_file:  # `model: FILE` stands alone: a model other than the base's (`marinlm plan` of one)
+        base = load_config(TrainConfig, resolve_checkpoint(data["base"]) / "config.yaml")
+        data["model"] = merge(to_dict(base.model), data.get("model") or {})
     try:
         return from_dict(FinetuneConfig, data)
     except ConfigError as e:

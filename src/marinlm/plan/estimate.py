@@ -1,7 +1,8 @@
 """Per-rank memory and per-step time of one layout of a training config on one kind of hardware.
 
 Memory, per rank (the first rank of each pipeline stage; the others of a stage hold the same):
-- weights, gradients: the local shards `parallelize()` makes (plan/shards.py), fp32;
+- weights, gradients: the local shards `parallelize()` makes (plan/shards.py), fp32 (a fine-tuning
+  config: gradients and optimizer state of what trains only, plan/finetune.py);
 - optimizer state: per local weight, MuonH's momentum (1 copy) or Adam's two moments, fp32; in
   host memory under `parallel.offload: optimizer` (and weights and gradients too under `all`);
 - activations: what autograd saves (plan/activations.py) for the rank's tokens, divided by tp
@@ -23,10 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from marinlm.config import ConfigError
 from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
+from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards
 
@@ -44,6 +47,7 @@ class RankPlan:
     host: dict[str, float] = field(default_factory=dict)
     local_parameters: int = 0
     local_experts: int = 0
+    trained_fraction: float = 1.0  # of the local weights, LoRA factors counted in (fine-tuning)
 
     @property
     def device_total(self) -> float:
@@ -90,6 +94,12 @@ def plan_layout(
     dims = ParallelDims.resolve(parallel, world)
     seq = train.data.seq_len
     rows = train.train.global_batch // dims.dp  # a data-parallel rank's rows a step
+    if rows == 0 or train.train.global_batch % dims.dp:
+        raise ConfigError(
+            "train.global_batch",
+            f"{train.train.global_batch} rows do not divide among {dims.dp} data-parallel ranks: give a multiple of "
+            f"{dims.dp} (e.g. --train.global_batch={dims.dp * max(rows, 1)})",
+        )
     micro_rows = train.train.micro_batch or rows
     precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
     act_bytes = 2 if precision == "bf16" else FP32
@@ -109,11 +119,17 @@ def plan_layout(
         micro_rows = rows // microbatches
         bubble = bubble_fraction(layout.schedule, dims.pp, microbatches, layout.per_rank)
         stage_layers = layout.stages
+    fit = training(train)
     ranks = []
     for stage in range(dims.pp):
         rank = stage * (world // dims.pp)
         shards = shards_of(model, parallel, world, rank, rows, seq)
-        ranks.append(_rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes))
+        plan = _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit)
+        ranks.append(plan)
+    if fit.method != "full":
+        trained = max(r.trained_fraction for r in ranks)
+        factors = " (LoRA factors counted in)" if fit.adapter_parameters else ""
+        notes.append(f"fine-tuning ({fit.method}): {100 * trained:.2f}% of a rank's weights train{factors}")
 
     # --- time -------------------------------------------------------------------------------------
     tokens_rank = rows * seq  # a data-parallel rank's tokens a step; pipeline stages share them
@@ -124,7 +140,9 @@ def plan_layout(
         stage_flops.append(flops * tokens_rank / dims.tp)
     # Activation checkpointing runs the checkpointed blocks' forward again (a third of their FLOPs).
     recompute = {"full": 1.0, "every_n": 1.0 / parallel.checkpoint_every_n}.get(parallel.activation_checkpointing, 0.0)
-    compute = max(stage_flops) * (1 + recompute / 3) / (hardware.peak_bf16_flops * eff.compute)
+    # Frozen weights skip their weight-gradient GEMMs, a third of their training FLOPs (fine-tuning).
+    frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
+    compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
     local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
     latent = model.moe.latent_dim or model.d_model
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
@@ -210,19 +228,27 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
     }
 
 
-def _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes) -> RankPlan:
+def _rank_memory(
+    train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit: Training
+) -> RankPlan:
     model = train.model
     local = {name: math.prod(s["shape"]) for name, s in shards.items()}
-    weights = sum(local.values()) * FP32
-    optimizer = sum(n * _state_copies(name, train.optim.type_name) for name, n in local.items()) * FP32
+    full = {name: tuple(s["full"]) for name, s in shards.items()}
+    weights = sum(n * fit.weight_bytes(name, full[name]) for name, n in local.items())
+    trained = {name: n for name, n in local.items() if fit.trains(name, full[name])}
+    # The LoRA factors are sharded with the model: this rank's share of them, as of its weights.
+    adapters = fit.adapter_parameters * sum(local.values()) / max(summarize(model).total, 1)
+    copies = _state_copies("lora", train.optim.type_name)
+    optimizer = sum(n * _state_copies(name, train.optim.type_name) for name, n in trained.items()) + adapters * copies
     plan = RankPlan(rank=rank, stage=stage, local_parameters=sum(local.values()))
+    plan.trained_fraction = (sum(trained.values()) + adapters) / max(sum(local.values()), 1)
     experts = [s for name, s in shards.items() if name.endswith("mlp.experts.gate_proj")]
     plan.local_experts = experts[0]["shape"][0] if experts else 0
     where = plan.host if parallel.offload in ("optimizer", "all") else plan.device
-    where["optimizer_state"] = optimizer
+    where["optimizer_state"] = optimizer * FP32
     weights_where = plan.host if parallel.offload == "all" else plan.device
-    weights_where["weights"] = weights
-    weights_where["gradients"] = weights
+    weights_where["weights"] = weights + adapters * FP32
+    weights_where["gradients"] = (sum(trained.values()) + adapters) * FP32
 
     layers = sorted({int(name.split(".")[1]) for name in shards if name.startswith("layers.")})
     tokens = micro_rows * train.data.seq_len
@@ -248,7 +274,8 @@ def _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micr
         (sum(s["unsharded"] for n, s in shards.items() if n.startswith(f"layers.{i}.")) for i in layers), default=0
     )
     plan.device["fsdp_gathered_block"] = 2 * block_unsharded * FP32 if dims.dp_shard > 1 else 0.0
-    plan.device["fsdp_unsharded_gradients"] = block_unsharded * FP32 if dims.dp_shard > 1 else 0.0
+    unsharded_grads = block_unsharded * FP32 * min(plan.trained_fraction, 1.0)
+    plan.device["fsdp_unsharded_gradients"] = unsharded_grads if dims.dp_shard > 1 else 0.0
     if dims.ep > 1:
         latent = model.moe.latent_dim or model.d_model
         plan.device["all_to_all_buffers"] = 4 * tokens * model.moe.top_k * latent * act_bytes
