@@ -217,6 +217,32 @@ def test_merged_lora_computes_what_the_adapters_did(tokenizer):
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
 
 
+def test_a_qlora_merge_folds_its_bf16_adapters_exactly():
+    """QLoRA's adapters are bf16; peft's get_delta_weight rounds B A to bf16 too, which moved the
+    merged (and so the exported-merged) logits by ~5e-3 from what the peft adapter computes."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnbF
+    from peft.tuners.lora import LoraLayer
+
+    config = sft_config(method="qlora", lora={"r": 4, "alpha": 8.0})
+    model = build(config.model, seed=0).eval()
+    apply_method(model, config)
+    expected = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                assert a.dtype == torch.bfloat16
+                b.normal_(0, 0.05)
+                weight = module.get_base_layer().weight
+                base = bnbF.dequantize_4bit(weight.data, weight.quant_state).double()
+                expected[name] = base + module.scaling["default"] * (b.double() @ a.double())
+    assert expected
+    merge_adapters(model)
+    for name, weight in expected.items():
+        torch.testing.assert_close(model.get_submodule(name).weight.double(), weight, rtol=0, atol=1e-6)
+
+
 def test_an_experts_only_adapter_says_its_rank_and_alpha_to_peft(tmp_path):
     """With no linear layer adapted there is no peft config to copy: the adapter still states r and
     alpha (peft would read its defaults, r 8 and alpha 8, and scale the deltas wrongly)."""

@@ -217,8 +217,10 @@ def _merged_linear(layer, fold: bool = True) -> nn.Linear:
         weight = bnbF.dequantize_4bit(weight.data, weight.quant_state)
     out = nn.Linear(base.in_features, base.out_features, bias=False, device=weight.device)
     out.weight.data = weight.float().contiguous()
-    if fold:
-        out.weight.data += sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A).float()
+    if fold:  # B A in fp32: peft's get_delta_weight rounds it to a QLoRA adapter's bf16
+        for name in (a for a in layer.active_adapters if a in layer.lora_A):
+            a, b = layer.lora_A[name].weight.float(), layer.lora_B[name].weight.float()
+            out.weight.data += layer.scaling[name] * (b @ a)
     return out
 
 
