@@ -194,7 +194,12 @@ def assert_as_one_process(curve, run_dir, token_data, tmp_path_factory, precisio
     assert sorted(val) == sorted(single_val) == [steps]
     assert val[steps] == pytest.approx(single_val[steps], rel=rel), ("validation loss", val, single_val)
     for a, b in zip(single_biases, router_biases(run_dir), strict=True):
-        torch.testing.assert_close(b, a, rtol=rel, atol=rel)
+        if precision == "bf16":
+            # A QB bias is an order statistic of router margins: where rounding reorders two tokens'
+            # margins it moves by their gap. Measured on an AMX CPU: mean 0.014, max 0.058 (|b| <= 0.41).
+            assert (b - a).abs().mean() <= 0.03 and (b - a).abs().max() <= 0.15, ("router biases", a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=rel, atol=rel)
 
 
 _ONE_PROCESS: dict = {}
