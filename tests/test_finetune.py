@@ -243,6 +243,59 @@ def test_a_qlora_merge_folds_its_bf16_adapters_exactly():
         torch.testing.assert_close(model.get_submodule(name).weight.double(), weight, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("rank", [4, 8], ids=["loop", "grouped_mm"])  # r=4 in bf16 is unaligned for grouped_mm
+def test_qlora_experts_in_nf4_compute_what_their_dequantised_stacks_do_and_keep_none(rank):
+    """QLoRA packs the routed experts into NF4 (4.5 bits a weight, none of it in a checkpoint): the
+    loss and every gradient equal the same model's with the stacks dequantised into bf16 parameters,
+    and no dequantised stack lives from forward to backward."""
+    import gc
+    import weakref
+
+    pytest.importorskip("bitsandbytes")
+    from marinlm.finetune.nf4 import NF4Experts, restore_experts
+
+    config = sft_config(method="qlora", lora={"r": rank, "alpha": 8.0})
+    model = build(config.model, seed=0)
+    randomize_identity_inits(model)
+    info = apply_method(model, config)
+    experts = [m for m in model.modules() if isinstance(m, NF4Experts)]
+    assert info["quantized_experts"] == len(experts) == config.model.num_layers
+    assert not any(n.endswith((".gate_proj", ".up_proj", ".down_proj")) for n, _ in model.named_parameters())
+    assert not any(k.endswith(("_proj_nf4", "_proj_absmax")) for k in model.state_dict())
+    weights = sum(E * a * b for m in experts for E, a, b in m._nf4_shapes.values())
+    stored = sum(b.numel() * b.element_size() for m in experts for n, b in m.named_buffers() if "_proj_" in n)
+    assert stored == weights * (0.5 + 4 / 64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    plain = copy.deepcopy(model)
+    assert restore_experts(plain) == len(experts)
+    assert all(m.gate_proj.dtype == torch.bfloat16 for m in plain.modules() if isinstance(m, GroupedLoraExperts))
+
+    alive = []
+    for module in experts:
+
+        def dequantize(name, dtype=torch.bfloat16, _module=module, _fn=module.dequantize):
+            stack = _fn(name, dtype)
+            alive.append(weakref.ref(stack))
+            return stack
+
+        module.dequantize = dequantize
+    ids = torch.randint(0, 400, (2, 40))
+    loss = model(ids, labels=ids).loss
+    gc.collect()
+    assert alive and all(ref() is None for ref in alive)  # each was dropped after its layer's forward
+    loss.backward()
+    reference = plain(ids, labels=ids).loss
+    reference.backward()
+    assert loss.item() == reference.item()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=0, msg=name)
+
+
 def test_an_experts_only_adapter_says_its_rank_and_alpha_to_peft(tmp_path):
     """With no linear layer adapted there is no peft config to copy: the adapter still states r and
     alpha (peft would read its defaults, r 8 and alpha 8, and scale the deltas wrongly)."""

@@ -153,7 +153,7 @@ def test_layout_overrides_and_errors_name_the_key():
 
 def test_a_fine_tuning_plan_counts_gradients_and_optimizer_state_of_what_trains_only():
     """LoRA keeps the base's weights but not their gradients or Adam moments; QLoRA stores its linear
-    layers in NF4 and the experts in bf16; freeze trains its patterns; the rows of a step must
+    layers and the experts in NF4; freeze trains its patterns; the rows of a step must
     divide among the data-parallel ranks (a batch of 8 over 64 ranks crashed the plan)."""
     from dataclasses import replace
 
@@ -169,11 +169,11 @@ def test_a_fine_tuning_plan_counts_gradients_and_optimizer_state_of_what_trains_
     model = plan_model()
     sft = SFTDataConfig(train_files=["x.jsonl"])
     base = FinetuneConfig(base="base-run", model=model, sft=sft, data=DataConfig(seq_len=64), optim=AdamWConfig())
-    h100, eff, parallel = load_hardware("h100-sxm"), Efficiency(), ParallelConfig(data_parallel_shard=2)
+    h100, eff = load_hardware("h100-sxm"), Efficiency()
 
-    def rank0(method, **changes):
+    def rank0(method, world=2, **changes):
         config = replace(base, method=method, **changes)
-        return plan_layout(config, parallel, 2, h100, eff).ranks[0]
+        return plan_layout(config, ParallelConfig(data_parallel_shard=world), world, h100, eff).ranks[0]
 
     total = summarize(model).total
     full, lora = rank0("full"), rank0("lora")
@@ -186,14 +186,16 @@ def test_a_fine_tuning_plan_counts_gradients_and_optimizer_state_of_what_trains_
     assert lora.device["weights"] == pytest.approx(full.device["weights"] + 4 * share)
     assert lora.device["gradients"] == pytest.approx(4 * share)
     assert lora.device["optimizer_state"] == pytest.approx(8 * share)
-    qlora = rank0("qlora")
-    assert qlora.device["gradients"] == lora.device["gradients"]
-    with torch.device("meta"):  # NF4 linear layers (not the head), bf16 experts, the rest fp32
+    with pytest.raises(ConfigError, match="method: qlora runs in one process, not 2"):
+        rank0("qlora")
+    qlora, lora_alone = rank0("qlora", world=1), rank0("lora", world=1)
+    assert qlora.device["gradients"] == lora_alone.device["gradients"] == pytest.approx(4 * adapters)
+    with torch.device("meta"):  # NF4 linear layers (not the head) and experts, the rest fp32
         modules = dict(MarinForCausalLM(model).named_modules())
     linear = sum(m.weight.numel() for n, m in modules.items() if type(m) is torch.nn.Linear and n != "lm_head")
     experts = sum(p.numel() for n, p in modules[""].named_parameters() if p.ndim == 3)
-    stored = (linear * NF4_BYTES + 2 * experts + 4 * (total - linear - experts)) / 2 + 4 * share
-    assert qlora.device["weights"] == pytest.approx(stored, rel=0.02) and stored < 0.7 * lora.device["weights"]
+    stored = (linear + experts) * NF4_BYTES + 4 * (total - linear - experts) + 4 * adapters
+    assert qlora.device["weights"] == pytest.approx(stored, rel=0.02) and stored < 0.6 * lora_alone.device["weights"]
     last = rank0("freeze", freeze=replace(base.freeze, last_layers=1))
     assert 0 < last.device["gradients"] < full.device["gradients"] / 2
     embeddings = rank0("lora", lora=replace(base.lora, train_embeddings=True))

@@ -92,6 +92,10 @@ def plan_layout(
     gives a rank's local shards (default: the real parallelize() under a fake process group)."""
     model = train.model
     dims = ParallelDims.resolve(parallel, world)
+    if hasattr(train, "method"):  # a fine-tuning config: QLoRA runs in one process
+        from marinlm.finetune.config import check_processes
+
+        check_processes(train, world)
     seq = train.data.seq_len
     rows = train.train.global_batch // dims.dp  # a data-parallel rank's rows a step
     if rows == 0 or train.train.global_batch % dims.dp:

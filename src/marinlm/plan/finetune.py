@@ -6,8 +6,8 @@ finetune` would make it (finetune/adapters.py):
   (`freeze`), or the LoRA factors and what `lora.train_router/train_norms/train_embeddings` adds;
 - the LoRA factors are sharded with the model, so a rank holds its share of them (their total over
   the model's, times the rank's local weights);
-- QLoRA keeps the linear layers (not the LM head) in NF4 (half a byte a weight, plus a 4-byte scale per block
-  of 64, counted in full) and the routed experts in bf16; everything else stays fp32;
+- QLoRA keeps the linear layers (not the LM head) and the routed experts in NF4 (half a byte a
+  weight, plus a 4-byte scale per block of 64, counted in full); everything else stays fp32;
 - frozen weights skip their weight-gradient GEMMs: a third of their training FLOPs;
 - activations as in training: an upper bound, since a frozen layer need not keep its input.
 """
@@ -31,7 +31,7 @@ class Training:
 
     method: str
     adapter_parameters: int
-    frozen_linears: frozenset[str]  # QLoRA's 4-bit weights, by parameter name
+    frozen_linears: frozenset[str]  # QLoRA's 4-bit linear weights, by parameter name (and the experts)
     config: object
 
     def trains(self, name: str, shape: tuple) -> bool:
@@ -56,9 +56,9 @@ class Training:
     def weight_bytes(self, name: str, shape: tuple) -> float:
         if self.method != "qlora":
             return FP32
-        if name in self.frozen_linears:
+        if name in self.frozen_linears or "experts." in name and len(shape) == 3:
             return NF4_BYTES
-        return 2 if "experts." in name and len(shape) == 3 else FP32
+        return FP32
 
 
 def training(train) -> Training:
