@@ -564,3 +564,24 @@ def test_the_reference_model_reads_in_one_sitting():
                     path.name,
                     ast.unparse(node),
                 )
+
+
+@pytest.mark.slow
+def test_the_reference_model_compiles_in_fp32():
+    """`moe.impl: auto` picks grouped_mm for fp32 in eager on a CPU, but torch.compile's grouped_mm
+    takes bf16 only: compiled blocks of the reference model in fp32 failed at trace time (also LoRA
+    fine-tuning with `parallel.compile`). Compiled, they give eager's loss and gradients."""
+    config = tiny_config(num_layers=2, kernels="reference")
+    eager, compiled = build(config, seed=0), build(config, seed=0)
+    for block in compiled.layers:
+        block.compile()
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (eager, compiled):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

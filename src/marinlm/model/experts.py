@@ -93,8 +93,9 @@ class RoutedExperts(nn.Module):
             raise ValueError(
                 f"moe.impl grouped_mm needs widths {dims} to be multiples of 16 bytes in {dtype}; use auto or loop"
             )
-        if self.impl == "auto":  # grouped_mm has no float64 kernel (fp64 parity runs)
-            return "grouped_mm" if grouped_mm_aligned(dims, dtype) and dtype != torch.float64 else "loop"
+        if self.impl == "auto":  # grouped_mm has no float64 kernel, and compiles for bf16 only
+            compiles = dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+            return "grouped_mm" if grouped_mm_aligned(dims, dtype) and dtype != torch.float64 and compiles else "loop"
         return self.impl
 
     def run_experts(self, x_AD: torch.Tensor, counts_E: torch.Tensor, impl: str) -> torch.Tensor:
