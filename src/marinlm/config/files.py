@@ -57,14 +57,14 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _file_sections(tree: dict[str, Any], prefix: tuple = ()) -> list[tuple]:
+def file_sections(tree: dict[str, Any], prefix: tuple = ()) -> list[tuple]:
     """Paths in parsed overrides whose value names a YAML file (or includes one)."""
     paths = []
     for key, value in tree.items():
         if _is_yaml_ref(value) or (isinstance(value, dict) and _is_yaml_ref(value.get("include"))):
             paths.append((*prefix, key))
         elif isinstance(value, dict):
-            paths += _file_sections(value, (*prefix, key))
+            paths += file_sections(value, (*prefix, key))
     return paths
 
 
@@ -291,7 +291,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             data = merge(data, resolved)
             # A file given for a section replaces it (`--model=FILE` is that file's model, not the
             # base's with the file's keys merged in); `--model=FILE --model.x=y` is that file, edited.
-            for section in _file_sections(over):
+            for section in file_sections(over):
                 _set_path(data, section, _get_path(resolved, section))
         except ConfigError as e:
             raise ConfigError(e.key, e.reason + " (set on the command line)") from None

@@ -16,6 +16,8 @@ from marinlm.finetune.nf4 import quantize_experts, restore_experts
 from marinlm.model.experts import RoutedExperts
 from marinlm.model.router import Router
 
+VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # [vocab_size, d_model]
+
 
 def matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
@@ -66,6 +68,21 @@ def freeze_patterns(config: FinetuneConfig) -> list[str]:
     return keep + list(config.freeze.patterns)
 
 
+def trains_whole(name: str, ndim: int, config: FinetuneConfig) -> bool:
+    """Whether LoRA trains parameter `name` whole, beside the adapters: a router's, a norm's gain or
+    the vocabulary rows (new tokens' among them), as `lora.train_router/train_norms/train_embeddings` ask."""
+    lora = config.lora
+    return bool(
+        lora.train_router
+        and ".router." in name
+        or lora.train_norms
+        and "norm" in name
+        and ndim == 1
+        or lora.train_embeddings
+        and name in VOCAB_ROWS
+    )
+
+
 def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
     """Freeze, adapt or quantise `model` in place for `config.method`; returns what was done."""
     method = config.method
@@ -105,9 +122,7 @@ def apply_method(model: nn.Module, config: FinetuneConfig) -> dict:
         info["quantized_experts"] = quantize_experts(model)
     info["lora_targets"] = targets
     for n, p in model.named_parameters():
-        if "lora_" in n or lora.train_router and ".router." in n or lora.train_norms and "norm" in n and p.ndim == 1:
-            p.requires_grad_(True)
-        if lora.train_embeddings and n in ("embed.weight", "lm_head.weight"):  # new tokens' rows among them
+        if "lora_" in n or trains_whole(n, p.ndim, config):
             p.requires_grad_(True)
     return info
 

@@ -13,7 +13,7 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
     run's (keys given under `model:` change it, e.g. model.kernels)."""
     from marinlm.config import ConfigError, from_dict, load_config, merge, parse_overrides, read_yaml, to_dict
-    from marinlm.config.files import _file_sections, resolve_file_refs
+    from marinlm.config.files import file_sections, resolve_file_refs
     from marinlm.finetune.config import FinetuneConfig
     from marinlm.presets import find_config
     from marinlm.train.checkpoint import resolve_checkpoint
@@ -23,12 +23,12 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     if path is not None:
         found = find_config(path)
         data, base_dir = read_yaml(found), found.parent
-    model_file = ("model",) in _file_sections(data)
+    model_file = ("model",) in file_sections(data)
     data = resolve_file_refs(data, base_dir, FinetuneConfig)
     if overrides:
         try:
             over = parse_overrides(overrides)
-            model_file = model_file or ("model",) in _file_sections(over)
+            model_file = model_file or ("model",) in file_sections(over)
             data = merge(data, resolve_file_refs(over, Path.cwd(), FinetuneConfig))
         except ConfigError as e:
             raise ConfigError(e.key, e.reason + " (set on the command line)") from None

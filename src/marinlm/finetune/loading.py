@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from marinlm.config import dump_config
-from marinlm.finetune.adapters import apply_method, dequantize_base, merge_adapters
+from marinlm.finetune.adapters import VOCAB_ROWS, apply_method, dequantize_base, merge_adapters
 from marinlm.finetune.config import FinetuneConfig
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer, load_tensors, resolve_checkpoint
@@ -19,9 +19,6 @@ from marinlm.train.checkpoint import checkpoint_tokenizer, load_tensors, resolve
 
 def base_checkpoint(config: FinetuneConfig) -> Path:
     return resolve_checkpoint(config.base).resolve()
-
-
-VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # [vocab_size, d_model]
 
 
 def base_vocab_size(folder: Path) -> int:

@@ -16,10 +16,17 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from marinlm.config import ConfigError
-from marinlm.finetune.adapters import apply_method, freeze_router_biases, matches, peft_state, save_peft_adapter
+from marinlm.finetune.adapters import (
+    VOCAB_ROWS,
+    apply_method,
+    freeze_router_biases,
+    matches,
+    peft_state,
+    save_peft_adapter,
+)
 from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
-from marinlm.finetune.loading import VOCAB_ROWS, base_checkpoint, load_base_weights
+from marinlm.finetune.loading import base_checkpoint, load_base_weights
 from marinlm.model.loss import IGNORE_INDEX
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer

@@ -238,7 +238,7 @@ def _rank_memory(
     model = train.model
     local = {name: math.prod(s["shape"]) for name, s in shards.items()}
     full = {name: tuple(s["full"]) for name, s in shards.items()}
-    weights = sum(n * fit.weight_bytes(name, full[name]) for name, n in local.items())
+    weights = sum(n * fit.weight_bytes(name) for name, n in local.items())
     trained = {name: n for name, n in local.items() if fit.trains(name, full[name])}
     # The LoRA factors are sharded with the model: this rank's share of them, as of its weights.
     adapters = fit.adapter_parameters * sum(local.values()) / max(summarize(model).total, 1)

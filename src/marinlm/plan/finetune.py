@@ -21,7 +21,6 @@ from torch import nn
 
 FP32 = 4
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes' NF4: 4 bits a weight and an fp32 absmax per block of 64
-VOCAB_ROWS = ("embed.weight", "lm_head.weight")
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Training:
 
     method: str
     adapter_parameters: int
-    frozen_linears: frozenset[str]  # QLoRA's 4-bit linear weights, by parameter name (and the experts)
+    nf4_weights: frozenset[str]  # QLoRA's 4-bit weights (linear layers and routed experts), by name
     config: object
 
     def trains(self, name: str, shape: tuple) -> bool:
@@ -42,23 +41,12 @@ class Training:
             from marinlm.finetune.adapters import freeze_patterns, matches
 
             return matches(name, freeze_patterns(c))
-        lora = c.lora
-        return bool(
-            lora.train_router
-            and ".router." in name
-            or lora.train_norms
-            and "norm" in name
-            and len(shape) == 1
-            or lora.train_embeddings
-            and name in VOCAB_ROWS
-        )
+        from marinlm.finetune.adapters import trains_whole
 
-    def weight_bytes(self, name: str, shape: tuple) -> float:
-        if self.method != "qlora":
-            return FP32
-        if name in self.frozen_linears or "experts." in name and len(shape) == 3:
-            return NF4_BYTES
-        return FP32
+        return trains_whole(name, len(shape), c)
+
+    def weight_bytes(self, name: str) -> float:
+        return NF4_BYTES if name in self.nf4_weights else FP32
 
 
 def training(train) -> Training:
@@ -67,6 +55,7 @@ def training(train) -> Training:
     if method in ("full", "freeze"):
         return Training(method, 0, frozenset(), train)
     from marinlm.finetune.adapters import lora_targets
+    from marinlm.finetune.grouped_lora import EXPERT_PROJECTIONS
     from marinlm.model import MarinForCausalLM
     from marinlm.model.experts import RoutedExperts
 
@@ -76,12 +65,15 @@ def training(train) -> Training:
     modules = dict(model.named_modules())
     targets = lora_targets(model, train)
     count = sum(lora.r * (modules[n].in_features + modules[n].out_features) for n in targets)
+    experts = {n: m for n, m in modules.items() if isinstance(m, RoutedExperts)}
     if lora.experts:
-        for module in model.modules():
-            if isinstance(module, RoutedExperts):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    E, d_in, d_out = getattr(module, proj).shape
-                    count += E * lora.r * (d_in + d_out)
+        for module in experts.values():
+            for proj in EXPERT_PROJECTIONS:
+                E, d_in, d_out = getattr(module, proj).shape
+                count += E * lora.r * (d_in + d_out)
+    if method != "qlora":
+        return Training(method, count, frozenset(), train)
     skip = set() if lora.lm_head else {"lm_head"}
-    frozen = frozenset(f"{n}.weight" for n, m in modules.items() if type(m) is nn.Linear and n not in skip)
-    return Training(method, count, frozen if method == "qlora" else frozenset(), train)
+    linears = {f"{n}.weight" for n, m in modules.items() if type(m) is nn.Linear and n not in skip}
+    stacks = {f"{n}.{proj}" for n in experts for proj in EXPERT_PROJECTIONS}
+    return Training(method, count, frozenset(linears | stacks), train)
