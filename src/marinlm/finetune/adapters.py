@@ -136,12 +136,6 @@ def freeze_router_biases(model: nn.Module) -> None:
             router.update_bias = lambda stats: None
 
 
-def trainable_summary(model: nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
-    return trainable, total
-
-
 @torch.no_grad()
 def merge_adapters(model: nn.Module, fold: bool = True) -> int:
     """Fold every LoRA adapter into its base weight, leaving the plain model; returns how many.

@@ -234,15 +234,7 @@ class FinetuneTrainer(Trainer):
 
 
 def run_finetune(config: FinetuneConfig, resume: str = "auto") -> dict:
-    from marinlm.parallel import shutdown_distributed
-    from marinlm.train.run import attach_eval_hook
+    """Entry point for `marinlm finetune` (also under torchrun)."""
+    from marinlm.train.run import run_training
 
-    trainer = None
-    try:
-        trainer = FinetuneTrainer(config, resume)
-        attach_eval_hook(trainer)
-        return trainer.fit()
-    finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown_distributed()
+    return run_training(config, resume, FinetuneTrainer)

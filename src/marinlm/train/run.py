@@ -19,12 +19,13 @@ def attach_eval_hook(trainer: Trainer) -> None:
         trainer.add_hook(make_eval_hook(trainer, c), every=c.every_n_steps)
 
 
-def run_training(config: TrainConfig, resume: str = "auto") -> dict:
-    """Entry point for `marinlm train` (also under torchrun)."""
+def run_training(config: TrainConfig, resume: str = "auto", trainer_class: type[Trainer] = Trainer) -> dict:
+    """Entry point for `marinlm train` and, with its trainer class, `marinlm finetune` (also under
+    torchrun)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     trainer = None
     try:
-        trainer = Trainer(config, resume)
+        trainer = trainer_class(config, resume)
         attach_eval_hook(trainer)
         return trainer.fit()
     finally:
