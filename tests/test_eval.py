@@ -844,6 +844,13 @@ def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, mo
     with pytest.raises(TaskDataError, match=r"task 'val' scores the validation split .*moved-tokens"):
         run_eval(run, EvalOptions(tasks=["arc_easy", "val"], data_dir=str(tmp_path / "tasks")), tmp_path / "out.json")
     assert not (tmp_path / "out.json").exists()
+    # A run with no training data of its own (an imported checkpoint's): named, with what to use instead
+    # (it was a bare "data.sources: give at least one tokenized dataset").
+    with pytest.raises(TaskDataError, match=r"task 'val' .* memory names no tokenized dataset .* bpb:PATH"):
+        run_eval(
+            loaded, EvalOptions(tasks=["arc_easy", "val"], data_dir=str(tmp_path / "tasks")), tmp_path / "out.json"
+        )
+    assert not (tmp_path / "out.json").exists()
 
 
 def test_scoring_and_generation_start_texts_as_training_started_documents(loaded, tmp_path, monkeypatch):

@@ -248,6 +248,11 @@ def _open_val(loaded) -> dict:
     from marinlm.dataset.loader import validation_sources
 
     data, launch = loaded.config.data, launch_dir(loaded)
+    if not data.sources:  # an imported checkpoint, or a fine-tune's SFT data
+        raise TaskDataError(
+            f"task 'val' scores the validation split of the run's training data, and {loaded.checkpoint} "
+            "names no tokenized dataset (data.sources); score a text with bpb:PATH instead"
+        )
     missing = [s for s in data.sources if not Path(s.path).is_absolute() and not Path(s.path).exists()]
     if launch is not None and missing and all((launch / s.path).exists() for s in missing):
         sources = [replace(s, path=str(launch / s.path)) if s in missing else s for s in data.sources]
