@@ -7,6 +7,7 @@ import copy
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -699,6 +700,20 @@ def test_new_special_tokens_train_their_rows_and_export_with_the_adapter(tmp_pat
     assert json.loads((hf / "config.json").read_text())["vocab_size"] == 1024
     freeze = replace(sft_config(), method="freeze", freeze=replace(sft_config().freeze, patterns=["embed.*"]))
     assert "freeze.patterns=[embed.*, lm_head.*]" in frozen_new_rows(1, freeze)
+
+
+def test_a_bad_value_is_traced_to_the_command_line_or_the_file(tmp_path):
+    """A bad `--lora.r=0` was blamed on the YAML file ("(in configs/finetune/...)")."""
+    from marinlm.config import ConfigError
+    from marinlm.finetune.commands import load_finetune_config
+
+    config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
+    model = f"--model={CONFIGS / 'model' / 'tiny.yaml'}"  # no base run to read
+    with pytest.raises(ConfigError, match=r"^lora.r: .* \(set on the command line\)$"):
+        load_finetune_config(config_file, ["--base=runs/x", model, "--lora.r=0"])
+    (tmp_path / "bad.yaml").write_text(Path(config_file).read_text().replace("r: 16", "r: 0"))
+    with pytest.raises(ConfigError, match=r"^lora.r: .* \(in .*bad.yaml, with the command-line overrides\)$"):
+        load_finetune_config(str(tmp_path / "bad.yaml"), ["--base=runs/x", model, "--train.steps=3"])
 
 
 def test_a_model_file_on_the_command_line_replaces_the_base_runs_model(base_run):

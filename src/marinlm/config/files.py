@@ -298,15 +298,21 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     try:
         return from_dict(cls, data)
     except ConfigError as e:
-        if _overridden(over, e.key):
-            where = " (set on the command line)"
-        elif path is not None:
-            where = f" (in {path}" + (", with the command-line overrides)" if over else ")")
-            if e.key in data and e.key not in _field_names(cls) and (kind := _config_kind(data, kinds)):
-                where += f"; that file is {kind}, not a {cls.__name__}"
-        else:
-            where = ""
+        where = origin(e.key, over, path)
+        from_file = path is not None and not _overridden(over, e.key)
+        if from_file and e.key in data and e.key not in _field_names(cls) and (kind := _config_kind(data, kinds)):
+            where += f"; that file is {kind}, not a {cls.__name__}"
         raise ConfigError(e.key, e.reason + where) from None
+
+
+def origin(key: str, overrides: dict[str, Any], path: str | Path | None) -> str:
+    """Where the value of a config error's `key` came from, for its message: the command line
+    (`overrides` as parse_overrides returns them), or the file."""
+    if _overridden(overrides, key):
+        return " (set on the command line)"
+    if path is None:
+        return ""
+    return f" (in {path}" + (", with the command-line overrides)" if overrides else ")")
 
 
 def _field_names(cls: type) -> set[str]:

@@ -13,13 +13,13 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
     run's (keys given under `model:` change it, e.g. model.kernels)."""
     from marinlm.config import ConfigError, from_dict, load_config, merge, parse_overrides, read_yaml, to_dict
-    from marinlm.config.files import file_sections, resolve_file_refs
+    from marinlm.config.files import file_sections, origin, resolve_file_refs
     from marinlm.finetune.config import FinetuneConfig
     from marinlm.presets import find_config
     from marinlm.train.checkpoint import resolve_checkpoint
     from marinlm.train.config import TrainConfig
 
-    data, base_dir = {}, Path.cwd()
+    data, base_dir, over = {}, Path.cwd(), {}
     if path is not None:
         found = find_config(path)
         data, base_dir = read_yaml(found), found.parent
@@ -40,7 +40,7 @@ def load_finetune_config(path: str | None, overrides: list[str]):
     try:
         return from_dict(FinetuneConfig, data)
     except ConfigError as e:
-        raise ConfigError(e.key, e.reason + (f" (in {path})" if path else "")) from None
+        raise ConfigError(e.key, e.reason + origin(e.key, over, path)) from None
 
 
 def add_commands(commands) -> None:
