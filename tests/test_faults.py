@@ -311,3 +311,188 @@ def test_a_broken_newest_checkpoint_is_skipped_by_resume_generate_and_eval(
     assert out.count("skipping unusable checkpoint") >= 3 and str(newest) in out, out[-3000:]
     assert "weights_only" not in out and "Traceback" not in out
     assert not (run / "pwned").exists()
+
+
+# --- outputs that would destroy inputs, fine-tunes that stay on their base --------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A run with one checkpoint (random tiny weights), written without training: a base to export,
+    import and fine-tune."""
+    from dataclasses import replace
+
+    from marinlm.hf.importer import save_run
+    from marinlm.tokenizer import MarinTokenizer, train_bpe
+    from marinlm.train.config import TrainConfig
+
+    from conftest import SAMPLE_TEXTS, build, tiny_config
+
+    root = tmp_path_factory.mktemp("small_run")
+    tok = MarinTokenizer(train_bpe(SAMPLE_TEXTS * 20 + ["What is 2 + 3? It is 5."] * 20, 500))
+    config = tiny_config(num_layers=2, vocab_size=512, moe={"capacity_factor": None})
+    model = build(config, seed=0)
+    save_run(root / "run", replace(TrainConfig(model=config), run_dir=str(root / "run")), model.state_dict(), tok, {})
+    return root / "run"
+
+
+def test_export_overwrite_refuses_a_folder_holding_the_run_it_exports(small_run, tmp_path, capsys):
+    """`export DIR/src/train DIR --overwrite` deleted the run it exported; now every command that
+    replaces a folder refuses one that is, holds or lies inside one of its inputs, naming both."""
+    run = tmp_path / "dir" / "src" / "train"
+    shutil.copytree(small_run, run)
+    assert marinlm(["export", str(run), str(tmp_path / "dir"), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the export folder") and "holds the checkpoint" in err and str(run) in err, err
+    assert list_checkpoints(run / "checkpoints")  # the run is still there
+    assert marinlm(["export", str(run), str(run / "checkpoints" / "step-00000000" / "hf")]) == 2
+    assert "lies inside the checkpoint" in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    assert marinlm(["export", str(run), str(hf)]) == 0
+    assert marinlm(["import", str(hf), str(tmp_path), "--overwrite"]) == 2
+    assert "holds the model folder" in capsys.readouterr().err and (hf / "config.json").is_file()
+
+
+def test_export_files_are_readable_by_the_team_and_a_full_disk_leaves_nothing(small_run, tmp_path, capsys, monkeypatch):
+    """model.safetensors got mode 0600 (safetensors' own) where every other file got 0644; a full
+    disk while writing it printed safetensors' traceback and left an empty `.exp.tmp-PID` folder."""
+    import safetensors.torch
+
+    hf = tmp_path / "exp"
+    assert marinlm(["export", str(small_run), str(hf)]) == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in hf.iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1, modes
+    capsys.readouterr()
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert marinlm(["export", str(small_run), str(tmp_path / "full")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "No space left on device" in err and str(tmp_path / "full") in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no temporary folder left
+
+
+def test_import_reads_the_files_its_index_names_and_names_a_broken_one(small_run, tmp_path, capsys):
+    """A stray `zz-old.safetensors` of zeros beside an export was loaded after it and won: the model
+    imported as all zeros. A truncated file or a broken header was a SafetensorError traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from marinlm.train.checkpoint import resolve_checkpoint
+
+    hf = tmp_path / "hf"
+    assert marinlm(["export", str(small_run), str(hf), "--max-shard-size=200KB"]) == 0
+    assert (hf / "model.safetensors.index.json").is_file()
+    shard = sorted(hf.glob("model-*.safetensors"))[0]
+    zeros = {k: v.zero_() for k, v in load_file(str(shard)).items()}
+    save_file(zeros, str(hf / "zz-old.safetensors"))
+    assert marinlm(["import", str(hf), str(tmp_path / "imported")]) == 0
+    capsys.readouterr()
+
+    ours, theirs = (
+        checkpoint_weights(resolve_checkpoint(small_run)),
+        checkpoint_weights(resolve_checkpoint(tmp_path / "imported")),
+    )
+    assert all(bool((ours[k] == theirs[k]).all()) for k in ours)
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert marinlm(["import", str(hf), str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {shard}: not a readable safetensors file"), err
+    (hf / "model.safetensors.index.json").unlink()
+    assert marinlm(["import", str(hf), str(tmp_path / "again")]) == 2
+    assert "no model.safetensors and no model.safetensors.index.json" in capsys.readouterr().err
+
+
+def checkpoint_weights(folder: Path) -> dict:
+    """The model tensors of a plain (not fine-tuning) checkpoint folder."""
+    import torch
+
+    from marinlm.config import load_config
+    from marinlm.model import MarinForCausalLM
+    from marinlm.train.checkpoint import load_tensors
+    from marinlm.train.config import TrainConfig
+
+    with torch.device("meta"):
+        keys = MarinForCausalLM(load_config(TrainConfig, folder / "config.yaml").model).state_dict()
+    tensors = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in keys.items()}}
+    load_tensors(folder, tensors)
+    return tensors["model"]
+
+
+def _sft_file(path: Path, n: int = 24) -> Path:
+    lines = [json.dumps({"question": f"What is {i} + {i}?", "answer": f"It is {2 * i}."}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _finetune(base: Path, run: Path, data: Path, steps: int, *extra: str) -> int:
+    return marinlm(
+        [
+            "finetune",
+            str(ROOT / "configs" / "finetune" / "gsm8k-lora.yaml"),
+            f"--base={base}",
+            f"--run_dir={run}",
+            f"--sft.train_files=[{data}]",
+            "--sft.val_files=[]",
+            "--data.seq_len=64",
+            f"--train.steps={steps}",
+            "--train.global_batch=4",
+            "--validation.every_steps=0",
+            "--checkpoint.every_steps=2",
+            "--checkpoint.keep_last=3",
+            "--logging.every_steps=1",
+            "--logging.tensorboard=false",
+            "--logging.progress=false",
+            "--logging.peak_flops=1e11",
+            *extra,
+        ]
+    )
+
+
+def test_a_resumed_finetune_keeps_its_base_and_a_broken_base_is_refused(small_run, tmp_path, capsys):
+    """Fine-tune on base step 0, stop after step 2, give the base a newer checkpoint, resume: the run
+    took the newest base silently and its steps 3-4 differed from an unbroken run's. Now it keeps the
+    base it began on (steps equal), a new fine-tune can pick a base step (`base_checkpoint`), and a
+    base changed under a fine-tune, or corrupt, is refused by resume, generate, eval and export."""
+    from marinlm.train.checkpoint import CheckpointManager
+
+    base = tmp_path / "base"
+    shutil.copytree(small_run, base)
+    data = _sft_file(tmp_path / "sft.jsonl")
+    assert _finetune(base, tmp_path / "straight", data, 4) == 0
+    # A fine-tune killed after its step-2 save: that checkpoint alone in a run folder.
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoints" / "step-00000002", tmp_path / "broken" / "checkpoints" / "step-00000002"
+    )
+    # The base trains on: a newer checkpoint, other weights.
+    step0 = base / "checkpoints" / "step-00000000"
+    state = json.loads((step0 / "trainer_state.json").read_text())
+    tensors = {"model": {k: v * 1.5 if v.is_floating_point() else v for k, v in checkpoint_weights(step0).items()}}
+    CheckpointManager(base / "checkpoints", keep_last=5).save(
+        5, tensors, {**state, "step": 5}, (step0 / "config.yaml").read_text(), tokenizer=step0 / "tokenizer"
+    )
+    assert _finetune(base, tmp_path / "broken", data, 4) == 0
+
+    def losses(run):
+        return {r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r}
+
+    straight = losses(tmp_path / "straight")
+    assert losses(tmp_path / "broken") == {3: straight[3], 4: straight[4]}
+    # A new fine-tune takes the newest base unless told which; told step 0, it trains as the first.
+    assert _finetune(base, tmp_path / "newest", data, 1) == 0
+    assert _finetune(base, tmp_path / "chosen", data, 1, "--base_checkpoint=0") == 0
+    assert losses(tmp_path / "newest")[1] != straight[1]
+    assert losses(tmp_path / "chosen")[1] == straight[1]
+    capsys.readouterr()
+    # The base it began on, corrupted: every command that needs it says so, naming the file.
+    _flip_a_byte(step0)
+    assert marinlm(["generate", str(tmp_path / "broken"), "--prompt", "What", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "its base checkpoint is unusable" in err and str(step0) in err, err
+    assert marinlm(["export", str(tmp_path / "broken"), str(tmp_path / "exp")]) == 2
+    assert "its base checkpoint is unusable" in capsys.readouterr().err
+    assert _finetune(base, tmp_path / "broken", data, 6) == 2
+    err = capsys.readouterr().err
+    assert "its base checkpoint is unusable" in err and str(tmp_path / "broken") in err, err
+    assert "Traceback" not in err

@@ -165,7 +165,7 @@ def _data_run(args, overrides) -> int:
 def _quickstart(args, overrides) -> int:
     from marinlm.quickstart import run_quickstart
 
-    run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed, args.text_field, args.languages)
+    run_quickstart(args.run_dir, args.corpus, args.minutes, args.seed, args.text_field, args.languages, args.steps)
     return 0
 
 
@@ -297,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float, "a number of minutes"),
         default=10.0,
         help="total time budget; training gets what the data stages leave, but at least 1 min",
+    )
+    quick.add_argument(
+        "--steps",
+        type=_positive(int, "a number of steps"),
+        default=None,
+        help="train exactly this many steps, however long they take (default: as many as the time budget fits)",
     )
     quick.add_argument("--run-dir", default="runs/quickstart", help="where every stage writes (default: %(default)s)")
     quick.add_argument("--seed", type=int, default=0)

@@ -168,7 +168,22 @@ def _files_under(
     files `given` by name (a glob's matches in `also_under`), in sorted order. Hidden files and
     folders are no inputs; folders of outputs are left out (`_outside_marinlm_outputs`); files of
     types not read are skipped with a note that counts them by type."""
-    walked = {f for d in folders for f in d.rglob("*") if f.is_file() and not _hidden_under(f, d)}
+    walked, nowhere = set(), []
+    for d in folders:
+        for f in d.rglob("*"):
+            if _hidden_under(f, d):
+                continue
+            if f.is_file():
+                walked.add(f)
+            elif f.is_symlink() and not f.exists():  # dangling, or a loop
+                nowhere.append(f)
+    if nowhere:
+        input_note(
+            f"{key}: skipping {len(nowhere)} symbolic link(s) under {spec} that lead to no file (dangling or "
+            f"looping; e.g. {sorted(nowhere)[0]})",
+            quiet,
+            notes,
+        )
     tops = [*folders, also_under] if also_under is not None else folders
     files = _outside_marinlm_outputs(tops, sorted(walked | set(given)), key, spec, quiet, notes)
     named = set(given)

@@ -147,7 +147,7 @@ class TokenDataset:
                     f"{self.vocab_size}; set model.vocab_size >= {self.vocab_size}"
                 )
             self.bos_id, self.eos_id = m["tokenizer"]["bos_id"], m["tokenizer"]["eos_id"]
-            self.dtype = np.dtype(m["dtype"])
+            self.dtype = _token_dtype_of(m["dtype"], self.vocab_size, manifest_path)
             self.split = split
             self.shards = [self._open(entry, verify) for entry in m["splits"][split] if entry["num_docs"] > 0]
         except (KeyError, TypeError, IndexError) as e:  # hand-edited, or not written by `marinlm tokenize`
@@ -168,6 +168,12 @@ class TokenDataset:
     def _open(self, entry: dict, verify: str) -> Shard:
         tokens_path = self.folder / entry["tokens"]
         docs_path = self.folder / entry["docs"]
+        if entry["tokens_bytes"] != entry["num_tokens"] * self.dtype.itemsize:
+            raise ShardError(
+                f"{tokens_path}: the manifest lists {entry['num_tokens']} tokens in {entry['tokens_bytes']} bytes, "
+                f"which is not {self.dtype.itemsize} bytes a token as its dtype {self.dtype.name} says: the manifest's "
+                "dtype is not the one the shard was written in"
+            )
         for path, key in ((tokens_path, "tokens"), (docs_path, "docs")):
             if not path.is_file():
                 raise ShardError(f"{path}: missing shard file listed in the manifest")
@@ -243,7 +249,8 @@ class TokenDataset:
         for attempt in range(self.read_retries + 1):
             try:
                 start = int(shard.index[local - 1, 0]) if local else 0
-                return np.array(shard.tokens[start : int(shard.index[local, 0])])  # read now, where it can fail
+                tokens = np.array(shard.tokens[start : int(shard.index[local, 0])])  # read now, where it can fail
+                break
             except OSError as e:
                 if attempt == self.read_retries:
                     raise ShardError(
@@ -251,10 +258,32 @@ class TokenDataset:
                         "storage, then resume with the same command"
                     ) from None
                 time.sleep(self.read_backoff_s * 2**attempt)
+        # Every id below the vocabulary, checked as it is read (`verify: full` checks them all at the
+        # start): a corrupt shard would otherwise fail inside the embedding, naming no file.
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:
+            raise ShardError(
+                f"{shard.path}: document {local} holds token id {int(tokens.max())}, not below the vocabulary "
+                f"size {self.vocab_size}: the shard is corrupt (re-tokenize it; --data.verify=full checks every id "
+                "at the start)"
+            )
+        return tokens
 
     @property
     def num_bytes(self) -> int:
         return sum(_chunked_sum(s.doc_bytes) for s in self.shards)
+
+
+def _token_dtype_of(name, vocab_size: int, manifest: Path) -> np.dtype:
+    """The manifest's token dtype, if it is one that `marinlm tokenize` writes and holds every id."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise ShardError(f"{manifest}: dtype {name!r} is not a token dtype (uint16 or uint32)")
+    if vocab_size > np.iinfo(dtype).max + 1:
+        raise ShardError(f"{manifest}: dtype {name} cannot hold the ids of a {vocab_size}-token vocabulary")
+    return dtype
 
 
 def _chunked_sum(column: np.ndarray) -> int:

@@ -83,6 +83,9 @@ class FreezeConfig:
 @dataclass(kw_only=True)
 class FinetuneConfig(TrainConfig):
     base: str = ""  # a marinlm run or checkpoint folder (an imported HF model is one)
+    # Which of the base run's checkpoints a new fine-tune starts from: a step number, or a checkpoint
+    # folder; empty: the newest good one. A resumed fine-tune keeps the one it began on.
+    base_checkpoint: str = ""
     method: str = "lora"
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -24,6 +24,7 @@ import torch
 
 from marinlm.finetune.config import SFTDataConfig
 from marinlm.model.loss import IGNORE_INDEX
+from marinlm.utils.io import json_error, read_utf8
 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 ROLES = ("system", "user", "assistant")
@@ -34,15 +35,24 @@ class SFTDataError(ValueError):
 
 
 def read_records(path: str | Path) -> list[tuple[str, dict]]:
-    """(where, record) of every example in a .jsonl, .json (a list) or .parquet file."""
+    """(where, record) of every example in a .jsonl, .json (a list) or .parquet file.
+
+    Text files are read as curation reads them: UTF-8, a leading byte-order mark dropped, a bad
+    byte named by line; JSON lines end at a newline only (U+2028, U+2029 and U+0085 are characters
+    that may stand raw inside a JSON string, not line breaks)."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: no such file of examples")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return [(f"{path}[{i}]", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    text = path.read_text(encoding="utf-8")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise SFTDataError(f"{path}: not a readable parquet file ({e})") from None
+        return [(f"{path}[{i}]", row) for i, row in enumerate(rows)]
+    text = read_utf8(path, "invalid UTF-8", SFTDataError)
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -52,12 +62,12 @@ def read_records(path: str | Path) -> list[tuple[str, dict]]:
             raise SFTDataError(f"{path}: expected a JSON list of examples")
         return [(f"{path}[{i}]", r) for i, r in enumerate(data)]
     records = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             try:
                 records.append((f"{path}:{n}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise SFTDataError(f"{path}:{n}: not valid JSON: {e.msg}") from None
+                raise SFTDataError(f"{path}:{n}: not valid JSON: {json_error(e)}") from None
     return records
 
 
@@ -107,14 +117,19 @@ class ChatRenderer:
         # "longer than the maximum sequence length" warning.
         self.hf.model_max_length = int(1e30)
 
-    def render(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        out = self.hf.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
+    def render(self, messages: list[dict], where: str = "an example") -> tuple[list[int], list[int]]:
+        from jinja2 import TemplateError
+
+        try:
+            out = self.hf.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+        except TemplateError as e:  # a field the template uses that the messages lack, a syntax error
+            raise SFTDataError(f"{self.template_name}: the chat template fails on {where}: {e}") from None
         return list(out["input_ids"]), list(out["assistant_masks"])
 
 
@@ -139,7 +154,7 @@ class Examples:
 def render_all(records, config: SFTDataConfig, renderer: ChatRenderer, seq_len: int, name: str) -> Examples:
     out = Examples([], [])
     for where, record in records:
-        ids, mask = renderer.render(to_messages(record, config, where))
+        ids, mask = renderer.render(to_messages(record, config, where), where)
         if not any(mask[1:]):  # the first token is never predicted
             out.empty += 1
             continue

@@ -3,6 +3,7 @@ tensors, folded together, for `generate`, `eval`, `export` and `finetune merge`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -14,11 +15,74 @@ from marinlm.config import dump_config
 from marinlm.finetune.adapters import VOCAB_ROWS, apply_method, dequantize_base, merge_adapters
 from marinlm.finetune.config import FinetuneConfig
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import checkpoint_tokenizer, load_tensors, resolve_checkpoint
+from marinlm.train.checkpoint import checkpoint_tokenizer, load_tensors, resolve_checkpoint, validate
+from marinlm.train.safe_load import CheckpointError
+from marinlm.utils.io import refuse_overlap, sha256_file
 
 
 def base_checkpoint(config: FinetuneConfig) -> Path:
-    return resolve_checkpoint(config.base).resolve()
+    """The checkpoint a new fine-tune starts from: `base_checkpoint` (a step of the base run, or a
+    checkpoint folder) where given, else the base run's newest good one; validated."""
+    choice = config.base_checkpoint
+    if not choice:
+        return resolve_checkpoint(config.base).resolve()
+    if choice.isdigit():
+        from marinlm.train.checkpoint import step_dir
+
+        run = Path(config.base)
+        root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+        return resolve_checkpoint(step_dir(root, int(choice))).resolve()
+    return resolve_checkpoint(choice).resolve()
+
+
+def training_base(config: FinetuneConfig, resume: str) -> Path:
+    """The base checkpoint a fine-tune trains on: the one recorded in the checkpoint it resumes
+    (`resume`: auto, none, or a checkpoint or run folder), else `base_checkpoint(config)`. A resumed
+    fine-tune never moves to a newer base: its trained tensors were fitted to the old one."""
+    resumed = None
+    if resume != "none":
+        with contextlib.suppress(FileNotFoundError, CheckpointError):  # nothing to resume: a new fine-tune
+            resumed = resolve_checkpoint(Path(config.run_dir) if resume == "auto" else Path(resume))
+    state = json.loads((resumed / "trainer_state.json").read_text()) if resumed is not None else {}
+    if not state.get("base_checkpoint"):
+        return base_checkpoint(config)
+    base = pinned_base(state, resumed)
+    if config.base_checkpoint:
+        chosen = base_checkpoint(config)
+        if chosen != base.resolve():
+            raise ValueError(
+                f"base_checkpoint: {resumed} was fine-tuned on {base}, not {chosen}; resume it on its own base "
+                "(leave base_checkpoint empty), or start a new run_dir on the other"
+            )
+    return base
+
+
+def base_fingerprint(folder: Path) -> str:
+    """The content hash of checkpoint `folder`: the sha256 of its COMPLETE.json, which lists the
+    size and sha256 of every file in it."""
+    return sha256_file(folder / "COMPLETE.json")
+
+
+def pinned_base(state: dict, where: Path) -> Path:
+    """The base checkpoint recorded in fine-tuning trainer state `state` (of checkpoint `where`),
+    validated and, where its hash was recorded, unchanged since the fine-tune began: the frozen
+    weights that the trained tensors were fitted to. A missing, corrupt or replaced base raises,
+    naming both folders."""
+    base = Path(state["base_checkpoint"])
+    if not base.is_dir():
+        raise FileNotFoundError(f"{where}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
+    try:
+        validate(base)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: its base checkpoint is unusable: {e}") from None
+    recorded = state.get("base_sha256")
+    if recorded is not None and base_fingerprint(base) != recorded:
+        raise CheckpointError(
+            f"{where}: its base checkpoint {base} has changed since the fine-tune began (the sha256 of its "
+            f"COMPLETE.json is {base_fingerprint(base)[:12]}…, recorded {recorded[:12]}…); the trained tensors "
+            "belong to the old weights"
+        )
+    return base
 
 
 def base_vocab_size(folder: Path) -> int:
@@ -55,12 +119,18 @@ def load_base_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def base_of(folder: Path, config: FinetuneConfig) -> Path:
-    """The base checkpoint that fine-tuning checkpoint `folder` was trained from."""
+    """The base checkpoint that fine-tuning checkpoint `folder` was trained from (`pinned_base`)."""
     state = json.loads((folder / "trainer_state.json").read_text())
-    base = Path(state.get("base_checkpoint") or base_checkpoint(config))
-    if not base.is_dir():
-        raise FileNotFoundError(f"{folder}: its base checkpoint {base} is gone; the fine-tuned tensors need it")
-    return base
+    if not state.get("base_checkpoint"):  # saved before checkpoints recorded their base
+        return base_checkpoint(config)
+    return pinned_base(state, folder)
+
+
+def base_of_checkpoint(folder: Path) -> Path:
+    """`base_of` a fine-tuning checkpoint folder, reading its own config."""
+    from marinlm.config import load_config
+
+    return base_of(folder, load_config(FinetuneConfig, folder / "config.yaml"))
 
 
 @torch.no_grad()
@@ -126,8 +196,9 @@ def merge_run(run: str | Path, out_dir: str | Path | None = None) -> Path:
     """`marinlm finetune merge RUN`: the newest checkpoint with its adapters folded in, written as a
     plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft."""
     folder = resolve_checkpoint(run)
-    model, config = finetuned_model(folder)
     out_dir = Path(out_dir) if out_dir else Path(run) / "merged"
+    refuse_overlap(out_dir, {"the checkpoint": folder, "its base checkpoint": base_of_checkpoint(folder)}, "--out")
+    model, config = finetuned_model(folder)
     saved = save_plain_run(model, config, folder, out_dir, "merged_from")
     print(f"merged {folder} -> {saved}", file=sys.stderr)
     return saved

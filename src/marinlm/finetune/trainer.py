@@ -26,7 +26,7 @@ from marinlm.finetune.adapters import (
 )
 from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
-from marinlm.finetune.loading import base_checkpoint, load_base_weights
+from marinlm.finetune.loading import base_fingerprint, load_base_weights, training_base
 from marinlm.model.loss import IGNORE_INDEX
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer
@@ -99,7 +99,8 @@ class FinetuneTrainer(Trainer):
             raise ConfigError(
                 "train.init", "fine-tuning loads the base weights whole before sharding; use full or auto"
             )
-        self.base_folder = base_checkpoint(config)
+        self.base_folder = training_base(config, resume)
+        self.base_sha256 = base_fingerprint(self.base_folder)
         super().__init__(config, resume)
 
     # --- data -----------------------------------------------------------------------------------
@@ -182,7 +183,11 @@ class FinetuneTrainer(Trainer):
         return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def _trainer_state(self) -> dict:
-        return {**super()._trainer_state(), "base_checkpoint": str(self.base_folder)}
+        return {
+            **super()._trainer_state(),
+            "base_checkpoint": str(self.base_folder),
+            "base_sha256": self.base_sha256,
+        }
 
     # --- validation and the end -----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from marinlm.hf.export import MANIFEST, ExportReport, export, manifest_entry
-from marinlm.utils.io import write_json_atomic
+from marinlm.utils.io import refuse_overlap, write_json_atomic
 
 ADAPTER_DIR = "adapter"
 PREFIX = "base_model.model."  # peft's name for the model it wraps
@@ -39,7 +39,14 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
         save_peft_adapter,
         whole_trained_modules,
     )
-    from marinlm.finetune.loading import adapted_model, base_of, is_finetune_config, restore_base, save_plain_run
+    from marinlm.finetune.loading import (
+        adapted_model,
+        base_of,
+        base_of_checkpoint,
+        is_finetune_config,
+        restore_base,
+        save_plain_run,
+    )
     from marinlm.train.checkpoint import resolve_checkpoint
 
     folder = resolve_checkpoint(source)
@@ -50,6 +57,8 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
             f"--adapter: the base is exported as remote code, whose module names the adapter uses; --format {fmt} "
             "renames them (export the merged model with --format native instead)"
         )
+    inputs = {"the checkpoint": folder, "its base checkpoint": base_of_checkpoint(folder)}
+    refuse_overlap(out_dir, inputs, "the export folder")
     model, config, info = adapted_model(folder)
     if config.method not in ("lora", "qlora"):
         raise ValueError(

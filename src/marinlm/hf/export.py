@@ -33,7 +33,7 @@ from marinlm.hf.remote_code import configuration_source, modeling_source
 from marinlm.model.config import MarinConfig
 from marinlm.train.config import TrainConfig
 from marinlm.train.safe_load import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
-from marinlm.utils.io import sha256_file, write_json_atomic
+from marinlm.utils.io import make_shareable, os_error_in, refuse_overlap, sha256_file, write_json_atomic
 
 FORMATS = ("auto", "native", "remote")
 MANIFEST = "marinlm_export.json"
@@ -170,12 +170,15 @@ def export(
     from marinlm.train.checkpoint import checkpoint_tokenizer, resolve_checkpoint
 
     out_dir = Path(out_dir)
+    folder = resolve_checkpoint(source)
+    from marinlm.finetune.loading import base_of_checkpoint, is_finetune_config, merge_run
+
+    finetuned = is_finetune_config(folder / "config.yaml")
+    inputs = {"the checkpoint": folder, **({"its base checkpoint": base_of_checkpoint(folder)} if finetuned else {})}
+    refuse_overlap(out_dir, inputs, "the export folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
-    folder = resolve_checkpoint(source)
-    from marinlm.finetune.loading import is_finetune_config, merge_run
-
-    if is_finetune_config(folder / "config.yaml"):
+    if finetuned:
         # A fine-tuning checkpoint holds only what trained: fold it into the base weights first (in
         # memory: the whole model), then export that plain checkpoint.
         import tempfile
@@ -202,58 +205,67 @@ def export(
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        # Plan the shards from shapes alone, then fill one at a time.
+        def out_meta(t: qwen3_moe.HFTensor) -> torch.Tensor:
+            built = t.build(*(reader.meta(s) for s in t.sources)) if fmt == "native" else reader.meta(t.sources[0])
+            return built.to(DTYPES[dtype]) if dtype else built
 
-    # Plan the shards from shapes alone, then fill one at a time.
-    def out_meta(t: qwen3_moe.HFTensor) -> torch.Tensor:
-        built = t.build(*(reader.meta(s) for s in t.sources)) if fmt == "native" else reader.meta(t.sources[0])
-        return built.to(DTYPES[dtype]) if dtype else built
+        metas = {t.name: out_meta(t) for t in plan}
+        split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size)
+        largest = 0
+        for i, (filename, names) in enumerate(split.filename_to_tensors.items()):
+            sources = sorted({s for n in names for s in by_name[n].sources})
+            loaded = reader.read(sources)
+            shard = {}
+            for n in names:
+                tensor = by_name[n].build(*(loaded[s] for s in by_name[n].sources))
+                shard[n] = (tensor.to(DTYPES[dtype]) if dtype else tensor).contiguous()
+            del loaded
+            largest = max(largest, sum(t.numel() * t.element_size() for t in shard.values()))
+            try:
+                save_file(shard, str(tmp / filename), metadata={"format": "pt"})
+            except Exception as e:  # safetensors names neither the file nor the OS error's kind
+                raise os_error_in(e, out_dir / filename) from None
+            make_shareable(tmp / filename)
+            del shard
+            if not quiet:
+                print(f"  wrote {filename} ({i + 1}/{len(split.filename_to_tensors)})", file=sys.stderr, flush=True)
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            write_json_atomic(tmp / "model.safetensors.index.json", index)
 
-    metas = {t.name: out_meta(t) for t in plan}
-    split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size)
-    largest = 0
-    for i, (filename, names) in enumerate(split.filename_to_tensors.items()):
-        sources = sorted({s for n in names for s in by_name[n].sources})
-        loaded = reader.read(sources)
-        shard = {}
-        for n in names:
-            tensor = by_name[n].build(*(loaded[s] for s in by_name[n].sources))
-            shard[n] = (tensor.to(DTYPES[dtype]) if dtype else tensor).contiguous()
-        del loaded
-        largest = max(largest, sum(t.numel() * t.element_size() for t in shard.values()))
-        save_file(shard, str(tmp / filename), metadata={"format": "pt"})
-        del shard
-        if not quiet:
-            print(f"  wrote {filename} ({i + 1}/{len(split.filename_to_tensors)})", file=sys.stderr, flush=True)
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        write_json_atomic(tmp / "model.safetensors.index.json", index)
+        start_token = BOS if train.data.add_bos else EOS
+        tokenizer_dir = checkpoint_tokenizer(folder)
+        write_tokenizer(tokenizer_dir, tmp, start_token, train.data.add_bos, model.max_seq_len)
+        vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
+        added = {t["content"]: t["id"] for t in json.loads((tmp / "tokenizer.json").read_text())["added_tokens"]}
+        vocab = {**vocab, **added}
+        ids = {"bos": vocab[start_token], "eos": vocab[EOS], "pad": vocab[PAD]}
+        weight_dtype = DTYPES[dtype] if dtype else next(iter(metas.values())).dtype
+        hf_config(model, fmt, ids, weight_dtype).to_json_file(str(tmp / "config.json"))
+        GenerationConfig(
+            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], do_sample=False
+        ).save_pretrained(str(tmp))
+        if fmt == "remote":
+            from marinlm import __version__
 
-    start_token = BOS if train.data.add_bos else EOS
-    tokenizer_dir = checkpoint_tokenizer(folder)
-    write_tokenizer(tokenizer_dir, tmp, start_token, train.data.add_bos, model.max_seq_len)
-    vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
-    added = {t["content"]: t["id"] for t in json.loads((tmp / "tokenizer.json").read_text())["added_tokens"]}
-    vocab = {**vocab, **added}
-    ids = {"bos": vocab[start_token], "eos": vocab[EOS], "pad": vocab[PAD]}
-    weight_dtype = DTYPES[dtype] if dtype else next(iter(metas.values())).dtype
-    hf_config(model, fmt, ids, weight_dtype).to_json_file(str(tmp / "config.json"))
-    GenerationConfig(
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], do_sample=False
-    ).save_pretrained(str(tmp))
-    if fmt == "remote":
-        from marinlm import __version__
+            (tmp / "modeling_marin.py").write_text(modeling_source(__version__))
+            (tmp / "configuration_marin.py").write_text(configuration_source())
 
-        (tmp / "modeling_marin.py").write_text(modeling_source(__version__))
-        (tmp / "configuration_marin.py").write_text(configuration_source())
-
-    files = {p.name: manifest_entry(p) for p in sorted(tmp.iterdir())}
-    state = json.loads((folder / "trainer_state.json").read_text())
-    manifest = {"format": fmt, "checkpoint": str(folder.resolve()), "step": state.get("step"), "files": files}
-    write_json_atomic(tmp / MANIFEST, manifest)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out_dir)
+        files = {p.name: manifest_entry(p) for p in sorted(tmp.iterdir())}
+        state = json.loads((folder / "trainer_state.json").read_text())
+        manifest = {"format": fmt, "checkpoint": str(folder.resolve()), "step": state.get("step"), "files": files}
+        write_json_atomic(tmp / MANIFEST, manifest)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        replaced = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+        if out_dir.exists():  # the old export goes only once the new one stands in its place
+            out_dir.rename(replaced)
+        tmp.rename(out_dir)
+        shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException as e:  # a full disk, Ctrl-C: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise os_error_in(e, out_dir) from None
     total = sum(f["bytes"] for n, f in files.items() if n.endswith(".safetensors"))
     return ExportReport(out_dir, fmt, folder, len(plan), len(split.filename_to_tensors), total, largest)
 

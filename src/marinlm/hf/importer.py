@@ -21,6 +21,7 @@ from marinlm.hf import qwen3_moe
 from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
 from marinlm.presets import preset
 from marinlm.train.config import TrainConfig
+from marinlm.utils.io import read_utf8, refuse_overlap
 
 REFUSED = {
     "olmoe": "OLMoE normalises q and k over all heads together (q_norm gains of size heads x head_dim); "
@@ -86,15 +87,64 @@ def marin_config_from_hf(hf: dict, where: str) -> MarinConfig:
     )
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files transformers would load from `folder`: those its index names, else
+    model.safetensors. Other .safetensors files (an older export left beside it) are not read."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(read_utf8(index))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a weight_map of tensor -> file): {e}") from None
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+        if bad:
+            raise ValueError(f"{index}: weight_map names {bad[0]!r}, not a file in {folder}")
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: names {missing[0]}, which is not in {folder}")
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        raise FileNotFoundError(
+            f"{folder}: no model.safetensors and no {INDEX} saying which of {', '.join(others[:4])} hold the model"
+        )
+    raise FileNotFoundError(f"{folder}: no .safetensors weights (pytorch_model.bin is not read: it is a pickle)")
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model in `folder` (`weight_files`); each file checked as it is read, and
+    against its index: every tensor the index names, in the file it names, and no tensor twice."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no .safetensors weights (pytorch_model.bin is not read: it is a pickle)")
+    files = weight_files(folder)
+    index = folder / INDEX
+    weight_map = json.loads(read_utf8(index))["weight_map"] if index.is_file() else None
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e}); truncated or corrupt?") from None
+        twice = sorted(set(tensors) & set(state))
+        if twice:
+            raise ValueError(f"{file}: holds {twice[0]} again, which another weight file already holds")
+        if weight_map is not None:
+            stray = sorted(n for n in tensors if weight_map.get(n) != file.name)
+            if stray:
+                raise ValueError(f"{file}: holds {stray[0]}, which {index} places in {weight_map.get(stray[0])}")
+        state.update(tensors)
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(state))
+        if absent:
+            raise ValueError(f"{folder / weight_map[absent[0]]}: lacks {absent[0]}, which {index} places there")
     return state
 
 
@@ -103,10 +153,16 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, *, overwrite: bool = Fals
     from marinlm.tokenizer import MarinTokenizer
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    refuse_overlap(run_dir, {"the model folder": hf_dir}, "the run folder")
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json; not a Hugging Face model folder")
-    hf = json.loads(config_path.read_text())
+    try:
+        hf = json.loads(read_utf8(config_path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path}: not a model config (a JSON object)")
     if (run_dir / "checkpoints").exists() and not overwrite:
         raise ValueError(f"{run_dir}: already holds a run; pass --overwrite to replace it")
     state = read_safetensors(hf_dir)

@@ -119,7 +119,8 @@ class ExpertParallelExperts(RoutedExperts):
         me = self.ep_mesh.get_local_rank()
         remote = sum(plan.send_P) - plan.send_P[me] + plan.num_received - plan.recv_P[me]
         row_bytes = x_KD.shape[1] * x_KD.element_size()
-        self.traffic += torch.tensor([sum(plan.send_P), plan.num_received, remote * row_bytes], dtype=torch.float64)
+        if self.training:  # the steps' traffic: validation and evaluation between them are not steps
+            self.traffic += torch.tensor([sum(plan.send_P), plan.num_received, remote * row_bytes], dtype=torch.float64)
         y_AD = y_AD * weights_NK.reshape(-1)[plan.slot_A].unsqueeze(-1).to(y_AD.dtype)
         y_SD = y_AD.new_zeros(N * k, y_AD.shape[-1]).index_copy(0, plan.slot_A, y_AD)
         return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=compute_dtype(y_SD)).to(dtype), plan.dropped
@@ -160,7 +161,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -
 
 
 def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:
-    """This rank's MoE traffic since the last call, reduced over `group`: the bytes all ranks sent
+    """This rank's MoE traffic in training forwards since the last call, reduced over `group`: the bytes all ranks sent
     to other ranks (dispatch and combine), and the load imbalance (the busiest rank's received rows
     over the mean). Empty without expert parallelism."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]

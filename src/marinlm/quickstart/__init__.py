@@ -134,8 +134,12 @@ def run_quickstart(
     seed: int = 0,
     text_field: str = "text",
     languages: list[str] | None = None,
+    steps: int | None = None,
 ) -> Path:
     """Run every stage; returns the path of report.md.
+
+    `steps`: train exactly this many steps, however long they take, instead of planning the run
+    from the time budget and the measured step time.
 
     `text_field` is the JSON field holding a user corpus's text (a list of strings is joined by
     lines); `languages` replaces the curation's allowed languages (default: English and code).
@@ -265,7 +269,7 @@ def run_quickstart(
     elapsed_min = (time.perf_counter() - began) / 60
     budget_left = minutes - elapsed_min - 0.75  # leave time for evaluation and the report
     train_minutes = max(1.0, budget_left)
-    if budget_left < 1.0:
+    if budget_left < 1.0 and not steps:
         print(
             f"note: the {minutes:g} min budget leaves {max(budget_left, 0.0):.1f} min for training after "
             f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; training "
@@ -278,6 +282,14 @@ def run_quickstart(
             f"resuming the training that was stopped at step {stopped_at} of {train_config.train.steps} "
             f"in {root / 'train'} (delete that folder to train from scratch)"
         )
+    elif steps:
+        train_config.train.steps, train_config.train.max_minutes = steps, 0.0
+        train_config.checkpoint.every_steps = max(10, steps // 4)
+        train_config.validation.every_steps = max(10, steps // 10)
+        print(f"{steps} steps, as --steps asks (no time budget)")
+        if (root / "train").exists():
+            print(f"replacing the earlier training run in {root / 'train'}")
+            shutil.rmtree(root / "train")
     else:
         step_seconds = calibrate_step_seconds(train_config)
         # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
@@ -297,7 +309,8 @@ def run_quickstart(
     trainer = Trainer(train_config, resume="auto" if interrupted else "none")
     if interrupted is None:
         start_val = trainer.validate()  # at step 0: the loss before training
-    trainer.add_hook(Replan(trainer, train_minutes), every=1)
+    if train_config.train.max_minutes:  # planned by time: planned again from the steps' own time
+        trainer.add_hook(Replan(trainer, train_minutes), every=1)
     summary = trainer.fit()
     if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
         raise StoppedBySignal(summary["signal"], summary["steps"])

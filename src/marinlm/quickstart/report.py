@@ -67,6 +67,38 @@ def above_baseline_verdict(val_loss: float, unigram_loss: float, epochs: float, 
     )
 
 
+# What the default quickstart (10 min, the built-in corpus) does on an idle 2-core host, as
+# docs/training.md records it: the steps it fits, and the validation loss they end at.
+USUAL_STEPS = (600, 3200)
+USUAL_VAL_LOSS = (2.76, 3.9)
+
+
+def short_run_note(
+    steps: int, step_seconds: float | None, train_minutes: float, val_loss: float, built_in: bool, asked: bool
+) -> str:
+    """Why a quickstart trained far fewer steps than an idle 2-core host fits ("" when it did not, or
+    when `asked` for its steps): a slow or busy host, or a short budget; and, on the `built_in`
+    corpus, that its validation loss lands above the documented range for that reason."""
+    if asked or steps >= USUAL_STEPS[0]:
+        return ""
+    pace = f" at a median {step_seconds:.2f} s/step" if step_seconds else ""
+    cause = (
+        f"the {train_minutes:.1f} min training budget is short"
+        if train_minutes < 5
+        else "this host ran its steps slowly (a slower CPU, or other jobs loading it)"
+    )
+    note = (
+        f"This run trained {steps:,} steps{pace}, far fewer than the {USUAL_STEPS[0]:,}-{USUAL_STEPS[1]:,} that an "
+        f"idle 2-core host fits in the default 10 minutes: {cause}."
+    )
+    if built_in and val_loss > USUAL_VAL_LOSS[1]:
+        note += (
+            f" Its validation loss, {val_loss:.3f} nats/token, is above the {USUAL_VAL_LOSS[0]}-{USUAL_VAL_LOSS[1]} "
+            "that such runs end at because it trained less, not because something is broken."
+        )
+    return note + " `--minutes N` gives training more time, and `--steps N` trains a fixed number of steps."
+
+
 def write_report(
     root,
     stages,
@@ -105,6 +137,17 @@ def write_report(
     verdict = above_baseline_verdict(end_val["val/loss"], unigram[0], epochs, last_train)
     if verdict:
         print(f"warning: the validation loss ends above the unigram baseline. {verdict}")
+    step_times = [r["perf/step_time_s"] for r in metrics if "perf/step_time_s" in r]
+    short = short_run_note(
+        summary["steps"],
+        statistics.median(step_times) if step_times else None,
+        trainer.config.train.max_minutes,
+        end_val["val/loss"],
+        language == "python",
+        asked=not trainer.config.train.max_minutes,
+    )
+    if short:
+        print(f"note: {short}")
     lines = [
         "# marinlm quickstart report",
         "",
@@ -133,7 +176,7 @@ def write_report(
         f"over the {train_tokens:,} training tokens, {rate_kind} {tokens_per_s:,.0f} tokens/s, "
         f"{rate_kind} MFU {mfu:.1%} "
         f"against this machine's measured {summary['peak_dtype']} matmul peak "
-        f"({trainer.peak_flops / 1e9:.0f} GFLOP/s).",
+        f"({trainer.peak_flops / 1e9:.0f} GFLOP/s)." + (f" {short}" if short else ""),
         "",
         "![loss](loss.png)",
         "",

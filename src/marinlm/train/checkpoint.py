@@ -392,9 +392,11 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         full = ": the disk is full" if free < FULL_DISK_BYTES else ""
+        # Rank 0 removes it; where rank 0 died, it stays (ignored) until the run's next save removes it.
+        left = "was removed" if not tmp.exists() else "is left, ignored; the run's next save removes it"
         return CheckpointWriteError(
             f"{tmp}: checkpoint at step {step} could not be written ({_root_cause(error)}); "
-            f"{free / 1e6:,.1f} MB were free when it failed{full}. The partial folder was removed. "
+            f"{free / 1e6:,.1f} MB were free when it failed{full}. The partial folder {left}. "
             f"{self._newest()} Fix the cause and resume with the same command"
         )
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
-from marinlm.utils.io import atomic_path, named, write_text_atomic
+from marinlm.utils.io import atomic_path, json_error, named, write_text_atomic
 
 
 class MetricSinks:
@@ -60,10 +62,13 @@ class MetricSinks:
         """`histograms` are counts per bucket (a router's load per expert); `samples` are values,
         binned by TensorBoard (activations)."""
         clean = {k: (float(v) if v is not None and math.isfinite(float(v)) else None) for k, v in scalars.items()}
+        end = self.file.tell()
         try:
             self.file.write(json.dumps({"step": step, **clean}) + "\n")
             self.file.flush()
-        except OSError as e:  # a full disk: say which file
+        except OSError as e:  # a full disk: say which file, and leave no half line behind
+            with contextlib.suppress(OSError):
+                os.truncate(self.file.name, end)
             raise named(e, self.file.name) from None
         if self.tb is not None:
             for key, value in clean.items():
@@ -89,8 +94,11 @@ class MetricSinks:
             self.wandb.log(payload, step=step)
 
     def _keep_until(self, step: int) -> None:
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
+        records, torn = read_records(self.path)
+        if torn:
+            print(f"note: {self.path}: dropped its torn last line (a crash or a full disk cut it short)", flush=True)
+        kept = [r for r in records if r["step"] <= step]
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def rolled_back(self, step: int) -> None:
         """The run went back to `step`: drop the later records, which it is about to redo (the
@@ -100,17 +108,48 @@ class MetricSinks:
         self._keep_until(step)
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+    def close(self, quiet: bool = False) -> None:
+        """Close every sink; `quiet`: on the way out of a failing run, whose own error is the one to
+        see, errors of the sinks (a full disk again) are not raised."""
+        errors = []
+        try:
+            self.file.close()
+        except OSError as e:
+            errors.append(named(e, self.file.name))
+        for sink in (self.tb and self.tb.close, self.wandb and self.wandb.finish):
+            try:
+                if sink:
+                    sink()
+            except Exception as e:
+                errors.append(e)
+        if errors and not quiet:
+            raise errors[0]
+
+
+def read_records(path: Path) -> tuple[list[dict], bool]:
+    """(records, torn) of a JSON-lines log: a last line that a crash or a full disk cut short is
+    dropped (`torn`); a bad line before it is a ValueError naming the file and line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    records, torn = [], False
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # no newline after it: the write never finished
+                torn = True
+                continue
+            raise ValueError(f"{path}:{n}: not a JSON record ({json_error(e)})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{n}: not a metrics record (an object with an integer step)")
+        records.append(record)
+    return records, torn
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return read_records(path)[0] if path.exists() else []
 
 
 def plot_loss(

@@ -55,7 +55,9 @@ class Reporting:
         self.sinks.log(self.step, scalars | router_scalars | traffic | self._mixture_scalars(), histograms)
 
     def _mark_data_position(self) -> None:
-        """Where the data stands as the loop starts (after a resume): mixture metrics count from here."""
+        """Where the run stands as the loop starts (after a resume): mixture metrics and the expert
+        traffic per step count from here."""
+        self._traffic_from_step = self.step
         if isinstance(self.loader, TokenLoader):
             self._counts_logged = self.loader.counts.copy()
             self._phase_said = self.loader.phase_at(self.loader.rows_consumed)

@@ -200,7 +200,23 @@ class ResumeMixin:
                     "to keep the precision it started with",
                     flush=True,
                 )
+        self._validation_logged_at(self.step)
         return folder
+
+    def _validation_logged_at(self, step: int) -> None:
+        """Take the validation the run already logged at `step` (a finished run run again) as done:
+        it is not repeated at the end, so the log keeps one record of it. Every rank reads the log
+        (validation is collective, so all must agree)."""
+        from marinlm.train.metrics import read_metrics
+
+        try:
+            records = read_metrics(self.run_dir)
+        except (OSError, ValueError):
+            return
+        for record in records:
+            if record["step"] == step and any(k.startswith("val/") for k in record):
+                self._last_validation_step = step
+                self.last_validation = {k: v for k, v in record.items() if k.startswith("val/")}
 
     def _state_dict_options(self) -> StateDictOptions:
         """What a checkpoint holds: everything (fine-tuning keeps only the trained tensors)."""

@@ -14,6 +14,7 @@ import math
 import shutil
 import signal
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -59,9 +60,7 @@ from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
 # A run whose training loop lasted this long measures the matmul peak again at its end and takes
-# MFU against the higher of the two measurements: a 1 s measurement at the start can fall on a
-# moment when the host is busy (on the 2-core dev VM one start measured ~112 GFLOP/s against
-# 175-193 in every other run, and the run reported 58% MFU where 33% was true).
+# MFU against the higher of the two: a 1 s measurement at the start can fall on a busy moment.
 REMEASURE_PEAK_AFTER_S = 60.0
 
 
@@ -430,7 +429,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
                 if traces:
                     print(f"profile: {traces[-1]} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
             if self.sinks is not None:
-                self.sinks.close()
+                self.sinks.close(quiet=sys.exc_info()[1] is not None)  # a failing run's own error is the one to see
         if not (self._signal or c.logging.peak_flops) and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
             self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
         return self._summary(start_time, first_step, stopped_early)

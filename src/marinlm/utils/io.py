@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -58,6 +59,23 @@ def named(error: OSError, path: str | Path, temporary: str | Path | None = None)
     return OSError(error.errno, error.strerror or str(error), str(path))  # the errno's own subclass
 
 
+def os_error_in(error: BaseException, path: str | Path) -> BaseException:
+    """An error from a library that reports a failed write only in its message ("... os error 28
+    ...": safetensors, tokenizers) as the OSError it stands for, naming `path`; others as they are."""
+    if isinstance(error, OSError):
+        return named(error, path)
+    found = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(error))  # io::Error's Display, or its Debug
+    if found is None:
+        return error
+    code = int(found.group(1) or found.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
+def make_shareable(path: str | Path) -> None:
+    """Give a file that a library created private (0o600) the mode `open(path, "w")` would give it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def reserve_space(path: str | Path) -> None:
     """Allocate the disk blocks of a file made at its full size but sparse (a memory map's): on a
     full disk the first write into an unbacked page kills the process with SIGBUS; this makes it an
@@ -91,6 +109,21 @@ def copy_folder_atomic(source: str | Path, target: str | Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(source, partial)
     os.replace(partial, target)
+
+
+def refuse_overlap(output: str | Path, inputs: dict[str, str | Path], option: str = "the output") -> None:
+    """Raise ValueError when folder `output` is, holds or lies inside one of a command's `inputs`
+    (what each one is: its path): replacing it (`--overwrite`) would delete the input, and writing
+    into it would change it. Paths are compared resolved, so a symlink or `..` cannot hide one."""
+    out = Path(output).resolve()
+    for what, given in inputs.items():
+        source = Path(given).resolve()
+        if out == source or out in source.parents or source in out.parents:
+            where = "is" if out == source else ("holds" if out in source.parents else "lies inside")
+            raise ValueError(
+                f"{option} {output} {where} {what} {given}: writing there would change or delete it; "
+                "give an output folder apart from the inputs"
+            )
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
