@@ -496,3 +496,243 @@ def test_a_resumed_finetune_keeps_its_base_and_a_broken_base_is_refused(small_ru
     err = capsys.readouterr().err
     assert "its base checkpoint is unusable" in err and str(tmp_path / "broken") in err, err
     assert "Traceback" not in err
+
+
+# --- token shards checked against their manifest --------------------------------------------------------
+
+
+def _copy_tokens(token_data: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "tokens"
+    shutil.copytree(token_data, folder)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint32", "float32", "int64"])
+def test_a_manifest_dtype_that_is_not_the_shards_is_refused_naming_the_file(token_data, tmp_path, dtype):
+    """`"dtype": "uint8"` on uint16 shards trained on garbage, even under verify=full; uint32 and
+    float32 failed with numpy's "not a multiple of the data-type size", naming no file."""
+    from marinlm.dataset.shards import ShardError, TokenDataset
+
+    folder = _copy_tokens(token_data, tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16"
+    manifest["dtype"] = dtype
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    for verify in ("size", "full"):
+        with pytest.raises(ShardError) as caught:
+            TokenDataset(folder, "train", verify=verify)
+        message = str(caught.value)
+        if dtype == "uint32":  # a token dtype, but 4 bytes a token where the shards hold 2
+            assert message.startswith(str(folder / "train")) and "not 4 bytes a token" in message, message
+        else:
+            assert message.startswith(f"{folder / 'manifest.json'}: dtype '{dtype}' is not a token dtype"), message
+
+
+def test_ids_beyond_the_vocabulary_are_named_by_shard_when_read(token_data, tmp_path, capsys):
+    """Shards of 0xFFFF under the default verify=size died in the embedding with `IndexError: index out
+    of range in self`, naming no shard; now the read names the shard and the document."""
+    folder = _copy_tokens(token_data, tmp_path)
+    for shard in (folder / "train").glob("*.tokens"):
+        shard.write_bytes(b"\xff" * shard.stat().st_size)  # the size the manifest lists: verify=size passes
+    config = train_config(token_data, tmp_path / "run", train={"steps": 2})
+    config.data.sources[0].path = str(folder)
+    save_config(config, tmp_path / "run.yaml")
+    assert marinlm(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder / 'train'}") and "token id 65535, not below the vocabulary size" in err
+
+
+# --- a disk that fills between saves --------------------------------------------------------------------
+
+
+class _FullDisk:
+    """A file whose next write stores half of what it is given, then fails as a full disk does."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def _comparable(records: list[dict]) -> list[dict]:
+    """Every logged key except the host's own measurements (time, rates, memory), which no two runs share."""
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "mem/"))} for r in records]
+
+
+def test_a_disk_that_fills_between_saves_leaves_a_run_that_resumes_exactly(token_data, tmp_path, capsys, monkeypatch):
+    """The run stopped with "[Errno 28] No space left on device" naming no file (the error from
+    closing the sinks replaced the one naming metrics.jsonl), left half a line in metrics.jsonl, and
+    `--resume auto` then failed to parse it. Now the error names metrics.jsonl, no half line stays (and
+    one left by a crash is dropped with a note), and the resumed run logs what an unbroken one does,
+    key for key."""
+    from marinlm.train.metrics import MetricSinks
+
+    for name in ("straight", "filled"):
+        config = train_config(token_data, tmp_path / name, train={"steps": 6}, checkpoint={"every_steps": 2})
+        save_config(config, tmp_path / f"{name}.yaml")
+    assert marinlm(["train", str(tmp_path / "straight.yaml")]) == 0
+    log = MetricSinks.log
+
+    def fill_at_step_3(self, step, scalars, *args, **kwargs):
+        if step == 3 and "train/loss" in scalars:
+            self.file = _FullDisk(self.file)
+        return log(self, step, scalars, *args, **kwargs)
+
+    monkeypatch.setattr(MetricSinks, "log", fill_at_step_3)
+    capsys.readouterr()
+    assert marinlm(["train", str(tmp_path / "filled.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {tmp_path / 'filled' / 'metrics.jsonl'}: No space left on device", err
+    monkeypatch.undo()
+    metrics = tmp_path / "filled" / "metrics.jsonl"
+    assert metrics.read_text().endswith("}\n")
+    with open(metrics, "a") as f:  # and what a crash mid-write leaves
+        f.write('{"step": 3, "train/loss": 6.1, "train/gr')
+    assert marinlm(["train", str(tmp_path / "filled.yaml"), "--resume", "auto"]) == 0
+    assert "dropped its torn last line" in capsys.readouterr().out
+    assert _comparable(read_metrics(tmp_path / "filled")) == _comparable(read_metrics(tmp_path / "straight"))
+    # Run again once finished: nothing trains, and the final validation is not logged a second time.
+    assert marinlm(["train", str(tmp_path / "filled.yaml"), "--resume", "auto"]) == 0
+    assert _comparable(read_metrics(tmp_path / "filled")) == _comparable(read_metrics(tmp_path / "straight"))
+
+
+@pytest.mark.distributed
+def test_every_logged_key_after_a_resume_under_expert_parallel_equals_an_unbroken_runs(token_data, tmp_path):
+    """`ep/a2a_bytes` on the first step after a resume was divided by the absolute step (53,350 for
+    ~266,752), and the step after each validation counted validation's all-to-all traffic (794,112
+    against ~260,000), `ep/rows_received_max_over_mean` likewise. EP 2 on gloo, resumed from the
+    step-4 checkpoint, with validation at steps 2, 4 and 6."""
+    from test_train import torchrun_train
+
+    config = train_config(
+        token_data,
+        tmp_path / "straight",
+        train={"steps": 6},
+        checkpoint={"every_steps": 2},
+        validation={"every_steps": 2, "max_rows": 8, "batch_size": 4},
+        parallel={"expert_parallel": 2},
+    )
+    save_config(config, tmp_path / "straight.yaml")
+    torchrun_train(tmp_path / "straight.yaml", port=29547)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-00000004", resumed / "checkpoints" / "step-00000004")
+    shutil.copy(tmp_path / "straight" / "metrics.jsonl", resumed / "metrics.jsonl")  # steps 5-6 go on resume
+    config.run_dir = str(resumed)
+    save_config(config, tmp_path / "resumed.yaml")
+    torchrun_train(tmp_path / "resumed.yaml", port=29548)
+    straight, again = read_metrics(tmp_path / "straight"), read_metrics(resumed)
+    a2a = [r["ep/a2a_bytes"] for r in straight if "ep/a2a_bytes" in r]
+    assert len(a2a) == 6 and max(a2a) < 1.2 * min(a2a), a2a  # per step, validation's traffic not in it
+    assert _comparable(again) == _comparable(straight)
+
+
+# --- SFT files: every class of bad data, named by file ----------------------------------------------------
+
+GOOD = {"question": "What is 2 + 3?", "answer": "It is 5."}
+
+
+def _jsonl(*records) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+SFT_BAD = {
+    "malformed JSON": (b'{"question": "What is 2 + 3?", "answer": \n', "sft.jsonl:1: not valid JSON"),
+    "wrong types": (_jsonl({"question": 5, "answer": ["It is 5."]}), "sft.jsonl:1: no 'messages' list"),
+    "empty answers": (
+        _jsonl(*[{"question": "What is 2 + 3?", "answer": " "}] * 4),
+        "4 of 4 examples in sft.train_files have an empty",
+    ),
+    "over-long": (_jsonl(*[{"question": "What is 2 + 3? " * 200, "answer": "5"}] * 4), "the answer starts past"),
+    "missing fields": (_jsonl({"question": "What is 2 + 3?"}), "sft.jsonl:1: no 'messages' list and no string"),
+    "message without content": (
+        _jsonl({"messages": [{"role": "user"}, {"role": "assistant", "content": "5"}]}),
+        "sft.jsonl:1: message 0 needs a role",
+    ),
+    "not a list": (_jsonl({"messages": "What is 2 + 3?"}), "sft.jsonl:1: 'messages' must be a non-empty list"),
+    "corrupt parquet": (b"PAR1 this is not parquet PAR1", "sft.parquet: not a readable parquet file"),
+    "bad UTF-8": (_jsonl(GOOD) + b'{"question": "caf\xe9", "answer": "5"}\n', "sft.jsonl:2: invalid UTF-8"),
+    "a JSON object, not a list": (b'{"question": "What?"}', "sft.json: expected a JSON list of examples"),
+}
+
+
+def _template(text: str, tmp_path: Path) -> Path:
+    path = tmp_path / "chat.jinja"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", [*SFT_BAD, "template without generation", "template using a missing field"])
+def test_every_class_of_bad_sft_data_is_refused_naming_the_file(small_run, tmp_path, capsys, case):
+    """Each class of bad fine-tuning data or template ends `marinlm finetune` with exit 2 and one line
+    that starts with "error:" and names the file (and line) at fault: no traceback."""
+    from marinlm.tokenizer import CHAT_TEMPLATE
+
+    extra = []
+    if case in SFT_BAD:
+        data, expected = SFT_BAD[case]
+        suffix = ".parquet" if "parquet" in case else ".json" if "JSON object" in case else ".jsonl"
+        path = tmp_path / f"sft{suffix}"
+        path.write_bytes(data)
+    else:
+        path = _sft_file(tmp_path / "sft.jsonl")
+        if case == "template without generation":
+            text = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+            expected = "chat.jinja: the chat template has no {% generation %} block"
+        else:
+            text = CHAT_TEMPLATE.replace("message['content']", "message['content'] + message['name'].upper()", 1)
+            expected = "chat.jinja: the chat template fails on"
+        extra = [f"--sft.chat_template={_template(text, tmp_path)}"]
+    assert _finetune(small_run, tmp_path / "run", path, 1, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_sft_files_with_a_bom_or_raw_line_separators_are_read_as_curation_reads_them(small_run, tmp_path):
+    """Valid JSON lines with a raw U+2028, U+2029 or U+0085 inside a string were split there and
+    refused (`Unterminated string`); a file opening with a UTF-8 byte-order mark was refused."""
+    from marinlm.finetune.data import read_records
+
+    texts = ["It is\u20285.", "It is\u20295.", "It is\u00855."]
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + _jsonl(*[{"question": "What is 2 + 3?", "answer": t} for t in texts * 8]))
+    records = read_records(path)
+    assert [r["answer"] for _, r in records] == texts * 8 and records[1][0] == f"{path}:2"
+    array = tmp_path / "odd.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps([GOOD]).encode())
+    assert [r for _, r in read_records(array)] == [GOOD]
+    assert _finetune(small_run, tmp_path / "run", path, 1) == 0
+
+
+# --- small things --------------------------------------------------------------------------------------
+
+
+def test_links_that_lead_nowhere_in_curation_input_are_noted(tmp_path):
+    from marinlm.data.inputs import expand_inputs
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("some text\n")
+    (tmp_path / "in" / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    (tmp_path / "in" / "loop.txt").symlink_to(tmp_path / "in" / "loop.txt")
+    notes = []
+    assert expand_inputs([str(tmp_path / "in")], quiet=True, notes=notes) == [tmp_path / "in" / "a.txt"]
+    assert len(notes) == 1 and "skipping 2 symbolic link(s)" in notes[0] and "dangling or looping" in notes[0]
+
+
+def test_a_failed_save_says_truly_whether_its_partial_folder_is_gone(tmp_path):
+    """When rank 0 died in a save, rank 1 said "The partial folder was removed" while `step-N.tmp`
+    stayed (only rank 0 removes it)."""
+    from marinlm.train.checkpoint import CheckpointManager
+
+    tmp = tmp_path / "step-00000004.tmp"
+    tmp.mkdir()
+    error = CheckpointManager(tmp_path, rank=1, world_size=2)._write_failed(4, tmp, OSError(5, "I/O error"))
+    assert "The partial folder is left, ignored; the run's next save removes it" in str(error)
+    error = CheckpointManager(tmp_path, rank=0, world_size=2)._write_failed(4, tmp, OSError(5, "I/O error"))
+    assert "The partial folder was removed" in str(error) and not tmp.exists()

@@ -12,11 +12,12 @@ from marinlm.optim import ScheduleConfig
 from marinlm.presets import preset
 from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
 from marinlm.quickstart.plan import Replan, interrupted_training, median_step_seconds
-from marinlm.quickstart.report import above_baseline_verdict
+from marinlm.quickstart.report import above_baseline_verdict, short_run_note
 from marinlm.train.checkpoint import list_checkpoints, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
 from marinlm.train.signals import StoppedBySignal
+from marinlm.train.trainer import Trainer
 from marinlm.utils.device import native_bf16
 
 from conftest import write_corpus
@@ -139,45 +140,42 @@ def test_the_run_is_replanned_from_its_step_time_and_shortened_when_the_host_slo
 
 @pytest.mark.slow
 def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch):
+    """The whole quickstart at a fixed 60 steps (`steps`: no time budget, so a busy host trains the
+    same run, only slower), stopped by a SIGTERM after step 40 and run again: the finished stages are
+    kept, training resumes at step 40 to the same 60 steps, and the report says so."""
     write_corpus(tmp_path / "corpus", num_docs=300, num_files=2)
     root = tmp_path / "run"
     stale = root / "train" / "checkpoints" / "step-99999999"  # an earlier quickstart's run
     stale.mkdir(parents=True)
     (root / MARKER).touch()
-    replan = Replan.__call__
+    planned = 60
+    hooked = Trainer.add_hook
 
-    def sigterm_at_step_40(hook, result):  # a scheduler's preemption, or Ctrl-C, in the middle of training
-        replan(hook, result)
-        if hook.trainer.step == 40:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def sigterm_at_step_40(trainer, fn, every):  # a scheduler's preemption, or Ctrl-C, in the middle of training
+        hooked(trainer, fn, every)
+        if every == trainer.config.logging.every_steps and fn == trainer._log_hook:
 
-    monkeypatch.setattr(Replan, "__call__", sigterm_at_step_40)
-    # The calibration pinned, so that the plan (600 steps: its first re-plan comes after 5% of them,
-    # at step 30) does not depend on how fast or loaded this host is; the re-plan then follows the
-    # training's own step time, which any host makes longer than 0.08 s.
-    monkeypatch.setattr("marinlm.quickstart.calibrate_step_seconds", lambda config: 0.08)
+            def stop(result):
+                if trainer.step == 40:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            hooked(trainer, stop, 1)
+
+    monkeypatch.setattr(Trainer, "add_hook", sigterm_at_step_40)
     with pytest.raises(StoppedBySignal, match="at step 40; the same command resumes from it"):
-        run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+        run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], steps=planned)
     monkeypatch.undo()
-    # 1.5 min leaves under the 1 min training minimum, and the user is told the run will overrun it.
     out = capsys.readouterr().out
-    assert "training for the minimum of 1 min, so the whole run takes longer" in out
+    assert f"{planned} steps, as --steps asks (no time budget)" in out
     assert not stale.exists()  # replaced, so evaluation and `generate` read this run's model
-    # Re-planned once from the training's own step time, after 30 steps (5% of the plan is fewer).
-    replans = re.findall(r"\[step 30\] [\d.]+ s/step over steps 2-30: re-planned from (\d+) to (\d+) steps", out)
-    assert len(replans) == 1 and int(replans[0][1]) > 40, out[-2000:]
-    planned = int(replans[0][1])
+    assert "re-planned" not in out and "s/step measured" not in out
 
     # The same command again keeps the finished stages and trains on from step 40, to the same plan.
-    report = run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], minutes=1.5)
+    report = run_quickstart(str(root), corpus=[str(tmp_path / "corpus")], steps=planned)
     out = capsys.readouterr().out
     assert f"resuming the training that was stopped at step 40 of {planned}" in out, out[-2000:]
     assert "replacing the earlier training run" not in out and "s/step measured" not in out
-    # A resumed run keeps its plan, unless the host slowed so much that the rest no longer fits the
-    # time left: then it is only shortened (a fresh-clone `make test` here did so once, to 231 steps).
-    shortened = re.findall(r"the host slowed to [\d.]+ s/step over steps \d+-\d+: shortened from \d+ to (\d+)", out)
-    assert "lengthened" not in out
-    planned = int(shortened[-1]) if shortened else planned
+    assert "shortened" not in out and "lengthened" not in out
     text = report.read_text()
     precision, passes, tokens = re.search(
         rf"Training \((.+?)\): {planned} steps, resumed at step 40, ([\d.]+) passes over the ([\d,]+) ", text
@@ -186,6 +184,7 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     want = "bf16" if native_bf16("cpu") else "fp32"
     assert precision == {"bf16": "bf16 autocast, fp32 master weights", "fp32": "fp32"}[want]
     assert f"against this machine's measured {want} matmul peak" in text
+    assert "far fewer than" not in text  # asked for its steps: no note on a short run
     batch, seq = map(int, re.search(rf"\| training \| [\d.]+ \| {planned} steps x (\d+) x (\d+) tokens", text).groups())
     assert float(passes) * int(tokens.replace(",", "")) == pytest.approx(planned * batch * seq, rel=0.05)
     before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
@@ -315,3 +314,16 @@ def test_a_folder_the_quickstart_did_not_make_is_left_alone(tmp_path):
         run_quickstart(str(tmp_path / "runs"), minutes=1)
     assert (tmp_path / "runs" / "train" / "precious.txt").read_text() == "a week of training"
     assert not (tmp_path / "runs" / MARKER).exists()
+
+
+def test_a_run_cut_short_by_a_slow_host_says_so_in_its_report():
+    """A busy host's time-planned quickstart trained 60 steps and reported 5.32 nats/token against
+    the README's ~2.8-3.0 with no word of why. Faked here: a slow host's short run is named as such,
+    with its pace and that its loss is above the documented range for that reason."""
+    slow = short_run_note(60, 1.9, 8.5, 5.32, built_in=True, asked=False)
+    assert "trained 60 steps at a median 1.90 s/step, far fewer than the 600-3,200" in slow
+    assert "this host ran its steps slowly" in slow and "5.320 nats/token, is above the 2.76-3.9" in slow
+    assert "short" in short_run_note(60, 0.3, 1.0, 5.3, built_in=True, asked=False)  # a 1 min budget
+    assert "above the" not in short_run_note(60, 1.9, 8.5, 5.3, built_in=False, asked=False)  # another corpus
+    assert short_run_note(60, 1.9, 8.5, 5.3, built_in=True, asked=True) == ""  # --steps 60
+    assert short_run_note(1800, 0.28, 8.5, 3.0, built_in=True, asked=False) == ""

@@ -140,13 +140,15 @@ class Examples:
     ids: list[list[int]]
     masks: list[list[int]]
     empty: int = 0  # no trainable token under the template: skipped
+    blank: int = 0  # every assistant answer empty (or only white space): skipped, nothing to learn
+    first_blank: str = ""  # where the first of those is
     cut_off: int = 0  # trainable tokens only past seq_len: skipped
     truncated: int = 0  # longer than seq_len, trainable tokens within it: cut to it
 
     def report(self, name: str) -> str:
         left_out = (
-            f"{self.empty} skipped with no trainable token, {self.cut_off} whose answer starts past seq_len, "
-            f"{self.truncated} cut to seq_len"
+            f"{self.empty} skipped with no trainable token, {self.blank} with an empty answer, {self.cut_off} whose "
+            f"answer starts past seq_len, {self.truncated} cut to seq_len"
         )
         return f"{name}: {len(self.ids)} examples, {left_out}"
 
@@ -154,7 +156,12 @@ class Examples:
 def render_all(records, config: SFTDataConfig, renderer: ChatRenderer, seq_len: int, name: str) -> Examples:
     out = Examples([], [])
     for where, record in records:
-        ids, mask = renderer.render(to_messages(record, config, where), where)
+        messages = to_messages(record, config, where)
+        if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
+            out.blank += 1
+            out.first_blank = out.first_blank or where
+            continue
+        ids, mask = renderer.render(messages, where)
         if not any(mask[1:]):  # the first token is never predicted
             out.empty += 1
             continue
@@ -166,7 +173,12 @@ def render_all(records, config: SFTDataConfig, renderer: ChatRenderer, seq_len: 
             out.truncated += 1
         out.ids.append(ids)
         out.masks.append(mask)
-    total = out.empty + out.cut_off + len(out.ids)
+    total = out.empty + out.blank + out.cut_off + len(out.ids)
+    if total and out.blank / total > config.max_empty_fraction:
+        raise SFTDataError(
+            f"{out.first_blank}: {out.blank} of {total} examples in {name} have an empty answer, this the first: "
+            f"nothing to learn from them (sft.max_empty_fraction {config.max_empty_fraction})"
+        )
     if total and out.empty / total > config.max_empty_fraction:
         raise SFTDataError(
             f"{name}: {out.empty} of {total} examples have no trainable token under the chat template "
