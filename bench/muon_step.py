@@ -31,7 +31,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 def reference_newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype=torch.float32) -> torch.Tensor:
     """The reference Muon spelling of `marin.newton_schulz`: same coefficients, same math."""
-    a, b, c = marin.NS_COEFFICIENTS
+    a, b, c = marin.NS_SCHEDULES["simple"][0]
     x = g.to(dtype)
     x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
     transpose = x.shape[-2] > x.shape[-1]

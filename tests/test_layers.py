@@ -159,3 +159,33 @@ def test_qk_transform_rounds_once_in_bf16(qk_transform):
     assert y.dtype == torch.bfloat16
     exact = unfused_qk(x, True, gain, cos, sin, 1.3)
     assert torch.all((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6)
+
+
+def rotate_adjacent_pairs(x, cos, sin):
+    """RoPE written out pair by pair as Marin's fused path rotates: dims (2i, 2i + 1) of each head
+    by angle i, the dims past 2R kept (fp64)."""
+    y = x.double().clone()
+    for i in range(cos.shape[-1]):
+        c, s = cos[..., i].double().unsqueeze(-1), sin[..., i].double().unsqueeze(-1)  # [B, T, 1] over heads
+        a, b = x[..., 2 * i].double(), x[..., 2 * i + 1].double()
+        y[..., 2 * i], y[..., 2 * i + 1] = a * c - b * s, b * c + a * s
+    return y
+
+
+@QK
+@pytest.mark.parametrize("rope_dim", [8, 4])  # the whole head, and half of it (the hero's rope_fraction)
+def test_interleaved_rope_rotates_adjacent_pairs(qk_transform, rope_dim):
+    """`interleaved` equals the explicit rotation of pairs (2i, 2i+1), values and gradients, and is
+    the split-half rotation of the same vector with its rotary dims permuted (evens, then odds):
+    the permutation the native Hugging Face export applies to the q/k weights."""
+    x, _, cos, sin = qk_inputs(rope_dim, torch.float64)
+
+    def ours(x):
+        return qk_transform(x, normalize=False, cos_BTR=cos, sin_BTR=sin, interleaved=True)
+
+    torch.testing.assert_close(ours(x), rotate_adjacent_pairs(x, cos, sin))
+    assert torch.autograd.gradcheck(ours, (x.clone().requires_grad_(),))
+    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2), torch.arange(rope_dim, x.shape[-1])])
+    half = qk_transform(x[..., order], normalize=False, cos_BTR=cos, sin_BTR=sin)
+    torch.testing.assert_close(half, ours(x)[..., order])
+    assert not torch.allclose(qk_transform(x, normalize=False, cos_BTR=cos, sin_BTR=sin), ours(x))

@@ -150,7 +150,8 @@ def layout_run(
     run folder's last checkpoint."""
     from marinlm.config import to_dict
 
-    optim = {"type": "adamw", "lr": 3e-3} if precision == "fp64" else {}
+    # The hero's optimizer; in fp64 its Newton-Schulz too (the quintic schedule, as Marin's).
+    optim = {"ns_dtype": "float64", "newton_schulz": "quintic_schedule"} if precision == "fp64" else {}
     config = train_config(
         token_data,
         folder / name,
@@ -175,8 +176,8 @@ def layout_run(
 @pytest.mark.parametrize("precision, steps, rel, layout", CASES, ids=[f"{c[3]}-{c[0]}" for c in CASES])
 def test_a_layout_trains_as_one_process(token_data, tmp_path, tmp_path_factory, precision, steps, rel, layout):
     """The same seed (every rank initialises the whole model, then shards it), the same global batch
-    of 8 rows: losses, gradient norms and the QB router biases of one process. AdamW in fp64, whose
-    update is exact there; MuonH rounds its Newton-Schulz in fp32."""
+    of 8 rows: losses, gradient norms and the QB router biases of one process, with the hero's
+    optimizer (MuonH, AdamH, Adam), whose Newton-Schulz runs in fp64 in the fp64 cases."""
     layers, procs = layers_of(layout), PROCESSES.get(layout, 4)
     curve = layout_run(token_data, tmp_path, layout, LAYOUTS[layout], precision, steps, nproc=procs, num_layers=layers)
     assert_as_one_process(curve, tmp_path / layout, token_data, tmp_path_factory, precision, steps, rel, layers)

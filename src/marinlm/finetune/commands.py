@@ -54,6 +54,13 @@ def add_commands(commands) -> None:
     ft.add_argument("run", nargs="?", help="with merge: the fine-tuning run")
     ft.add_argument("--resume", default="auto", help="auto, none, or a checkpoint or run folder")
     ft.add_argument("--out", default=None, help="with merge: the folder of the merged run (default RUN/merged)")
+    ft.add_argument(
+        "--base-checkpoint",
+        default=None,
+        metavar="STEP|FOLDER",
+        help="which checkpoint of the base run a new fine-tune starts from (default: its newest good one); "
+        "a resumed fine-tune always keeps the one it began on",
+    )
     ft.set_defaults(func=_finetune, takes_overrides=True)
 
 
@@ -68,6 +75,8 @@ def _finetune(args: argparse.Namespace, overrides) -> int:
         return 0
     from marinlm.finetune.trainer import run_finetune
 
+    if args.base_checkpoint is not None:
+        overrides = [*overrides, f"--base_checkpoint={args.base_checkpoint}"]
     config = load_finetune_config(args.config, list(overrides))
     summary = run_finetune(config, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the first rank reports

@@ -123,6 +123,10 @@ def hf_config(model: MarinConfig, fmt: str, ids: dict, dtype: torch.dtype):
         }
     config.bos_token_id, config.eos_token_id, config.pad_token_id = ids["bos"], ids["eos"], ids["pad"]
     config.dtype = dtype
+    if fmt == "native" and model.attention.rope_pairs == "interleaved":
+        # The q/k weights are permuted to transformers' split-half RoPE (qwen3_moe.half_pair_order);
+        # `marinlm import` reads this key and permutes them back, to the same model bit for bit.
+        config.marinlm_rope_pairs = "interleaved"
     return config
 
 

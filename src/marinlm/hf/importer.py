@@ -65,6 +65,8 @@ def marin_config_from_hf(hf: dict, where: str) -> MarinConfig:
         rope_theta=_rope_theta(hf, where),
         qk_norm=kind == "qwen3_moe",
         qk_norm_gain=kind == "qwen3_moe",
+        # A marinlm export of an adjacent-pairs model: its q/k weights were permuted to split-half
+        rope_pairs=hf.get("marinlm_rope_pairs", "half"),
     )
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     router = SoftmaxTopKRouterConfig(

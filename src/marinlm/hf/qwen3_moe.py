@@ -179,6 +179,33 @@ def _expert(e: int):
     return build
 
 
+def half_pair_order(config: MarinConfig) -> torch.Tensor | None:
+    """Where each dim of a head goes in transformers' split-half RoPE, for a config whose RoPE
+    rotates adjacent pairs (`attention.rope_pairs: interleaved`): the rotary dims' evens, then
+    their odds, then the rest. Queries and keys permuted so (their projection rows and QK-norm
+    gains) give the same scores, since q·k is the same sum in any order and RMS norm does not see
+    the order. None for split-half configs, which need nothing."""
+    a = config.attention
+    if a.rope_pairs != "interleaved":
+        return None
+    R = a.rope_dim
+    return torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2), torch.arange(R, a.head_dim)])
+
+
+def _permute_heads(order: torch.Tensor, head_dim: int):
+    """Each head's dims of a projection's rows (or a [head_dim] gain) taken in `order`."""
+
+    def build(tensor: torch.Tensor) -> torch.Tensor:
+        heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
+        return heads[:, order.to(tensor.device)].reshape(tensor.shape)
+
+    return build
+
+
+def _rope_permuted(name: str) -> bool:
+    return name.endswith(("attn.q_proj.weight", "attn.k_proj.weight", "attn.q_norm_weight", "attn.k_norm_weight"))
+
+
 def hf_tensor_plan(config: MarinConfig, fused: bool = False) -> list[HFTensor]:
     """Every tensor of the Qwen3MoeForCausalLM checkpoint, in order, as a function of ours: the
     export reads only each one's sources, so it never needs the whole model at once.
@@ -187,9 +214,12 @@ def hf_tensor_plan(config: MarinConfig, fused: bool = False) -> list[HFTensor]:
     transformers itself writes and every reader of Qwen3-MoE folders expects; `fused` gives the
     in-memory layout of transformers 5's modules instead (gate_up_proj [E, 2F, D]) for load_state_dict."""
     family = native_family(config)
+    order = half_pair_order(config)
     plan = []
     for ours, hf in _direct_names(config):
-        if ours.endswith("mlp.router.weight"):
+        if order is not None and _rope_permuted(ours):
+            plan.append(HFTensor(hf, (ours,), _permute_heads(order, config.attention.head_dim)))
+        elif ours.endswith("mlp.router.weight"):
             bias = ours.replace(".weight", ".bias")
             if family == "mixtral" and not fused:
                 hf = hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
@@ -229,6 +259,10 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: MarinConfig) -
                 renamed = key.replace(old, new).replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.")
                 hf_state[renamed.replace(".w2.", ".down_proj.")] = hf_state.pop(key)
     out = {ours: hf_state.pop(hf) for ours, hf in _direct_names(config)}
+    order = half_pair_order(config)
+    if order is not None:  # back from transformers' split-half order (`half_pair_order`)
+        back = _permute_heads(torch.argsort(order), config.attention.head_dim)
+        out = {name: back(t) if _rope_permuted(name) else t for name, t in out.items()}
     F, E = config.moe.expert_dim, config.moe.num_experts
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.mlp.", f"model.layers.{i}.mlp.experts."

@@ -31,10 +31,16 @@ def _leading_dims(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(t.dim() - 1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first 2R dims of each head by the angles (split-half pairing, as in HF
-    Llama/Qwen); keep the rest. `sin` negated rotates back (the backward's transpose)."""
+    Llama/Qwen, or `interleaved` adjacent pairs, as `model.layers.apply_rope`); keep the rest.
+    `sin` negated rotates back (the backward's transpose)."""
     half = cos.shape[-1]
+    if interleaved:
+        pairs = x[..., : 2 * half].unflatten(-1, (half, 2))
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack([torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)], -1)
+        return torch.cat([rotated.flatten(-2), x[..., 2 * half :]], -1)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     return torch.cat(
         [torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin), x[..., 2 * half :]], -1
@@ -45,7 +51,7 @@ class _QKTransform(torch.autograd.Function):
     """y = rope(rmsnorm(x) * gain * mult) in fp32, rounded once to x's dtype; each part optional."""
 
     @staticmethod
-    def forward(ctx, x, gain, cos, sin, mult, normalize, eps):
+    def forward(ctx, x, gain, cos, sin, mult, normalize, eps, interleaved):
         ct = compute_dtype(x)
         n = x.to(ct)
         rstd = None
@@ -55,9 +61,9 @@ class _QKTransform(torch.autograd.Function):
         factor = gain.to(ct) * mult if gain is not None else mult
         y = n * factor if gain is not None or mult != 1 else n
         if cos is not None:
-            y = _rotate(y, cos, sin)
+            y = _rotate(y, cos, sin, interleaved)
         ctx.save_for_backward(x, rstd, gain, cos, sin)
-        ctx.mult, ctx.normalize = mult, normalize
+        ctx.mult, ctx.normalize, ctx.interleaved = mult, normalize, interleaved
         return y.to(x.dtype)
 
     @staticmethod
@@ -66,7 +72,7 @@ class _QKTransform(torch.autograd.Function):
         ct = compute_dtype(x)
         g = dy.to(ct)
         if cos is not None:
-            g = _rotate(g, cos, -sin)
+            g = _rotate(g, cos, -sin, ctx.interleaved)
         n = x.to(ct) * rstd if ctx.normalize else x.to(ct)
         dgain = None
         if gain is not None:
@@ -77,7 +83,7 @@ class _QKTransform(torch.autograd.Function):
             g = g * ctx.mult
         if ctx.normalize:
             g = (g - n * (g * n).mean(-1, keepdim=True)).mul_(rstd)
-        return g.to(x.dtype), dgain, None, None, None, None, None
+        return g.to(x.dtype), dgain, None, None, None, None, None, None
 
 
 @dataclass
@@ -193,19 +199,25 @@ def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.T
     return y_XHQD.view(B, blocks, H, block, Dh).transpose(1, 2).reshape(B, H, blocks * block, Dh)[:, :, :T]
 
 
-def fused_qk_transform(x_BTHD, *, normalize: bool, gain=None, cos_BTR=None, sin_BTR=None, mult=1.0, eps=1e-6):
+def fused_qk_transform(
+    x_BTHD, *, normalize: bool, gain=None, cos_BTR=None, sin_BTR=None, mult=1.0, eps=1e-6, interleaved=False
+):
     """`model.layers.qk_transform` as one autograd node."""
     rope = cos_BTR is not None and cos_BTR.shape[-1] > 0
     if not normalize and gain is None and mult == 1 and not rope:
         return x_BTHD
     cos = cos_BTR.unsqueeze(2) if rope else None
     sin = sin_BTR.unsqueeze(2) if rope else None
-    return _QKTransform.apply(x_BTHD, gain, cos, sin, mult, normalize, eps)
+    return _QKTransform.apply(x_BTHD, gain, cos, sin, mult, normalize, eps, interleaved)
 
 
 class FusedAttention(Attention):
     def qk(self, x_BTHD, gain, cos, sin, mult: float) -> torch.Tensor:
-        return fused_qk_transform(x_BTHD, normalize=self.config.qk_norm, gain=gain, cos_BTR=cos, sin_BTR=sin, mult=mult)
+        c = self.config
+        interleaved = c.rope_pairs == "interleaved"
+        return fused_qk_transform(
+            x_BTHD, normalize=c.qk_norm, gain=gain, cos_BTR=cos, sin_BTR=sin, mult=mult, interleaved=interleaved
+        )
 
     def layer_mask(self, ctx: ForwardContext):
         """A `BandedMask` for a local layer of a long row on CPU, else the reference's mask."""

@@ -122,7 +122,11 @@ class Attention(nn.Module):
 
     def qk(self, x_BTHD, gain, cos, sin, mult: float) -> torch.Tensor:
         """QK-norm, qk_mult and RoPE of the queries or the keys (`layers.qk_transform`)."""
-        return qk_transform(x_BTHD, normalize=self.config.qk_norm, gain=gain, cos_BTR=cos, sin_BTR=sin, mult=mult)
+        c = self.config
+        interleaved = c.rope_pairs == "interleaved"
+        return qk_transform(
+            x_BTHD, normalize=c.qk_norm, gain=gain, cos_BTR=cos, sin_BTR=sin, mult=mult, interleaved=interleaved
+        )
 
     def layer_mask(self, ctx: ForwardContext):
         """This layer's mask for a forward without a cache: `ctx.mask` (None is plain causal)."""

@@ -34,6 +34,9 @@ class AttentionConfig:
     rope_fraction: float = 1.0  # fraction of each head's dims that RoPE rotates (Marin: 0.5)
     rope_local: bool = True
     rope_global: bool = True  # Marin's global layers are NoPE
+    # Which dims RoPE rotates together: half, (i, i + R/2) as HF Llama/Qwen checkpoints do;
+    # interleaved, adjacent pairs (2i, 2i + 1), as Marin's hero (its fused path, rope_fused=True).
+    rope_pairs: str = "half"
     xsa: bool = False  # exclusive self-attention: remove the output's component along own value
     head_gate: bool = False  # g = 2*sigmoid(x @ W_gate), zero-initialised
 
@@ -66,6 +69,11 @@ class AttentionConfig:
             f"head_dim * rope_fraction = {rope_dim} must be even (RoPE rotates pairs)",
         )
         check(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta}")
+        check(
+            self.rope_pairs in ("half", "interleaved"),
+            "rope_pairs",
+            f"must be half or interleaved, got {self.rope_pairs!r}",
+        )
         check(self.qk_mult > 0, "qk_mult", f"must be positive, got {self.qk_mult}")
         check(not self.qk_norm_gain or self.qk_norm, "qk_norm_gain", "requires qk_norm: true")
 

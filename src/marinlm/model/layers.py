@@ -162,10 +162,16 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2R dims of each head by the angles (split-half pairing, as in HF
-    Llama/Qwen); keep the rest (half-RoPE, NoPE). `sin` negated rotates back."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first 2R dims of each head by the angles, pair i by angle i; keep the rest
+    (half-RoPE, NoPE). Pair i is dims (i, i + R) (split-half, as HF Llama/Qwen), or with
+    `interleaved` dims (2i, 2i + 1) (Marin's fused RoPE). `sin` negated rotates back."""
     half = cos.shape[-1]
+    if interleaved:
+        pairs = x[..., : 2 * half].unflatten(-1, (half, 2))
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
+        return torch.cat([rotated, x[..., 2 * half :]], -1)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half :]], -1)
 
@@ -179,6 +185,7 @@ def qk_transform(
     sin_BTR: torch.Tensor | None = None,
     mult: float = 1.0,
     eps: float = 1e-6,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """What attention does to queries or keys between their projection and the scores, in fp32,
     rounded once to the input dtype:
@@ -186,7 +193,8 @@ def qk_transform(
     - `normalize`: gain-free RMS normalisation over each head (Marin's QK-norm), then times
       `gain` [Dh] where given (Qwen3's learned QK-norm gain);
     - times `mult` (Marin's qk_mult, on the queries);
-    - RoPE on the first 2R dims of each head where `cos_BTR`/`sin_BTR` [B, T, R] are given.
+    - RoPE on the first 2R dims of each head where `cos_BTR`/`sin_BTR` [B, T, R] are given
+      (`apply_rope`'s pairing: `interleaved` or split-half).
     """
     rope = cos_BTR is not None and cos_BTR.shape[-1] > 0
     if not normalize and gain is None and mult == 1 and not rope:
@@ -199,5 +207,5 @@ def qk_transform(
     elif mult != 1:
         y = y * mult
     if rope:
-        y = apply_rope(y, cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2))
+        y = apply_rope(y, cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2), interleaved)
     return y.to(x_BTHD.dtype)

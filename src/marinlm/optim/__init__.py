@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from marinlm.config import Choice, check
-from marinlm.optim.marin import MarinOptimizer, marin_param_kinds, newton_schulz, newton_schulz_many
+from marinlm.optim.marin import NS_SCHEDULES, MarinOptimizer, marin_param_kinds, newton_schulz, newton_schulz_many
 from marinlm.utils.device import native_bf16
 
 __all__ = [
@@ -66,10 +66,14 @@ class MarinOptimizerConfig(OptimizerConfig):
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
-    # auto: bfloat16 (as Marin) where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or
-    # AMX), float32 elsewhere. The whole optimizer step on the 2-core AVX512-BF16 EPYC, torch 2.13,
-    # best of 8 / 3: `tiny` 22.8 against 41.4 ms, `small` 429 against 1,291 ms.
+    # The Newton-Schulz coefficients (optim/marin.py NS_SCHEDULES): quintic_schedule, a triple per
+    # iteration, as Marin's hero; simple, Keller Jordan's one triple, as most Muon code.
+    newton_schulz: str = "quintic_schedule"
+    # The dtype Newton-Schulz runs in. auto: float64 for float64 weights (a parity check), else
+    # bfloat16 (as Marin, always) where matmuls have bf16 hardware (GPUs; CPUs with AVX512-BF16 or
+    # AMX), float32 elsewhere, where bf16 would only be emulated.
     ns_dtype: str = "auto"
+    ns_eps: float = 1e-8  # added to the Frobenius norm the iteration starts from (Marin's muon_eps)
     # muonh: the hero's norm-preserving hyperball step; muon: plain Muon (scaled to AdamW's update
     # RMS, with decoupled weight decay), the widely used variant
     matrix_update: str = "muonh"
@@ -89,10 +93,16 @@ class MarinOptimizerConfig(OptimizerConfig):
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(self.ns_steps >= 1, "ns_steps", f"must be >= 1, got {self.ns_steps}")
         check(
-            self.ns_dtype in ("auto", "float32", "bfloat16"),
+            self.ns_dtype in ("auto", "float32", "bfloat16", "float64"),
             "ns_dtype",
-            f"must be auto, float32 or bfloat16, got {self.ns_dtype!r}",
+            f"must be auto, float32, bfloat16 or float64, got {self.ns_dtype!r}",
         )
+        check(
+            self.newton_schulz in NS_SCHEDULES,
+            "newton_schulz",
+            f"must be one of {sorted(NS_SCHEDULES)}, got {self.newton_schulz!r}",
+        )
+        check(self.ns_eps > 0, "ns_eps", f"must be positive, got {self.ns_eps}")
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"):
@@ -105,7 +115,9 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused)
     if isinstance(config, MarinOptimizerConfig):
         ns_dtype = config.ns_dtype
-        if ns_dtype == "auto":
+        if ns_dtype == "auto" and any(p.dtype == torch.float64 for p in model.parameters()):
+            ns_dtype = "float64"
+        elif ns_dtype == "auto":
             ns_dtype = "bfloat16" if native_bf16(device_type) else "float32"
         kinds = marin_param_kinds(model)
         rename = {"muonh": config.matrix_update}  # plain Muon takes MuonH's matrices
@@ -124,6 +136,8 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type
             nesterov=config.nesterov,
             ns_steps=config.ns_steps,
             ns_dtype=getattr(torch, ns_dtype),
+            ns_schedule=config.newton_schulz,
+            ns_eps=config.ns_eps,
             weight_decay=config.weight_decay,
         )
     raise TypeError(f"unknown optimizer config {type(config).__name__}")

@@ -28,13 +28,29 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-# Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/)
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Newton-Schulz coefficients (a, b, c) of X <- a·X + (b·G + c·G²)·X, G = X·Xᵀ: one triple per
+# iteration, cycled. `quintic_schedule` is levanter's "quintic" set (levanter/optim/util.py,
+# NEWTON_SCHULZ_COEFFICIENTS), the one Marin's hero MuonH runs (experiments/grug/moe_hero_ep/
+# grugmuon_hero.py, coefficient_type="quintic"); `simple` is Keller Jordan's single triple
+# (https://kellerjordan.github.io/posts/muon/), levanter's "simple" and most Muon code's.
+NS_SCHEDULES = {
+    "quintic_schedule": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "simple": ((3.4445, -4.7750, 2.0315),),
+}
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype=torch.float32) -> torch.Tensor:
-    """Approximately orthogonalise each matrix in the last two dims (batched over leading dims)."""
-    a, b, c = NS_COEFFICIENTS
+def newton_schulz(
+    g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype=torch.float32, schedule: str = "simple"
+) -> torch.Tensor:
+    """Approximately orthogonalise each matrix in the last two dims (batched over leading dims),
+    in `dtype`, with the coefficients of `schedule` (`NS_SCHEDULES`)."""
+    coefficients = NS_SCHEDULES[schedule]
     x = g.to(dtype)
     x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
     if x.ndim > 3:
@@ -42,16 +58,15 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype=torc
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.mT
-    # Each step as X <- (a·I + b·G + c·G²)·X with G = X·Xᵀ: three GEMMs, one of them fused with
-    # the b·G term, and the a·I term on the diagonal, so no elementwise pass over X. On the 2-core
-    # CPU that is 14-26% faster per call than a·X + (b·G + c·G²)·X for the `tiny` and `small`
-    # shapes (e.g. [32, 384, 96]: 16.5 vs 22.3 ms); bench/muon_step.py times both spellings.
+    # Each step as Marin spells it, X <- a·X + B·X with B = b·G + c·G²: two fused multiply-adds
+    # (addmm's beta·input + alpha·product). Folding a·I into B's diagonal instead rounds a + b·G_ii
+    # to 8 bits in bf16, which pushed singular values past 1.04.
     addmm = torch.baddbmm if x.ndim == 3 else torch.addmm
-    for _ in range(steps):
+    for i in range(steps):
+        a, b, c = coefficients[i % len(coefficients)]
         gram = x @ x.mT
         poly = addmm(gram, gram, gram, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        x = poly @ x
+        x = addmm(x, poly, x, beta=a)
     return (x.mT if transpose else x).reshape(g.shape).to(g.dtype)
 
 
@@ -71,7 +86,12 @@ def _batch_elements(device: torch.device) -> int:
 
 
 def newton_schulz_many(
-    matrices: list[torch.Tensor], steps: int = 5, dtype=torch.float32, max_elements: int | None = None
+    matrices: list[torch.Tensor],
+    steps: int = 5,
+    dtype=torch.float32,
+    max_elements: int | None = None,
+    schedule: str = "simple",
+    eps: float = 1e-7,
 ) -> list[torch.Tensor]:
     """`newton_schulz` of each tensor, computed batched over tensors of the same matrix shape.
 
@@ -94,11 +114,11 @@ def newton_schulz_many(
             if n < len(members) - 1 and size + matrices[members[n + 1]].numel() <= limit:
                 continue
             if len(batch) == 1:  # nothing to stack: no copy
-                out[i] = newton_schulz(matrices[i], steps, dtype=dtype)
+                out[i] = newton_schulz(matrices[i], steps, eps, dtype, schedule)
             else:
                 stacked = torch.cat([matrices[j].reshape(-1, *shape) for j in batch])
                 counts = [matrices[j].numel() // (shape[0] * shape[1]) for j in batch]
-                for j, piece in zip(batch, newton_schulz(stacked, steps, dtype=dtype).split(counts)):
+                for j, piece in zip(batch, newton_schulz(stacked, steps, eps, dtype, schedule).split(counts)):
                     out[j] = piece.reshape(matrices[j].shape)
             batch, size = [], 0
     return out
@@ -122,8 +142,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _frobenius(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Per-matrix Frobenius norms [..., 1, 1] (fp32) of a (possibly sharded) parameter-shaped tensor."""
-    norm = torch.linalg.vector_norm(local, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    """Per-matrix Frobenius norms [..., 1, 1] (fp32; fp64 for fp64) of a (possibly sharded) parameter-shaped tensor."""
+    dtype = torch.float64 if local.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(local, dim=(-2, -1), keepdim=True, dtype=dtype)
     if not _matrix_sharded(param):
         return norm
     sq = norm.square()
@@ -141,7 +162,7 @@ def _hyperball_step(p: torch.Tensor, update_local: torch.Tensor, lr: float) -> N
     before, it took 660 us for `small`'s [32, 192, 192] experts against 246 us so (2-core EPYC).
     """
     w = _local(p)
-    new = w if w.dtype == torch.float32 else w.float()
+    new = w if w.dtype in (torch.float32, torch.float64) else w.float()
     w_norm = _frobenius(new, p)
     u_norm = _frobenius(update_local, p)
     new.addcmul_(update_local, w_norm / u_norm.clamp_min(1e-10), value=-lr)
@@ -169,7 +190,7 @@ def _muon_step(p: torch.Tensor, update_local: torch.Tensor, lr: float, weight_de
 class MarinOptimizer(torch.optim.Optimizer):
     """One optimizer over param groups tagged `kind` = "muonh", "adamh" or "adam".
 
-    Group options: lr, betas, eps, momentum, nesterov, ns_steps, ns_dtype. Learning-rate schedules
+    Group options: lr, betas, eps, momentum, nesterov, ns_steps, ns_dtype, ns_schedule, ns_eps. Learning-rate schedules
     scale each group's `lr` (LambdaLR), so MuonH/AdamH and Adam keep their own peaks.
     """
 
@@ -187,6 +208,8 @@ class MarinOptimizer(torch.optim.Optimizer):
         nesterov=True,
         ns_steps=5,
         ns_dtype=torch.float32,
+        ns_schedule="simple",
+        ns_eps=1e-7,
         weight_decay=0.0,
     ):
         defaults = dict(
@@ -198,6 +221,8 @@ class MarinOptimizer(torch.optim.Optimizer):
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
+            ns_schedule=ns_schedule,
+            ns_eps=ns_eps,
             kind="adam",
         )
         for group in groups:
@@ -241,7 +266,13 @@ class MarinOptimizer(torch.optim.Optimizer):
             if size < self.WINDOW_ELEMENTS and n < len(params) - 1:
                 continue
             directions = self._muon_directions(window, group)
-            updates = newton_schulz_many(directions, group["ns_steps"], dtype=group["ns_dtype"])
+            updates = newton_schulz_many(
+                directions,
+                group["ns_steps"],
+                dtype=group["ns_dtype"],
+                schedule=group["ns_schedule"],
+                eps=group["ns_eps"],
+            )
             for q, u in zip(window, updates):
                 if _matrix_sharded(q):
                     u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
