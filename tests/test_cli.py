@@ -1,6 +1,7 @@
 """The command line: overrides reach configs; commands without a config reject unknown flags."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,16 @@ def test_the_hero_training_config_is_the_runs_recipe(capsys):
     assert hero.model == load_config(MarinConfig, CONFIGS / "model" / "marin-535b-a23b.yaml")
     o, s, t, c = hero.optim, hero.schedule, hero.train, hero.checkpoint
     assert type(o).__name__ == "MarinOptimizerConfig"
-    assert (o.lr, o.adam_lr, tuple(o.betas), o.eps) == (0.003291, 0.000759, (0.9, 0.95), 1e-8)
+    # Marin's MoeHeuristic (experiments/grug/moe_hero_ep/heuristic.py) at the hero's budget, written out
+    per_step = 11_264 * 4_096
+    tokens = 390_251 * per_step
+    adam_lr = 0.06602 * tokens**-0.395 * 6144**-0.15 * math.sqrt(per_step)
+    assert o.adam_lr == pytest.approx(adam_lr, rel=1e-4) and o.lr == pytest.approx(13 / 3 * adam_lr, rel=1e-4)
+    assert o.eps == pytest.approx(9.676e-18 * math.sqrt(tokens / per_step), rel=1e-4)
+    assert tuple(o.betas) == (0.9062, max(0.95, min(0.9999, 0.999 ** (per_step / 131_072))))
+    assert (o.newton_schulz, o.ns_dtype) == ("quintic_schedule", "bfloat16")
+    assert hero.model.init_std == pytest.approx(0.5 / math.sqrt(6144), rel=1e-4)
+    assert hero.model.attention.rope_pairs == "interleaved"
     assert (o.momentum, o.nesterov, o.ns_steps) == (0.95, True, 5)
     assert (s.kind, s.warmup_fraction, s.min_lr_ratio) == ("linear", 0.01, 0.05)
     assert (t.steps, t.global_batch, hero.data.seq_len, t.precision, t.grad_clip) == (

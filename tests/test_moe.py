@@ -282,7 +282,8 @@ def test_qb_hand_computed_example():
 def test_qb_histogram_beta_is_the_global_quantile_and_split_invariant():
     torch.manual_seed(5)
     E, k, N = 8, 2, 4000
-    router = QBRouter(QBRouterConfig(estimator="histogram", hist_bins=10_000, hist_range=8.0), 16, E, k, 0.3)
+    config = QBRouterConfig(estimator="histogram", hist_bins=10_000, hist_range=8.0, hist_bounds="fixed")
+    router = QBRouter(config, 16, E, k, 0.3)
     router.reset_parameters()
     x = torch.randn(N, 16)
     whole = router(x).stats
@@ -348,14 +349,18 @@ def test_softmax_topk_aux_loss_matches_hf_mixtral():
     assert transformers is not None
 
 
-def test_router_stats_merge_and_model_update():
-    config = tiny_config()
+@pytest.mark.parametrize("bounds", ["fixed", "live"])
+def test_router_stats_merge_and_model_update(bounds):
+    config = tiny_config(moe={"router": {"hist_bounds": bounds}})
     model = build(config)
     ids = torch.randint(0, config.vocab_size, (2, 64))
     stats = [model(ids[:1]).router_stats, model(ids[1:]).router_stats]
     merged = [RouterStats.merge([a, b]) for a, b in zip(*stats)]
     assert merged[0].load.sum() == 2 * 64 * config.moe.top_k
-    torch.testing.assert_close(merged[0].hist, stats[0][0].hist + stats[1][0].hist)  # histogram estimator
+    if bounds == "fixed":  # histogram estimator
+        torch.testing.assert_close(merged[0].hist, stats[0][0].hist + stats[1][0].hist)
+    else:  # each forward's margins, binned once the step's range is known
+        assert [m.shape[0] for m in merged[0].margins] == [64, 64]
     assert 0 < merged[0].entropy <= math.log(config.moe.num_experts) + 1e-6
     model.update_router_biases(merged)
     bias = model.layers[0].mlp.router.bias
@@ -426,3 +431,35 @@ def test_the_model_compiles_as_one_graph_forward_and_backward(moe):
         torch.testing.assert_close(b.load, a.load)
         torch.testing.assert_close(b.dropped, a.dropped)
     assert (sum(s.dropped for s in outs[0].router_stats) > 0) == (config.moe.capacity_factor is not None)
+
+
+def test_the_live_range_histogram_is_within_a_bin_of_the_exact_quantile_however_the_batch_is_split():
+    """Marin's hero bins the QB margins over their live [min, max] (10,000 bins), not a fixed
+    [-32, 32]: its beta lands within one (live) bin width of the exact (1 - k/E) upper quantile, the
+    fixed grid's bins are far wider, and the counts are those of the whole step whether its tokens
+    came as one forward or as micro-batches on several ranks (binned once the range is known)."""
+    from marinlm.model.router import bin_live, margin_range
+
+    torch.manual_seed(7)
+    E, k, N, bins = 16, 2, 6000, 10_000
+    router = QBRouter(QBRouterConfig(hist_bins=bins), 16, E, k, 0.3)
+    router.reset_parameters()
+    x = torch.randn(N, 16)
+    exact_router = QBRouter(QBRouterConfig(estimator="topk"), 16, E, k, 0.3)
+    exact_router.load_state_dict(router.state_dict())
+    exact = exact_router(x).stats.beta
+
+    whole = router(x).stats
+    bin_live(whole, *margin_range(whole.margins))
+    estimate = router.beta_from_histogram(whole.hist, whole.num_tokens, whole.hist_lo, whole.hist_hi)
+    width = float((whole.hist_hi - whole.hist_lo) / bins)
+    assert (estimate - exact).abs().max() <= width
+    assert 2 * 32.0 / bins > 5 * width  # the fixed grid's bins, at these margins
+
+    # Three micro-batches on each of two "ranks": the range across ranks, then each rank's counts.
+    ranks = [RouterStats.merge([router(part).stats for part in half.chunk(3)]) for half in x.chunk(2)]
+    lows, highs = zip(*(margin_range(r.margins) for r in ranks))
+    lo, hi = torch.stack(lows).min(), torch.stack(highs).max()
+    for r in ranks:
+        bin_live(r, lo, hi)
+    assert torch.equal(ranks[0].hist + ranks[1].hist, whole.hist)

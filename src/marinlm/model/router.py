@@ -35,6 +35,12 @@ class RouterStats:
     num_tokens: torch.Tensor  # scalar float
     beta: torch.Tensor | None = None  # [E]
     hist: torch.Tensor | None = None  # [E, bins] QB margin counts (histogram estimator)
+    # The QB margins [N, E] of each forward, kept for a histogram over their live range (binned
+    # once the step's range across ranks is known: `bin_live_margins`); `bins` its bin count.
+    margins: list[torch.Tensor] | None = None
+    bins: int = 0
+    hist_lo: torch.Tensor | None = None  # the range `hist` spans (0-dim)
+    hist_hi: torch.Tensor | None = None
 
     @property
     def entropy(self) -> torch.Tensor:
@@ -59,6 +65,10 @@ class RouterStats:
             num_tokens=sum(s.num_tokens for s in stats),
             beta=None if stats[0].beta is None else sum(wi * s.beta for wi, s in zip(w, stats)) / total,
             hist=None if stats[0].hist is None else sum(s.hist for s in stats),
+            margins=None if stats[0].margins is None else [m for s in stats for m in s.margins],
+            bins=stats[0].bins,
+            hist_lo=stats[0].hist_lo,
+            hist_hi=stats[0].hist_hi,
         )
 
     def detach(self) -> RouterStats:
@@ -66,7 +76,41 @@ class RouterStats:
 
 
 def _detach(t):
-    return None if t is None else t.detach()
+    if isinstance(t, list):
+        return [m.detach() for m in t]
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def margin_range(margins: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) over every margin of the given forwards (0-dim tensors: no wait for the device)."""
+    lo = torch.stack([m.min() for m in margins]).min()
+    hi = torch.stack([m.max() for m in margins]).max()
+    return lo, hi
+
+
+def bin_margins(margins: list[torch.Tensor], lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
+    """Per-expert counts [E, bins] of the margins in `bins` equal bins over [lo, hi] (a margin
+    outside lands in the end bin), as Marin's `_bincount_upper_quantile` bins them."""
+    E = margins[0].shape[-1]
+    width = (hi - lo) / bins
+    counts = 0
+    for m in margins:
+        index = ((m - lo) / width).floor().long().clamp_(0, bins - 1)
+        flat = (index + torch.arange(E, device=index.device) * bins).reshape(-1)
+        counts = counts + bincount(flat, E * bins).float()
+    return counts.view(E, bins)
+
+
+def live_bounds(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of a live range: [lo, hi], widened to 1e-6 where every margin was equal (Marin's guard)."""
+    return lo, torch.maximum(hi, lo + 1e-6)
+
+
+def bin_live(stats: RouterStats, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Replace `stats`' kept margins by their histogram over [lo, hi] (`live_bounds`), in place."""
+    stats.hist_lo, stats.hist_hi = live_bounds(lo, hi)
+    stats.hist = bin_margins(stats.margins, stats.hist_lo, stats.hist_hi, stats.bins)
+    stats.margins = None
 
 
 @dataclass
@@ -124,6 +168,7 @@ class QBRouter(Router):
         super().__init__(d_in, num_experts, top_k, init_std)
         self.weight_sum = config.weight_sum
         self.estimator, self.bins, self.range = config.estimator, config.hist_bins, config.hist_range
+        self.live = config.hist_bounds == "live"
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         s_NE = self.logits(x_ND)
@@ -134,31 +179,43 @@ class QBRouter(Router):
         weights_NK = torch.sigmoid(torch.gather(s_NE, 1, experts_NK))
         weights_NK = weights_NK * (self.weight_sum / (weights_NK.sum(-1, keepdim=True) + 1e-9))
         margins_NE = s_NE.detach() - alpha_N1
-        if self.estimator == "histogram":
+        if self.estimator == "histogram" and self.live:  # binned when the step's range is known
+            stats = self._stats(s_NE, experts_NK)
+            stats.margins, stats.bins = [margins_NE], self.bins
+        elif self.estimator == "histogram":
             stats = self._stats(s_NE, experts_NK)
             stats.hist = self.margin_histogram(margins_NE)
         else:
             stats = self._stats(s_NE, experts_NK, self.estimate_beta(margins_NE))
         return Routing(experts_NK, weights_NK, None, stats)
 
+    def fixed_bounds(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return like.new_tensor(-self.range), like.new_tensor(self.range)
+
     def margin_histogram(self, margins_NE: torch.Tensor) -> torch.Tensor:
         """Per-expert counts of margins in `bins` equal bins over [-range, range] ([E, bins], fp32)."""
-        E, bins = self.num_experts, self.bins
-        width = 2 * self.range / bins
-        index = ((margins_NE + self.range) / width).floor().long().clamp_(0, bins - 1)
-        flat = (index + torch.arange(E, device=index.device) * bins).reshape(-1)
-        return bincount(flat, E * bins).float().view(E, bins)
+        return bin_margins([margins_NE], *self.fixed_bounds(margins_NE), self.bins)
 
-    def beta_from_histogram(self, hist_EB: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin.
-        `num_tokens` stays a (0-dim) tensor: reading it on the host would wait for the device."""
-        width = 2 * self.range / self.bins
+    def beta_from_histogram(
+        self,
+        hist_EB: torch.Tensor,
+        num_tokens: torch.Tensor,
+        lo: torch.Tensor | None = None,
+        hi: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The (1 - k/E) upper quantile of each expert's margins, interpolated inside its bin, of a
+        histogram over [lo, hi] (default: the fixed [-range, range]). `num_tokens` stays a (0-dim)
+        tensor: reading it on the host would wait for the device."""
+        if lo is None:
+            lo, hi = self.fixed_bounds(hist_EB)
+        bins = hist_EB.shape[-1]
+        width = (hi - lo) / bins
         target = num_tokens.double() * self.top_k / self.num_experts  # margins at or above beta, per expert
         from_top = hist_EB.flip(-1).cumsum(-1).flip(-1)  # [E, B]: count of margins in bins >= b
-        b = ((from_top >= target).sum(-1) - 1).clamp(0, self.bins - 1)
+        b = ((from_top >= target).sum(-1) - 1).clamp(0, bins - 1)
         above = from_top.gather(1, b.unsqueeze(1)).squeeze(1)
         inside = hist_EB.gather(1, b.unsqueeze(1)).squeeze(1)
-        lower_edge = -self.range + b.float() * width
+        lower_edge = lo + b.to(width.dtype) * width
         return lower_edge + width * (above - target) / inside.clamp_min(1.0)
 
     def estimate_beta(self, margins_NE: torch.Tensor) -> torch.Tensor:
@@ -168,8 +225,10 @@ class QBRouter(Router):
 
     @torch.no_grad()
     def update_bias(self, stats: RouterStats) -> None:
+        if stats.margins is not None:  # not reduced across ranks (one process): binned over its own range
+            bin_live(stats, *margin_range(stats.margins))
         if stats.hist is not None:
-            stats.beta = self.beta_from_histogram(stats.hist, stats.num_tokens)
+            stats.beta = self.beta_from_histogram(stats.hist, stats.num_tokens, stats.hist_lo, stats.hist_hi)
         self.bias.copy_(-stats.beta + stats.beta.mean())
 
 

@@ -57,7 +57,9 @@ class AdamWConfig(OptimizerConfig):
 @dataclass(kw_only=True)
 class MarinOptimizerConfig(OptimizerConfig):
     """MuonH (matrices) + AdamH (LM head) at `lr`, Adam (embeddings, router, gates, gains, SConv)
-    at `adam_lr`. Defaults are the hero run's."""
+    at `adam_lr`. The learning rates, betas and eps default to the hero run's notes; the hero's
+    config (configs/train/marin-535b-a23b.yaml) sets what its launcher computed, Marin's
+    MoeHeuristic at its budget, and Newton-Schulz defaults to the hero's schedule."""
 
     lr: float = 0.003291
     adam_lr: float = 0.000759

@@ -86,7 +86,8 @@ def rank_and_world() -> tuple[int, int]:
 def all_reduce_(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """In-place all-reduce over `group` (default: every rank) when a process group exists; identity otherwise."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
 
 

@@ -90,6 +90,10 @@ class ResumeMixin:
         if self.info.is_main and (changes := self._config_changes(folder)):
             settings = "setting" if len(changes) == 1 else "settings"
             print(f"warning: resuming {folder.name} with changed {settings}: {'; '.join(changes)}", flush=True)
+        # The groups' settings are this run's config, not the checkpoint's. DCP lists the saved
+        # param groups by index, so under another layout (a pipeline stage without the LM head has
+        # no AdamH group) the i-th saved group's settings would land on another kind of parameter.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_state_dict(
             self.model,
             self.optimizer,
@@ -97,10 +101,22 @@ class ResumeMixin:
             optim_state_dict=tensors["optim"],
             options=self._state_dict_options(),
         )
-        self.scheduler.load_state_dict(state["scheduler"])
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
+        self._load_schedule_position(state["scheduler"])
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self._last_checkpoint_step = self.step
         return folder, state
+
+    def _load_schedule_position(self, saved: dict) -> None:
+        """The scheduler at the saved step. Only the step is taken: the peak learning rates are the
+        config's, one per parameter group of this layout, and a pipeline stage without the LM head
+        has no AdamH group, so another layout's list of them need not line up."""
+        scheduler = self.scheduler
+        scheduler.last_epoch = saved["last_epoch"]
+        for group, base, multiplier in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * multiplier(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _set_aside_checkpoints_after(self, step: int) -> None:
         """Move the run's checkpoints newer than the one just loaded out of `checkpoints/`: the

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from marinlm.model.router import RouterStats
+from marinlm.model.router import RouterStats, bin_live, margin_range
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.utils.device import native_bf16
 
@@ -87,8 +87,13 @@ def total_norm(tensors: list[torch.Tensor], group=None) -> torch.Tensor:
 
 def reduce_router_stats(merged: list[RouterStats], group=None) -> list[RouterStats]:
     """Sum counts (and QB histograms) / average means and beta across the ranks of `group` (the
-    data-parallel ranks: tensor-parallel ranks route the same tokens), in place."""
+    data-parallel ranks: tensor-parallel ranks route the same tokens), in place. Margins kept for a
+    live-range histogram are binned first, over their range across the ranks (a min and a max)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
+    for s in merged:
+        if s.margins is not None:
+            lo, hi = margin_range(s.margins)
+            bin_live(s, all_reduce_(lo, op="min", group=group), all_reduce_(hi, op="max", group=group))
     if world > 1:
         for s in merged:
             for t in (s.load, s.dropped, s.num_tokens):
