@@ -492,6 +492,11 @@ def test_a_resumed_finetune_keeps_its_base_and_a_broken_base_is_refused(small_ru
     assert err.startswith("error: ") and "its base checkpoint is unusable" in err and str(step0) in err, err
     assert marinlm(["export", str(tmp_path / "broken"), str(tmp_path / "exp")]) == 2
     assert "its base checkpoint is unusable" in capsys.readouterr().err
+    text = tmp_path / "eval.txt"
+    text.write_text("What is 2 + 3? It is 5.\n" * 20)
+    assert marinlm(["eval", str(tmp_path / "broken"), "--tasks", f"bpb:{text}", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "its base checkpoint is unusable" in err and "Traceback" not in err, err
     assert _finetune(base, tmp_path / "broken", data, 6) == 2
     err = capsys.readouterr().err
     assert "its base checkpoint is unusable" in err and str(tmp_path / "broken") in err, err

@@ -121,12 +121,19 @@ CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] 
 def layout_model(precision: str, num_layers: int = 2):
     """A tiny hero-shaped model whose heads split 4 ways: 8 query and 8 KV heads, of which the
     global layer reads 4 (as the hero's read 6 of 12), so tensor parallel fetches other ranks'
-    KV heads there. Dropless experts, so that capacity (per forward's rows) does not depend on the
-    layout."""
+    KV heads there; the hero's adjacent-pairs RoPE and live-range QB histogram. Dropless experts,
+    so that capacity (per forward's rows) does not depend on the layout."""
     return tiny_config(
         num_layers=num_layers,
         max_seq_len=64,
-        attention={"sliding_window": 16, "num_heads": 8, "head_dim": 16, "num_kv_heads": 8, "num_global_kv_heads": 4},
+        attention={
+            "sliding_window": 16,
+            "num_heads": 8,
+            "head_dim": 16,
+            "num_kv_heads": 8,
+            "num_global_kv_heads": 4,
+            "rope_pairs": "interleaved",  # the hero's
+        },
         moe={"capacity_factor": None},
         kernels="reference" if precision == "fp64" else "auto",
     )

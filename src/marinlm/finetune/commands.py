@@ -46,6 +46,7 @@ def load_finetune_config(path: str | None, overrides: list[str]):
 def add_commands(commands) -> None:
     ft = commands.add_parser(
         "finetune",
+        allow_abbrev=False,  # `--base=RUN` is the config key, not short for --base-checkpoint
         help=help_of("finetune"),
         description="`marinlm finetune CONFIG [--key=value ...]` fine-tunes (configs/finetune/*.yaml); "
         "`marinlm finetune merge RUN [--out DIR]` folds a LoRA run's adapters into plain weights.",
