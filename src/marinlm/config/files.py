@@ -15,7 +15,17 @@ from typing import Any, TypeVar, get_args
 
 import yaml
 
-from marinlm.config.typed import ConfigError, YamlScalar, from_dict, is_config_class, is_index, join_key, plain, to_dict
+from marinlm.config.typed import (
+    ConfigError,
+    YamlScalar,
+    did_you_mean,
+    from_dict,
+    is_config_class,
+    is_index,
+    join_key,
+    plain,
+    to_dict,
+)
 from marinlm.utils.io import write_text_atomic
 
 T = TypeVar("T")
@@ -167,7 +177,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         from marinlm.presets import shipped_configs
 
-        raise ConfigError("", f"config file not found: {path} (shipped configs: {', '.join(shipped_configs())})")
+        shipped = shipped_configs()
+        given = str(Path(*path.parts[1:])) if path.parts[:1] == ("configs",) else str(path)
+        hint = did_you_mean(given, shipped, "configs/")
+        raise ConfigError("", f"config file not found: {path} (shipped configs: {', '.join(shipped)}){hint}")
     try:
         with path.open(encoding="utf-8") as f:  # a stream, so YAML's own messages name the file
             data = yaml.load(f, Loader=_StrictLoader) or {}

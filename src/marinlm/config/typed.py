@@ -65,6 +65,15 @@ class Choice:
         return dict(cls._variants)
 
 
+def did_you_mean(name: str, choices, what: str = "") -> str:
+    """ "; did you mean 'x'?" for the closest of `choices` to a misspelt `name` (`what` put before
+    it, a folder say), or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {what + close[0]!r}?" if close else ""
+
+
 def check(condition: bool, key: str, message: str) -> None:
     """Raise ConfigError(key, message) unless condition holds. For use in `__post_init__`."""
     if not condition:
@@ -205,7 +214,10 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(join_key(prefix, unknown[0]), f"unknown key for {cls.__name__}; valid keys: {sorted(fields)}")
+        raise ConfigError(
+            join_key(prefix, unknown[0]),
+            f"unknown key for {cls.__name__}; valid keys: {sorted(fields)}{did_you_mean(unknown[0], fields)}",
+        )
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], join_key(prefix, name))

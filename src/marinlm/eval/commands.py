@@ -17,7 +17,8 @@ def add_commands(commands) -> None:
         nargs="+",
         required=True,
         help=(
-            "hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH (a text file, or "
+            "hellaswag arc_easy arc_challenge piqa winogrande lambada_openai mmlu val bpb:PATH, space- or comma-"
+            "separated (bpb:PATH: a text file, or "
             "a .jsonl(.gz/.zst), .json or .parquet file of records with a 'text' field, such as a curated shard)"
         ),
     )
@@ -116,8 +117,10 @@ def _eval(args, overrides) -> int:
     from marinlm.train.inference import load_model
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun: the ranks share the work, rank 0 reports
+    # Space- or comma-separated, as `marinlm lm-eval` takes them (a bpb:PATH keeps its commas)
+    tasks = [t for spec in args.tasks for t in ([spec] if spec.startswith("bpb:") else spec.split(",")) if t]
     options = EvalOptions(
-        tasks=args.tasks,
+        tasks=tasks,
         data_dir=args.data_dir,
         limit=args.limit,
         sample=args.sample,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from marinlm.config import check
+from marinlm.config.typed import did_you_mean
 from marinlm.data.inputs import expand_inputs
 from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, decompressed, read_documents
 from marinlm.eval.lm import Scorer
@@ -140,7 +141,8 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
                 items = subset(items, options.limit, options.sample)
             prepared.append((spec, task, items))
         else:
-            raise TaskDataError(f"unknown task {spec!r}; known: {sorted(registry)}, 'val', 'bpb:PATH'")
+            hint = did_you_mean(spec, [*registry, "val"])
+            raise TaskDataError(f"unknown task {spec!r}{hint or ';'} known: {sorted(registry)}, 'val', 'bpb:PATH'")
     return prepared
 
 

@@ -62,6 +62,12 @@ def add_commands(commands) -> None:
         help="which checkpoint of the base run a new fine-tune starts from (default: its newest good one); "
         "a resumed fine-tune always keeps the one it began on",
     )
+    ft.add_argument(
+        "--print-config",
+        dest="print_finetune_config",  # resolved here, with the base run's model, not by the generic loader
+        action="store_true",
+        help="print the resolved config (the file, the base run's model, then the overrides) and exit",
+    )
     ft.set_defaults(func=_finetune, takes_overrides=True)
 
 
@@ -79,6 +85,11 @@ def _finetune(args: argparse.Namespace, overrides) -> int:
     if args.base_checkpoint is not None:
         overrides = [*overrides, f"--base_checkpoint={args.base_checkpoint}"]
     config = load_finetune_config(args.config, list(overrides))
+    if args.print_finetune_config:
+        from marinlm.config import dump_config
+
+        print(dump_config(config), end="")
+        return 0
     summary = run_finetune(config, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the first rank reports
         return 0
