@@ -327,3 +327,15 @@ def test_a_run_cut_short_by_a_slow_host_says_so_in_its_report():
     assert "above the" not in short_run_note(60, 1.9, 8.5, 5.3, built_in=False, asked=False)  # another corpus
     assert short_run_note(60, 1.9, 8.5, 5.3, built_in=True, asked=True) == ""  # --steps 60
     assert short_run_note(1800, 0.28, 8.5, 3.0, built_in=True, asked=False) == ""
+
+
+def test_a_corpus_inside_a_folder_the_quickstart_replaces_is_refused(tmp_path):
+    """The quickstart empties its stages' folders when their inputs change: a --corpus inside one
+    of them would be deleted, so it is refused before anything is written; one beside or above
+    the run folder is read as usual."""
+    root = tmp_path / "run"
+    corpus = root / "curated" / "mine"
+    write_corpus(corpus, num_docs=4, num_files=1)
+    with pytest.raises(ValueError, match=r"the quickstart's curated folder .* holds --corpus"):
+        run_quickstart(str(root), corpus=[str(corpus)], minutes=1)
+    assert sorted(p.name for p in root.iterdir()) == ["curated"]

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import resource
@@ -24,7 +25,7 @@ from marinlm.config import load_config, save_config
 from marinlm.presets import preset
 from marinlm.quickstart.plan import Replan, calibrate_step_seconds, interrupted_training
 from marinlm.quickstart.report import Stage, unigram_baseline, write_report
-from marinlm.utils.io import QUICKSTART_FILE, write_text_atomic
+from marinlm.utils.io import QUICKSTART_FILE, refuse_overlap, write_text_atomic
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
 
@@ -161,6 +162,10 @@ def run_quickstart(
     root = Path(run_dir)
     if corpus:  # a missing or unreadable --corpus fails here, before the run folder is made
         expand_inputs(corpus, key="--corpus", quiet=True)
+        for spec in corpus:  # the stages it replaces must not hold the corpus
+            given = Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+            for stage in ("raw", "curated", "tokenizer", "tokens", "train"):
+                refuse_overlap(root / stage, {"--corpus": given}, f"the quickstart's {stage} folder", inside_ok=True)
     claim_run_dir(root)
     began = time.perf_counter()
     stages: list[Stage] = []

@@ -111,14 +111,17 @@ def copy_folder_atomic(source: str | Path, target: str | Path) -> None:
     os.replace(partial, target)
 
 
-def refuse_overlap(output: str | Path, inputs: dict[str, str | Path], option: str = "the output") -> None:
+def refuse_overlap(
+    output: str | Path, inputs: dict[str, str | Path], option: str = "the output", inside_ok: bool = False
+) -> None:
     """Raise ValueError when folder `output` is, holds or lies inside one of a command's `inputs`
     (what each one is: its path): replacing it (`--overwrite`) would delete the input, and writing
-    into it would change it. Paths are compared resolved, so a symlink or `..` cannot hide one."""
+    into it would change it. `inside_ok`: an output inside an input folder is fine (one whose
+    reader skips marinlm's outputs). Paths are compared resolved, so a symlink or `..` cannot hide one."""
     out = Path(output).resolve()
     for what, given in inputs.items():
         source = Path(given).resolve()
-        if out == source or out in source.parents or source in out.parents:
+        if out == source or out in source.parents or (source in out.parents and not inside_ok):
             where = "is" if out == source else ("holds" if out in source.parents else "lies inside")
             raise ValueError(
                 f"{option} {output} {where} {what} {given}: writing there would change or delete it; "
