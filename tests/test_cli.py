@@ -420,8 +420,8 @@ def test_sigterm_outside_training_exits_143_and_puts_the_handler_back(monkeypatc
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-def test_misspellings_get_a_did_you_mean(tmp_path, capsys):
-    """A misspelt key, shipped config or task names the closest valid one, not only the list."""
+def saved_run(run):
+    """A one-layer tiny run with one checkpoint of random weights (nothing trained)."""
     from dataclasses import replace
 
     from marinlm.hf.importer import save_run
@@ -430,6 +430,14 @@ def test_misspellings_get_a_did_you_mean(tmp_path, capsys):
 
     from conftest import SAMPLE_TEXTS, build, tiny_config
 
+    config = tiny_config(num_layers=1)
+    tokenizer = MarinTokenizer(train_bpe(SAMPLE_TEXTS * 10, 300))
+    save_run(run, replace(TrainConfig(model=config), run_dir=str(run)), build(config).state_dict(), tokenizer, {})
+    return run
+
+
+def test_misspellings_get_a_did_you_mean(tmp_path, capsys):
+    """A misspelt key, shipped config or task names the closest valid one, not only the list."""
     assert main(["train", "configs/train/tiny.yaml", "--train.stpes=5", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "train.stpes: unknown key for LoopConfig; valid keys: [" in err and "]; did you mean 'steps'?" in err
@@ -437,15 +445,7 @@ def test_misspellings_get_a_did_you_mean(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config file not found: configs/train/tiyn.yaml (shipped" in err
     assert err.rstrip().endswith("; did you mean 'configs/train/tiny.yaml'?"), err
-    config = tiny_config(num_layers=1)
-    run = tmp_path / "run"
-    save_run(
-        run,
-        replace(TrainConfig(model=config), run_dir=str(run)),
-        build(config).state_dict(),
-        MarinTokenizer(train_bpe(SAMPLE_TEXTS * 10, 300)),
-        {},
-    )
+    run = saved_run(tmp_path / "run")
     text = tmp_path / "text.txt"
     text.write_text("some text to score\n" * 10)
     # --tasks takes commas as `marinlm lm-eval` does: the misspelt task is found in the list
@@ -455,25 +455,9 @@ def test_misspellings_get_a_did_you_mean(tmp_path, capsys):
 
 def test_finetune_prints_its_resolved_config(tmp_path, capsys):
     """`marinlm finetune CONFIG --print-config` was refused ("override has no value") while `train` took it."""
-    from dataclasses import replace
-
     import yaml
 
-    from marinlm.hf.importer import save_run
-    from marinlm.tokenizer import MarinTokenizer, train_bpe
-    from marinlm.train.config import TrainConfig
-
-    from conftest import SAMPLE_TEXTS, build, tiny_config
-
-    config = tiny_config(num_layers=1)
-    run = tmp_path / "base"
-    save_run(
-        run,
-        replace(TrainConfig(model=config), run_dir=str(run)),
-        build(config).state_dict(),
-        MarinTokenizer(train_bpe(SAMPLE_TEXTS * 10, 300)),
-        {},
-    )
+    run = saved_run(tmp_path / "base")
     args = ["finetune", "configs/finetune/gsm8k-lora.yaml", f"--base={run}", "--lora.r=4", "--print-config"]
     assert main(args) == 0
     printed = yaml.safe_load(capsys.readouterr().out)

@@ -206,6 +206,11 @@ def _hidden_under(path: Path, folder: Path) -> bool:
     return any(n.startswith(".") for n in path.relative_to(folder).parts)
 
 
+def glob_base(spec: str) -> Path:
+    """The folder a glob searches: its path up to the first part with a wildcard (a plain path: itself)."""
+    return Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+
+
 def expand_inputs(
     inputs: list[str] | str, key: str = "inputs", quiet: bool = False, notes: list[str] | None = None
 ) -> list[Path]:
@@ -228,7 +233,7 @@ def expand_inputs(
                 raise FileNotFoundError(f"{key}: input glob matched nothing: {spec}")
             folders, given = [m for m in matches if m.is_dir()], [m for m in matches if m.is_file()]
             # The folder the glob searches (before its first wildcard) is walked as a folder given is.
-            base = Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+            base = glob_base(spec)
             found = _files_under(folders, given, key, spec, quiet, notes, also_under=base)
             if not found:
                 raise FileNotFoundError(f"{key}: input glob matched no file to read: {spec}")

@@ -155,14 +155,15 @@ def is_finetune_config(path: Path) -> bool:
     return isinstance(data, dict) and "method" in data and "base" in data
 
 
-def adapted_model(folder: Path):
+def adapted_model(folder: Path, base: Path | None = None):
     """(model, config, what apply_method did) of a fine-tuning checkpoint on the CPU: the base
-    weights under the method's adapters, which hold this checkpoint's trained tensors, not merged."""
+    weights under the method's adapters, which hold this checkpoint's trained tensors, not merged.
+    `base`: its base checkpoint where the caller has it already (`base_of`, validated)."""
     from marinlm.config import load_config
     from marinlm.model import MarinForCausalLM
 
     config = load_config(FinetuneConfig, folder / "config.yaml")
-    base = base_of(folder, config)
+    base = base or base_of(folder, config)
     with torch.device("meta"):
         model = MarinForCausalLM(config.model)
     model.to_empty(device="cpu")
@@ -176,12 +177,12 @@ def adapted_model(folder: Path):
     return model, config, info
 
 
-def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True):
+def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: bool = True, base: Path | None = None):
     """(plain merged model, config) of a fine-tuning checkpoint: the base weights, the method's
     adapters with this checkpoint's trained tensors, folded together."""
     from marinlm.kernels import apply_kernels
 
-    model, config, _ = adapted_model(folder)
+    model, config, _ = adapted_model(folder, base)
     merge_adapters(model)
     dequantize_base(model)
     for p in model.parameters():
@@ -192,13 +193,15 @@ def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: b
     return model.to(device).eval(), config
 
 
-def merge_run(run: str | Path, out_dir: str | Path | None = None) -> Path:
+def merge_run(run: str | Path, out_dir: str | Path | None = None, base: Path | None = None) -> Path:
     """`marinlm finetune merge RUN`: the newest checkpoint with its adapters folded in, written as a
-    plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft."""
+    plain run (OUT_DIR, default RUN/merged) that needs neither the base run nor peft. `base`: the
+    checkpoint's base where the caller has validated it already."""
     folder = resolve_checkpoint(run)
     out_dir = Path(out_dir) if out_dir else Path(run) / "merged"
-    refuse_overlap(out_dir, {"the checkpoint": folder, "its base checkpoint": base_of_checkpoint(folder)}, "--out")
-    model, config = finetuned_model(folder)
+    base = base or base_of_checkpoint(folder)
+    refuse_overlap(out_dir, {"the checkpoint": folder, "its base checkpoint": base}, "--out")
+    model, config = finetuned_model(folder, base=base)
     saved = save_plain_run(model, config, folder, out_dir, "merged_from")
     print(f"merged {folder} -> {saved}", file=sys.stderr)
     return saved

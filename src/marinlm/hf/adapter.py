@@ -41,7 +41,6 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
     )
     from marinlm.finetune.loading import (
         adapted_model,
-        base_of,
         base_of_checkpoint,
         is_finetune_config,
         restore_base,
@@ -57,9 +56,9 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
             f"--adapter: the base is exported as remote code, whose module names the adapter uses; --format {fmt} "
             "renames them (export the merged model with --format native instead)"
         )
-    inputs = {"the checkpoint": folder, "its base checkpoint": base_of_checkpoint(folder)}
-    refuse_overlap(out_dir, inputs, "the export folder")
-    model, config, info = adapted_model(folder)
+    base = base_of_checkpoint(folder)  # validated once, here
+    refuse_overlap(out_dir, {"the checkpoint": folder, "its base checkpoint": base}, "the export folder")
+    model, config, info = adapted_model(folder, base)
     if config.method not in ("lora", "qlora"):
         raise ValueError(
             f"--adapter: {folder} was fine-tuned with method {config.method!r}, which trains no adapter; "
@@ -69,10 +68,10 @@ def export_adapter(source: str | Path, out_dir: str | Path, *, fmt: str = "auto"
     trained_whole = whole_trained_modules(model)
     merge_adapters(model, fold=False)
     dequantize_base(model)
-    restore_base(model, base_of(folder, config), trained_whole)  # the routers or norms it trained: in the adapter
+    restore_base(model, base, trained_whole)  # the routers or norms it trained: in the adapter
     with tempfile.TemporaryDirectory() as tmp:
-        base = save_plain_run(model.float(), config, folder, Path(tmp) / "base", "adapter_base_of")
-        report = export(base, out_dir, fmt="remote", **options)
+        plain = save_plain_run(model.float(), config, folder, Path(tmp) / "base", "adapter_base_of")
+        report = export(plain, out_dir, fmt="remote", **options)
     staging = report.out_dir / f".{ADAPTER_DIR}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     targets = [HF_PREFIX + name for name in info["lora_targets"]]

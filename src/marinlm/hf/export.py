@@ -177,18 +177,18 @@ def export(
     folder = resolve_checkpoint(source)
     from marinlm.finetune.loading import base_of_checkpoint, is_finetune_config, merge_run
 
-    finetuned = is_finetune_config(folder / "config.yaml")
-    inputs = {"the checkpoint": folder, **({"its base checkpoint": base_of_checkpoint(folder)} if finetuned else {})}
+    base = base_of_checkpoint(folder) if is_finetune_config(folder / "config.yaml") else None
+    inputs = {"the checkpoint": folder, **({"its base checkpoint": base} if base else {})}
     refuse_overlap(out_dir, inputs, "the export folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
-    if finetuned:
+    if base is not None:
         # A fine-tuning checkpoint holds only what trained: fold it into the base weights first (in
         # memory: the whole model), then export that plain checkpoint.
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            merged = merge_run(folder, Path(tmp) / "merged")
+            merged = merge_run(folder, Path(tmp) / "merged", base)
             report = export(
                 merged, out_dir, fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet
             )

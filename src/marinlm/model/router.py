@@ -36,7 +36,7 @@ class RouterStats:
     beta: torch.Tensor | None = None  # [E]
     hist: torch.Tensor | None = None  # [E, bins] QB margin counts (histogram estimator)
     # The QB margins [N, E] of each forward, kept for a histogram over their live range (binned
-    # once the step's range across ranks is known: `bin_live_margins`); `bins` its bin count.
+    # once the step's range across ranks is known: `bin_live`); `bins` its bin count.
     margins: list[torch.Tensor] | None = None
     bins: int = 0
     hist_lo: torch.Tensor | None = None  # the range `hist` spans (0-dim)
@@ -101,14 +101,10 @@ def bin_margins(margins: list[torch.Tensor], lo: torch.Tensor, hi: torch.Tensor,
     return counts.view(E, bins)
 
 
-def live_bounds(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid of a live range: [lo, hi], widened to 1e-6 where every margin was equal (Marin's guard)."""
-    return lo, torch.maximum(hi, lo + 1e-6)
-
-
 def bin_live(stats: RouterStats, lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """Replace `stats`' kept margins by their histogram over [lo, hi] (`live_bounds`), in place."""
-    stats.hist_lo, stats.hist_hi = live_bounds(lo, hi)
+    """Replace `stats`' kept margins by their histogram over [lo, hi], in place; hi is widened to
+    lo + 1e-6 where every margin was equal (Marin's guard)."""
+    stats.hist_lo, stats.hist_hi = lo, torch.maximum(hi, lo + 1e-6)
     stats.hist = bin_margins(stats.margins, stats.hist_lo, stats.hist_hi, stats.bins)
     stats.margins = None
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import os
 import resource
@@ -145,7 +144,7 @@ def run_quickstart(
     `text_field` is the JSON field holding a user corpus's text (a list of strings is joined by
     lines); `languages` replaces the curation's allowed languages (default: English and code).
     """
-    from marinlm.data.inputs import expand_inputs
+    from marinlm.data.inputs import expand_inputs, glob_base
     from marinlm.data.pipeline import PipelineConfig, SourceSpec, run_pipeline
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
     from marinlm.model import SamplingConfig
@@ -163,7 +162,7 @@ def run_quickstart(
     if corpus:  # a missing or unreadable --corpus fails here, before the run folder is made
         expand_inputs(corpus, key="--corpus", quiet=True)
         for spec in corpus:  # the stages it replaces must not hold the corpus
-            given = Path(*itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+            given = glob_base(spec)
             for stage in ("raw", "curated", "tokenizer", "tokens", "train"):
                 refuse_overlap(root / stage, {"--corpus": given}, f"the quickstart's {stage} folder", inside_ok=True)
     claim_run_dir(root)
