@@ -54,8 +54,44 @@ def _ranks(rank: int, store: str, results) -> None:
             kept_NK = torch.zeros(N * k, dtype=torch.bool)
             kept_NK[plan.slot_A] = kept_A
             results[(name, rank)] = (kept_NK.view(N, k), float(plan.dropped), plan.num_received, priority_N)
+        _pooled(rank, results)
     finally:
         dist.destroy_process_group()
+
+
+POOLED = dict(factor=0.9, groups=4, domains=2, chunks=2)  # 8 sender shards: 2 a rank on 4 ranks
+ROWS, T, E_POOLED, K_POOLED = 16, 3, 16, 2
+
+
+def pooled_routing() -> torch.Tensor:
+    """[ROWS, T, k] a skewed routing of one forward's rows (the same on every rank)."""
+    g = torch.Generator().manual_seed(5)
+    skew = torch.rand(E_POOLED, generator=g) ** 2 + 0.05
+    return torch.stack([torch.multinomial(skew, K_POOLED, generator=g) for _ in range(ROWS * T)]).view(ROWS, T, -1)
+
+
+def _pooled(rank: int, results) -> None:
+    """The receiver-pooled rule on 4 data ranks, each holding rows rank, rank + 4, ... of one
+    forward: the drops each rank decides, and what EP 4 and EP 2 bring back when sent."""
+    from marinlm.model.experts import RoutedExperts
+    from marinlm.parallel.expert_parallel import DataParallelRows
+
+    experts = RoutedExperts(E_POOLED, D, 4, 0.1)
+    experts.rows = DataParallelRows(None, rank, WORLD)
+    mine = pooled_routing()[rank::WORLD].reshape(-1, K_POOLED)
+    keep = experts.keep_pooled(
+        mine, ROWS // WORLD, POOLED["factor"], POOLED["groups"], POOLED["domains"], POOLED["chunks"]
+    )
+    x_ND = torch.randn(mine.shape[0], D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64) + 5.0
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    for name, group in (("ep-4", dist.group.WORLD), ("ep-2", pairs[rank // 2])):
+        x_KD, plan = dispatch(x_ND, mine, E_POOLED, group, keep_NK=keep)
+        y_AD = combine(x_KD, plan, group)
+        assert torch.equal(y_AD, x_ND[plan.slot_A // K_POOLED])  # only kept rows travel, all come back
+        sent = torch.zeros(mine.numel(), dtype=torch.bool)
+        sent[plan.slot_A] = True
+        results[(f"pooled-{name}", rank)] = (sent.view_as(keep), float(plan.dropped))
+    results[("pooled", rank)] = keep
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +126,27 @@ def test_receiver_capacity_drops_what_the_one_process_rule_drops(dispatched, fac
     assert total_dropped == sum(int((~e).sum()) for e in expected)
     if factor < 1:
         assert total_dropped > 0  # the case exercises dropping
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pooled_capacity_drops_the_same_assignments_on_4_ranks_ep_4_and_ep_2_as_one_process(dispatched):
+    """One process over the forward's 16 rows (row i in sender shard i mod 8) keeps exactly what the
+    4 data ranks keep between them, and EP 4 and EP 2 send exactly those."""
+    from marinlm.model.experts import RoutedExperts
+
+    whole = pooled_routing()
+    one = (
+        RoutedExperts(E_POOLED, D, 4, 0.1)
+        .keep_pooled(
+            whole.reshape(-1, K_POOLED), ROWS, POOLED["factor"], POOLED["groups"], POOLED["domains"], POOLED["chunks"]
+        )
+        .view(ROWS, T, K_POOLED)
+    )
+    assert 0 < int((~one).sum()) < one.numel() // 2
+    for rank in range(WORLD):
+        keep = dispatched[("pooled", rank)]
+        assert torch.equal(keep, one[rank::WORLD].reshape(-1, K_POOLED)), rank
+        for name in ("ep-4", "ep-2"):
+            sent, dropped = dispatched[(f"pooled-{name}", rank)]
+            assert torch.equal(sent, keep) and dropped == int((~keep).sum()), (name, rank)

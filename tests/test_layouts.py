@@ -64,8 +64,17 @@ def torchrun(config_path, nproc: int, port: int, *extra) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-def curves(run_dir) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(run_dir) if "train/loss" in r}
+def curves(run_dir) -> dict[int, tuple[float, float, tuple]]:
+    """Per step: loss, gradient norm and each layer's dropped fraction."""
+
+    def dropped(r):
+        return {k: v for k, v in r.items() if k.startswith("router/") and k.endswith("/dropped_fraction")}
+
+    return {
+        r["step"]: (r["train/loss"], r["train/grad_norm"], dropped(r))
+        for r in read_metrics(run_dir)
+        if "train/loss" in r
+    }
 
 
 def val_losses(run_dir) -> dict[int, float]:
@@ -118,11 +127,25 @@ CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] 
 ]
 
 
-def layout_model(precision: str, num_layers: int = 2):
+# Rows in one forward over all data ranks: the step's 8, or a pipeline microbatch (a row a data rank).
+FORWARD_ROWS = {
+    "pp-2": 1,
+    "pp-2xfsdp-2": 2,
+    "pp-2-interleaved-4-stages": 1,
+    "pp-2-zbv": 1,
+    "pp-2xtp-2": 1,
+    "pp-2xep-2": 2,
+}
+DROPLESS = ("ep-2xtp-2",)  # tp ranks each route part of a row there: the pooled rule does not run
+
+
+def layout_model(precision: str, num_layers: int = 2, capacity: bool = True):
     """A tiny hero-shaped model whose heads split 4 ways: 8 query and 8 KV heads, of which the
     global layer reads 4 (as the hero's read 6 of 12), so tensor parallel fetches other ranks'
-    KV heads there; the hero's adjacent-pairs RoPE and live-range QB histogram. Dropless experts,
-    so that capacity (per forward's rows) does not depend on the layout."""
+    KV heads there; the hero's adjacent-pairs RoPE and live-range QB histogram, and its
+    receiver-pooled capacity over 4 sender shards (2 chunks of 2 experts for each of 4 receivers)
+    at a factor that drops: a forward's rows decide its drops whatever the layout."""
+    moe = {"capacity": "receiver_pooled", "capacity_groups": 4, "capacity_chunks": 2, "capacity_factor": 1.0}
     return tiny_config(
         num_layers=num_layers,
         max_seq_len=64,
@@ -134,7 +157,7 @@ def layout_model(precision: str, num_layers: int = 2):
             "num_global_kv_heads": 4,
             "rope_pairs": "interleaved",  # the hero's
         },
-        moe={"capacity_factor": None},
+        moe=moe if capacity else {"capacity_factor": None},
         kernels="reference" if precision == "fp64" else "auto",
     )
 
@@ -151,10 +174,12 @@ def layout_run(
     checkpoint_every: int = 0,
     fresh: bool = True,
     num_layers: int = 2,
+    micro: int = 0,
+    capacity: bool = True,
 ):
     """Train `layout_model` from the same seed on the same global batch of 8 rows: one process
-    when `parallel` is None, else `nproc` gloo ranks under torchrun. `fresh=False` resumes the
-    run folder's last checkpoint."""
+    when `parallel` is None, else `nproc` gloo ranks under torchrun, `micro` rows a forward on each
+    (0: all a rank's rows at once). `fresh=False` resumes the run folder's last checkpoint."""
     from marinlm.config import to_dict
 
     # The hero's optimizer; in fp64 its Newton-Schulz too (the quintic schedule, as Marin's).
@@ -162,10 +187,10 @@ def layout_run(
     config = train_config(
         token_data,
         folder / name,
-        model=to_dict(layout_model(precision, num_layers)),
+        model=to_dict(layout_model(precision, num_layers, capacity)),
         optim=optim,
         parallel=parallel or {},
-        train={"steps": steps, "global_batch": 8, "precision": precision, "init": "full"},
+        train={"steps": steps, "global_batch": 8, "micro_batch": micro, "precision": precision, "init": "full"},
         checkpoint={"every_steps": checkpoint_every},
         validation={"every_steps": steps},  # once, at the end: the evaluation path of the layout
     )
@@ -186,18 +211,41 @@ def test_a_layout_trains_as_one_process(token_data, tmp_path, tmp_path_factory, 
     of 8 rows: losses, gradient norms and the QB router biases of one process, with the hero's
     optimizer (MuonH, AdamH, Adam), whose Newton-Schulz runs in fp64 in the fp64 cases."""
     layers, procs = layers_of(layout), PROCESSES.get(layout, 4)
-    curve = layout_run(token_data, tmp_path, layout, LAYOUTS[layout], precision, steps, nproc=procs, num_layers=layers)
-    assert_as_one_process(curve, tmp_path / layout, token_data, tmp_path_factory, precision, steps, rel, layers)
+    capacity = layout not in DROPLESS
+    curve = layout_run(
+        token_data,
+        tmp_path,
+        layout,
+        LAYOUTS[layout],
+        precision,
+        steps,
+        nproc=procs,
+        num_layers=layers,
+        capacity=capacity,
+    )
+    rows = FORWARD_ROWS.get(layout, 8)
+    assert_as_one_process(
+        curve, tmp_path / layout, token_data, tmp_path_factory, precision, steps, rel, layers, rows, capacity
+    )
 
 
-def assert_as_one_process(curve, run_dir, token_data, tmp_path_factory, precision, steps, rel, layers):
-    """`curve` (a layout's losses and gradient norms) and its run's final QB router biases equal one
-    process's on the same seed and batches."""
-    single, single_biases, single_val = one_process(token_data, tmp_path_factory, precision, steps, layers)
+def assert_as_one_process(
+    curve, run_dir, token_data, tmp_path_factory, precision, steps, rel, layers, rows=8, capacity=True
+):
+    """`curve` (a layout's losses, gradient norms and dropped fractions) and its run's final QB
+    router biases equal one process's on the same seed and batches, `rows` rows a forward."""
+    single, single_biases, single_val = one_process(
+        token_data, tmp_path_factory, precision, steps, layers, rows, capacity
+    )
     assert sorted(single) == sorted(curve) == list(range(1, steps + 1))
-    for step, (loss, grad_norm) in single.items():
+    for step, (loss, grad_norm, dropped) in single.items():
         assert curve[step][0] == pytest.approx(loss, rel=rel), ("loss", step)
         assert curve[step][1] == pytest.approx(grad_norm, rel=max(rel, 1e-9)), ("grad norm", step)
+        if precision == "fp64":  # the same assignments dropped (bf16 rounding may flip near-tied choices)
+            # (a pipeline logs its first stage's layers)
+            assert curve[step][2] and curve[step][2] == {k: dropped[k] for k in curve[step][2]}, ("dropped", step)
+    if capacity:
+        assert any(sum(d.values()) > 0 for _, _, d in single.values()), "the capacity factor never dropped"
     val = val_losses(run_dir)
     assert sorted(val) == sorted(single_val) == [steps]
     assert val[steps] == pytest.approx(single_val[steps], rel=rel), ("validation loss", val, single_val)
@@ -213,13 +261,15 @@ def assert_as_one_process(curve, run_dir, token_data, tmp_path_factory, precisio
 _ONE_PROCESS: dict = {}
 
 
-def one_process(token_data, tmp_path_factory, precision: str, steps: int, layers: int):
-    """The one-process run every layout of the same precision, steps and depth is checked against:
-    trained once a session (its curves and final router biases)."""
-    key = (precision, steps, layers)
+def one_process(token_data, tmp_path_factory, precision: str, steps: int, layers: int, rows: int, capacity: bool):
+    """The one-process run every layout of the same precision, steps, depth, rows a forward and
+    capacity is checked against: trained once a session (its curves and final router biases)."""
+    key = (precision, steps, layers, rows, capacity)
     if key not in _ONE_PROCESS:
         folder = tmp_path_factory.mktemp("one-process")
-        curve = layout_run(token_data, folder, "single", None, precision, steps, num_layers=layers)
+        curve = layout_run(
+            token_data, folder, "single", None, precision, steps, num_layers=layers, micro=rows, capacity=capacity
+        )
         _ONE_PROCESS[key] = (curve, router_biases(folder / "single"), val_losses(folder / "single"))
     return _ONE_PROCESS[key]
 
@@ -292,11 +342,12 @@ def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, sh
         dist.destroy_process_group()
 
 
-RESHARDS = {  # saved under -> resumed under (layout, processes); None is one process
-    "tp-2xfsdp-2": [("fsdp-2", {}, 2), ("one", None, 1)],
-    "ep-2xfsdp-2": [("ep-4", {"expert_parallel": 4}, 4), ("one", None, 1)],
-    "pp-2xfsdp-2": [("one", None, 1), ("fsdp-4", {}, 4)],
-    "one": [("pp-2xfsdp-2", {"pipeline_parallel": 2}, 4)],
+RESHARDS = {  # saved under -> resumed under (layout, processes, rows a forward on each); None is one process
+    "tp-2xfsdp-2": [("fsdp-2", {}, 2, 0), ("one", None, 1, 8)],
+    "ep-2xfsdp-2": [("ep-4", {"expert_parallel": 4}, 4, 0), ("one", None, 1, 8)],
+    # the pipeline's forward is a microbatch of 2 rows (a row on each of 2 data ranks): so is theirs
+    "pp-2xfsdp-2": [("one", None, 1, 2), ("fsdp-2", {}, 2, 1)],
+    "one": [("pp-2xfsdp-2", {"pipeline_parallel": 2}, 4, 0)],
 }
 
 
@@ -309,18 +360,29 @@ def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, tmp_path_facto
     layout is also its float64 parity check against one process (10 steps, 1e-9)."""
     import shutil
 
-    layers = max(layers_of(n) for n in (saved, *(n for n, _, _ in RESHARDS[saved])))  # a layer a stage
+    layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))  # a layer a stage
     parallel, procs = LAYOUTS.get(saved), PROCESSES.get(saved, 4)
+    micro = 2 if saved == "one" else 0  # as the pipeline it moves to
     whole = layout_run(
-        token_data, tmp_path, "saved", parallel, "fp64", 10, nproc=procs, checkpoint_every=5, num_layers=layers
+        token_data,
+        tmp_path,
+        "saved",
+        parallel,
+        "fp64",
+        10,
+        nproc=procs,
+        checkpoint_every=5,
+        num_layers=layers,
+        micro=micro,
     )
     if saved in RESHARDED:
-        assert_as_one_process(whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", 10, 1e-9, layers)
-    for name, parallel, procs in RESHARDS[saved]:
+        rows = FORWARD_ROWS.get(saved, 8)
+        assert_as_one_process(whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", 10, 1e-9, layers, rows)
+    for name, parallel, procs, micro in RESHARDS[saved]:
         shutil.copytree(tmp_path / "saved", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000010")
         resumed = layout_run(
-            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, num_layers=layers
+            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, num_layers=layers, micro=micro
         )
         for step in range(6, 11):
             assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)

@@ -9,7 +9,7 @@ steps (the hero run's mixture changed after step 108,000); within a phase the ru
 phase's rows, so each phase tracks its own weights from its first batch.
 
 **State.** The state is the number of global rows consumed and the per-source counts. A data-
-parallel rank takes its contiguous slice of each global batch. Because batches are computed
+parallel rank takes every world-th row of each global batch, starting at its rank. Because batches are computed
 from that state alone, a restore yields exactly the batches an uninterrupted run would have,
 with any number of worker processes, and even with a different world size.
 """
@@ -182,7 +182,6 @@ class TokenLoader:
 
     def _specs(self) -> Iterator:
         rows_done, counts, base = self.rows_consumed, self.counts.copy(), self.phase_start_counts.copy()
-        per_rank = self.global_batch // self.world_size
         phase = self.phase_at(rows_done)
         while True:
             if (now := self.phase_at(rows_done)) != phase:  # a new phase: its rule counts its own rows only
@@ -193,8 +192,9 @@ class TokenLoader:
             for s in range(len(self.sources)):  # the n-th row drawn from a source -> its packed row
                 picked = choices == s
                 index[picked] = self.sources[s].draw(counts[s] + np.arange(int(picked.sum())))
-            lo = self.rank * per_rank
-            rows = [(int(choices[i]), int(index[i])) for i in range(lo, lo + per_rank)]
+            # Dealt round the ranks (rank r: rows r, r + W, ...), so that any contiguous part of
+            # every rank's share (a pipeline micro-batch) is a contiguous part of the global batch.
+            rows = [(int(choices[i]), int(index[i])) for i in range(self.rank, self.global_batch, self.world_size)]
             rows_done += self.global_batch
             counts = new_counts
             yield rows, {"rows_consumed": rows_done, "counts": counts.tolist(), "phase_start_counts": base.tolist()}

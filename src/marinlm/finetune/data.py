@@ -278,8 +278,7 @@ class SFTLoader:
             idx = np.arange(self.rows_consumed, self.rows_consumed + self.rows_per_micro)
             epoch, within = np.divmod(idx, self.num_rows)
             picked = np.array([self._order(int(e))[w] for e, w in zip(epoch, within)])
-            share = self.rows_per_micro // self.world
-            mine = picked[self.rank * share : (self.rank + 1) * share]
+            mine = picked[self.rank :: self.world]  # dealt round the ranks, as the pretraining loader does
             self.rows_consumed += self.rows_per_micro
             yield {k: v[mine] for k, v in self.rows.items()}
 

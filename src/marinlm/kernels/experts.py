@@ -255,10 +255,13 @@ class FusedRoutedExperts(RoutedExperts):
         weights_NK: torch.Tensor,
         capacity: int | None = None,
         priority_N: torch.Tensor | None = None,
+        keep_NK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         N, k = experts_NK.shape
         E = self.num_experts
         flat_A = experts_NK.reshape(-1)
+        if keep_NK is not None:  # another rule chose the drops: they sort last, as expert E
+            flat_A = torch.where(keep_NK.reshape(-1), flat_A, E)
         if priority_N is None:
             order_A = torch.argsort(flat_A, stable=True)
         else:
@@ -267,13 +270,18 @@ class FusedRoutedExperts(RoutedExperts):
         # torch.compile, no graph break (the padded kernels' plan aside). The cost, against
         # filtering the dropped assignments out as the reference does: a zero row computed per
         # drop (the hero run dropped 0.018%).
-        counts_E = bincount(flat_A, E)
+        counts_E = bincount(flat_A, E + 1)
         expert_sorted_A = flat_A[order_A]
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         rank_A = torch.arange(flat_A.numel(), device=flat_A.device) - starts_E[expert_sorted_A]
+        counts_E = counts_E[:E]
         dropped = torch.zeros((), device=x_ND.device)
         keep_A = None
-        if capacity is not None:
+        if keep_NK is not None:
+            keep_A = expert_sorted_A < E
+            dropped = (~keep_A).sum().float()
+            expert_sorted_A = expert_sorted_A.clamp(max=E - 1)  # a dropped assignment's row is P below
+        elif capacity is not None:
             keep_A = rank_A < capacity
             dropped = (~keep_A).sum().float()
             counts_E = counts_E.clamp(max=capacity)

@@ -141,6 +141,7 @@ class SoftmaxTopKRouterConfig(RouterConfig):
 
 
 ExpertImpl = Literal["auto", "grouped_mm", "chunked", "bmm", "loop"]
+CapacityRule = Literal["per_expert", "receiver_pooled"]
 
 
 @dataclass(kw_only=True)
@@ -153,9 +154,19 @@ class MoEConfig:
     shared_expert_dim: int = 64
     first_k_dense: int = 0  # DeepSeek-style: the first k layers use a dense SwiGLU FFN
     dense_ffn_dim: int = 0
-    # Receiver capacity: ceil(capacity_factor * assignments / num_experts) per expert during
-    # training; over-capacity assignments are dropped and counted. None = dropless.
+    # Capacity during training (evaluation is dropless); assignments past it are dropped and
+    # counted. None = dropless. `capacity` picks the rule (model/experts.py):
+    # - per_expert (GShard): each expert keeps ceil(capacity_factor * assignments / num_experts);
+    # - receiver_pooled (Marin's hero): the forward's rows are dealt to capacity_domains x
+    #   capacity_groups sender shards; each of a domain's capacity_groups receivers holds
+    #   num_experts / capacity_groups experts and keeps clip(ceil(cf * domain assignments /
+    #   groups), its experts, ceil(cf * one shard's assignments)) rows, in capacity_chunks equal
+    #   parts of its experts, accepted by local expert, then sender shard, then token order.
     capacity_factor: float | None = None
+    capacity: CapacityRule = "per_expert"
+    capacity_groups: int = 1
+    capacity_domains: int = 1
+    capacity_chunks: int = 1
     impl: ExpertImpl = "auto"
     router: RouterConfig = field(default_factory=QBRouterConfig)
 
@@ -185,6 +196,22 @@ class MoEConfig:
             "capacity_factor",
             f"must be positive or null, got {self.capacity_factor}",
         )
+        check(self.capacity_groups >= 1, "capacity_groups", f"must be >= 1, got {self.capacity_groups}")
+        check(self.capacity_domains >= 1, "capacity_domains", f"must be >= 1, got {self.capacity_domains}")
+        check(self.capacity_chunks >= 1, "capacity_chunks", f"must be >= 1, got {self.capacity_chunks}")
+        if self.capacity == "receiver_pooled":
+            check(
+                self.num_experts % self.capacity_groups == 0,
+                "capacity_groups",
+                f"{self.capacity_groups} must divide num_experts = {self.num_experts} (each group receives "
+                "an equal block of experts)",
+            )
+            local = self.num_experts // self.capacity_groups
+            check(
+                local % self.capacity_chunks == 0,
+                "capacity_chunks",
+                f"{self.capacity_chunks} must divide the {local} experts of each capacity group",
+            )
 
 
 @dataclass(kw_only=True)

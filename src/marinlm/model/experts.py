@@ -5,7 +5,9 @@ j-th choice), A kept assignments in expert order, E experts, D expert input widt
 latent width), F expert hidden width.
 
     order   = the slots sorted by expert, each expert's queue in token order (or by `priority`)
-    keep    = the first `capacity` assignments of each expert's queue (all, when dropless)
+    keep    = per_expert: the first `capacity` assignments of each expert's queue;
+              receiver_pooled: what `pooled_accept` grants each (sender shard, expert) queue
+              (all, when dropless)
     y[a]    = SwiGLU_e(x[token(a)]) for the kept assignments a of expert e
     out[n]  = sum over n's kept slots of weight(slot) * y
 
@@ -43,8 +45,73 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def sort_assignments(experts_NK: torch.Tensor, num_experts: int, capacity: int | None, priority_N=None):
-    """The assignments in expert order, each expert's queue cut at `capacity`.
+class RowLayout:
+    """Where this process's rows sit among the rows of one forward, for capacity rules that pool
+    over all of them: local row j is forward row j * stride + offset. One process holds them all;
+    data parallelism (marinlm.parallel) gives each rank its stride and offset and a `sum` over the
+    ranks holding the others."""
+
+    stride, offset = 1, 0
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` summed over every process holding rows of this forward."""
+        return counts
+
+
+def pooled_chunk_rows(assignments, num_experts: int, groups: int, chunks: int, factor: float, shard_assignments: int):
+    """Rows one chunk of a receiver keeps, given its domain's `assignments` (a tensor):
+    max(ceil(capacity / chunks), El / chunks), capacity = clip(ceil(A * factor / groups), El,
+    max(El, ceil(factor * shard_assignments))), El = num_experts / groups."""
+    El = num_experts // groups
+    physical = max(El, math.ceil(factor * shard_assignments))
+    capacity = torch.ceil(torch.as_tensor(assignments).double() * factor / groups).clamp(El, physical).long()
+    return torch.maximum((capacity + chunks - 1) // chunks, torch.full_like(capacity, El // chunks))
+
+
+def pooled_accept(counts_SE: torch.Tensor, groups: int, chunks: int, factor: float, shard_assignments: int):
+    """Marin's receiver-pooled capacity: how many of each (sender shard, expert) queue are kept.
+
+    The S = domains x groups sender shards form domains of `groups` consecutive shards; in each,
+    receiver g holds experts g*El .. g*El + El - 1 (El = E / groups) and keeps
+
+        capacity = clip(ceil(A * factor / groups), El, max(El, ceil(factor * shard_assignments)))
+
+    rows, A the domain's assignments, split into `chunks` equal parts of its experts of
+    max(ceil(capacity / chunks), El / chunks) rows each. A chunk accepts whole queues in the order
+    local expert, then sender shard, until it is full (levanter's grug ragged all-to-all).
+
+    Args:
+        counts_SE: [S, E] assignments of each sender shard to each expert (the whole forward's).
+        shard_assignments: assignments of one sender shard (its rows x T x k).
+
+    Returns [S, E]: how many of each queue's first assignments are kept.
+    """
+    S, E = counts_SE.shape
+    Q, El = S // groups, E // groups
+    c_QGE = counts_SE.view(Q, groups, E)
+    chunk_Q = pooled_chunk_rows(c_QGE.sum((1, 2)), E, groups, chunks, factor, shard_assignments)
+    total_QGHe = c_QGE.sum(1).view(Q, groups, chunks, El // chunks)  # receiver g, chunk h, expert in chunk
+    before = torch.cumsum(total_QGHe, -1) - total_QGHe
+    granted_QE = torch.minimum(total_QGHe, (chunk_Q.view(Q, 1, 1, 1) - before).clamp(min=0)).view(Q, 1, E)
+    earlier_QGE = torch.cumsum(c_QGE, 1) - c_QGE  # the same expert's assignments from lower senders
+    return torch.minimum(c_QGE, (granted_QE - earlier_QGE).clamp(min=0)).view(S, E)
+
+
+def pooled_keep(experts_NK: torch.Tensor, shard_N: torch.Tensor, accepted_SE: torch.Tensor) -> torch.Tensor:
+    """[N, k] True where an assignment is among the `accepted_SE` first of its (sender shard,
+    expert) queue, queues in token order. Every row of a shard must be in `experts_NK`."""
+    N, k = experts_NK.shape
+    S, E = accepted_SE.shape
+    queue_S = shard_N.repeat_interleave(k) * E + experts_NK.reshape(-1)
+    order_S = torch.argsort(queue_S, stable=True)
+    counts = bincount(queue_S, S * E)
+    rank_S = torch.empty_like(order_S)
+    rank_S[order_S] = torch.arange(N * k, device=order_S.device) - (torch.cumsum(counts, 0) - counts)[queue_S[order_S]]
+    return (rank_S < accepted_SE.reshape(-1)[queue_S]).view(N, k)
+
+
+def sort_assignments(experts_NK: torch.Tensor, num_experts: int, capacity: int | None, priority_N=None, keep_NK=None):
+    """The assignments in expert order, each expert's queue cut at `capacity` (or to `keep_NK`).
 
     Returns:
         slot_A: the token-major slot of each kept assignment, sorted by expert.
@@ -57,7 +124,11 @@ def sort_assignments(experts_NK: torch.Tensor, num_experts: int, capacity: int |
     slot_A = torch.argsort(flat_S * N + queue_S.repeat_interleave(k))
     counts_E = bincount(flat_S, num_experts)
     dropped = torch.zeros((), device=flat_S.device)
-    if capacity is not None:
+    if keep_NK is not None:
+        keep_A = keep_NK.reshape(-1)[slot_A]
+        dropped = (~keep_A).sum().float()
+        slot_A, counts_E = slot_A[keep_A], bincount(flat_S[keep_NK.reshape(-1)], num_experts)
+    elif capacity is not None:
         expert_A = flat_S[slot_A]
         rank_A = torch.arange(slot_A.numel(), device=flat_S.device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
         keep_A = rank_A < capacity
@@ -70,6 +141,7 @@ class RoutedExperts(nn.Module):
     """E SwiGLU experts stored as stacked [E, in, out] matrices (one matrix per expert for Muon)."""
 
     is_transposed = True  # says [E, in, out] to peft's `target_parameters` LoRA, which assumes [E, out, in]
+    rows = RowLayout()
 
     def __init__(self, num_experts: int, dim: int, hidden: int, init_std: float, impl: str = "auto"):
         super().__init__()
@@ -110,6 +182,19 @@ class RoutedExperts(nn.Module):
             pieces.append((F.silu(x_eD @ w_gate[e]) * (x_eD @ w_up[e])) @ w_down[e])
         return torch.cat(pieces)
 
+    def keep_pooled(self, experts_NK: torch.Tensor, rows: int, factor: float, groups: int, domains: int, chunks: int):
+        """[N, k] True for the assignments `pooled_accept` keeps: this process's `rows` rows are
+        forward rows j * stride + offset (`self.rows`); forward row i goes to sender shard
+        i mod (domains x groups), so a shard's rows are never split between processes."""
+        N, k = experts_NK.shape
+        S, E, T = groups * domains, self.num_experts, N // rows
+        forward_rows = rows * self.rows.stride
+        shard_N = (torch.arange(rows, device=experts_NK.device) * self.rows.stride + self.rows.offset) % S
+        shard_N = shard_N.repeat_interleave(T)
+        counts_SE = self.rows.sum(bincount(shard_N.repeat_interleave(k) * E + experts_NK.reshape(-1), S * E)).view(S, E)
+        accepted_SE = pooled_accept(counts_SE, groups, chunks, factor, -(-forward_rows // S) * T * k)
+        return pooled_keep(experts_NK, shard_N, accepted_SE)
+
     def forward(
         self,
         x_ND: torch.Tensor,
@@ -117,6 +202,7 @@ class RoutedExperts(nn.Module):
         weights_NK: torch.Tensor,
         capacity: int | None = None,
         priority_N: torch.Tensor | None = None,
+        keep_NK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the experts.
 
@@ -124,6 +210,8 @@ class RoutedExperts(nn.Module):
             capacity: slots per expert; assignments past it are dropped. None = dropless.
             priority_N: distinct per-token ranks ordering each expert's queue (lower = kept
                 first); None = token order.
+            keep_NK: the assignments to keep (another rule's choice, `pooled_keep`), instead of
+                `capacity`.
 
         Returns:
             The weighted expert output [N, D] and the number of dropped assignments.
@@ -131,7 +219,7 @@ class RoutedExperts(nn.Module):
         N, k = experts_NK.shape
         device = x_ND.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_ND.dtype
-        slot_A, counts_E, dropped = sort_assignments(experts_NK, self.num_experts, capacity, priority_N)
+        slot_A, counts_E, dropped = sort_assignments(experts_NK, self.num_experts, capacity, priority_N, keep_NK)
         y_AD = self.run_experts(x_ND.to(dtype)[slot_A // k], counts_E, self.resolve_impl(dtype))
         y_AD = y_AD * weights_NK.reshape(-1)[slot_A].unsqueeze(-1).to(y_AD.dtype)
         # Each slot holds at most one row, so the combine is a plain sum over each token's k slots.

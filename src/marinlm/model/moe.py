@@ -47,14 +47,19 @@ class MoE(nn.Module):
         if self.latent_down is not None:
             x_NL = self.latent_norm(self.latent_down(m_ND))
         # Capacity bounds expert-parallel traffic during training; evaluation stays dropless.
-        # Queues are ordered by sequence position (then row), so an assignment only competes
-        # with assignments at the same or earlier positions: capacity never breaks causality.
-        capacity = priority_N = None
-        if self.training and self.config.capacity_factor is not None:
-            capacity = expert_capacity(B * T, self.config.top_k, self.config.num_experts, self.config.capacity_factor)
+        c = self.config
+        capacity = priority_N = keep_NK = None
+        if self.training and c.capacity_factor is not None and c.capacity == "receiver_pooled":
+            keep_NK = self.experts.keep_pooled(
+                routing.experts_NK, B, c.capacity_factor, c.capacity_groups, c.capacity_domains, c.capacity_chunks
+            )
+        elif self.training and c.capacity_factor is not None:
+            # Per-expert queues are ordered by sequence position (then row), so an assignment only
+            # competes with assignments at the same or earlier positions: causality holds.
+            capacity = expert_capacity(B * T, c.top_k, c.num_experts, c.capacity_factor)
             t_BT = torch.arange(T, device=m_BTD.device).expand(B, T)
             priority_N = (t_BT * B + torch.arange(B, device=m_BTD.device).unsqueeze(1)).reshape(-1)
-        routed_NL, dropped = self.experts(x_NL, routing.experts_NK, routing.weights_NK, capacity, priority_N)
+        routed_NL, dropped = self.experts(x_NL, routing.experts_NK, routing.weights_NK, capacity, priority_N, keep_NK)
         routing.stats.dropped = dropped
         out_ND = self.latent_up(routed_NL) if self.latent_up is not None else routed_NL
         for shared in self.shared:

@@ -90,7 +90,7 @@ def parallelize(
 
 def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
-    from marinlm.parallel.expert_parallel import apply_expert_parallel
+    from marinlm.parallel.expert_parallel import apply_data_parallel_rows, apply_expert_parallel
     from marinlm.parallel.fsdp import apply_fsdp
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -100,6 +100,8 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
         apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
     if layout and info.expert_mesh is not None:
         apply_expert_parallel(model, info.expert_mesh["ep"], tensor_parallel=tp)
+    if info.batch_world > 1:  # pooled capacity counts a forward's rows over all data ranks
+        apply_data_parallel_rows(model, info.batch_group, info.batch_rank, info.batch_world)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
         for _, block in named_blocks(model):

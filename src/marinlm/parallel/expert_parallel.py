@@ -10,13 +10,17 @@ local experts, P = ep ranks, R rows received, D expert input width (the latent w
 
 Latent MoE sends latent-width rows (3,072 for the hero, half the model width).
 
-Capacity is applied at the receiver, as Marin's "receiver capacity factor": each local expert keeps
-ceil(factor · G / E) assignments, G the assignments its expert group sent this forward, so the fair
-share of one expert over the group's tokens. Its queue is ordered by source rank, then by the
-source's own priority (position in the sequence, then row): a token only competes with earlier
-positions of its own rows, and capacity never breaks causality. One process applies the same rule
-to its own tokens alone (`model/experts.py`), so capacity runs differ from one process's unless
-nothing is dropped (`receiver_keep` is the single-process spelling of this rule, for tests).
+Capacity (training only), by `moe.capacity`:
+
+- `receiver_pooled` (Marin's hero): every rank decides its own drops before sending, from the
+  (sender shard, expert) counts of the whole forward, summed over the data ranks
+  (`DataParallelRows`, set on every layout with more than one data rank, EP or not); only kept
+  rows travel, and one process and every layout drop the same assignments (model/experts.py).
+- `per_expert` (GShard's): each local expert keeps ceil(factor · G / E) assignments at the
+  receiver, G the assignments its expert group sent this forward; its queue is ordered by source
+  rank, then by the source's own priority (position in the sequence, then row), so capacity never
+  breaks causality. One process applies the rule to its own tokens alone, so these runs differ from
+  one process's unless nothing is dropped (`receiver_keep` spells the EP rule in one process).
 
 Expert weights are DTensors sharded on the expert dim over `ep`; FSDP2 shards them further over
 the remaining data ranks of the expert mesh (`efsdp`) and averages their gradients over those. An
@@ -35,7 +39,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from marinlm.model.experts import RoutedExperts, sort_assignments
+from marinlm.model.experts import RoutedExperts, RowLayout, sort_assignments
 from marinlm.model.layers import compute_dtype
 from marinlm.parallel.tensor_parallel import _compute_on_local_shards, _waited
 
@@ -59,14 +63,16 @@ def group_capacity(factor: float, group_assignments: int, num_experts: int) -> i
 
 
 def dispatch(
-    x_ND: torch.Tensor, experts_NK: torch.Tensor, num_experts: int, group, priority_N=None, factor=None
+    x_ND: torch.Tensor, experts_NK: torch.Tensor, num_experts: int, group, priority_N=None, factor=None, keep_NK=None
 ) -> tuple[torch.Tensor, Dispatch]:
     """Send each assignment's row to the rank that owns its expert (experts in contiguous blocks of
-    E/P). Returns the kept received rows grouped by local expert, and the `Dispatch` to `combine`."""
+    E/P). Returns the kept received rows grouped by local expert, and the `Dispatch` to `combine`.
+    `factor`: the per-expert receiver capacity; `keep_NK`: the assignments a pooled rule kept,
+    decided before sending (only those travel)."""
     P = dist.get_world_size(group)
     N, k = experts_NK.shape
     local_experts = num_experts // P
-    slot_A, counts_E, _ = sort_assignments(experts_NK, num_experts, None, priority_N)
+    slot_A, counts_E, sender_dropped = sort_assignments(experts_NK, num_experts, None, priority_N, keep_NK)
     # Per destination: the per-expert counts of its experts, and this rank's assignment total.
     header_PX = torch.cat([counts_E.view(P, local_experts), torch.full((P, 1), N * k, device=counts_E.device)], 1)
     received_PX = _waited(funcol.all_to_all_single(header_PX.reshape(-1).contiguous(), None, None, group)).view(P, -1)
@@ -88,7 +94,8 @@ def dispatch(
     kept_R = within_R < keep_Pe.reshape(-1).repeat_interleave(counts)
     order_K = torch.argsort(expert_R * R + torch.arange(R, device=counts.device))  # stable: by expert, source
     order_K = order_K[kept_R[order_K]]
-    plan = Dispatch(slot_A, send_P, recv_P, order_K, keep_Pe.sum(0), R, (sent_Pe - keep_Pe).sum().float())
+    dropped = (sent_Pe - keep_Pe).sum().float() + sender_dropped
+    plan = Dispatch(slot_A, send_P, recv_P, order_K, keep_Pe.sum(0), R, dropped)
     return rows_RD[order_K], plan
 
 
@@ -106,13 +113,13 @@ class ExpertParallelExperts(RoutedExperts):
     ep_mesh = None
     capacity_factor: float | None = None
 
-    def forward(self, x_ND, experts_NK, weights_NK, capacity=None, priority_N=None):
+    def forward(self, x_ND, experts_NK, weights_NK, capacity=None, priority_N=None, keep_NK=None):
         N, k = experts_NK.shape
         device = x_ND.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_ND.dtype
         group = self.ep_mesh.get_group()
         factor = self.capacity_factor if capacity is not None else None  # capacity: training only
-        x_KD, plan = dispatch(x_ND.to(dtype), experts_NK, self.num_experts, group, priority_N, factor)
+        x_KD, plan = dispatch(x_ND.to(dtype), experts_NK, self.num_experts, group, priority_N, factor, keep_NK)
         y_KD = self.run_experts(x_KD, plan.counts_El, self.resolve_impl(dtype))
         y_AD = combine(y_KD, plan, group)
         # Rows leaving this rank for others, both ways: dispatch sends its rows, combine the results.
@@ -158,6 +165,25 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -
             # data rank's (summed over its tp ranks), and FSDP2 then averages each over its own data
             # ranks: tp/ep puts them level.
             _compute_on_local_shards(module, grad_scale=tensor_parallel / ep_mesh.size())
+
+
+class DataParallelRows(RowLayout):
+    """The rows of one forward dealt over the data-parallel ranks, as the loaders deal them: rank r
+    holds forward rows r, r + W, r + 2W, ... Pooled capacity counts sum over `group`."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.offset, self.stride = group, rank, world
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        return _waited(funcol.all_reduce(counts, "sum", self.group or dist.group.WORLD))
+
+
+def apply_data_parallel_rows(model: nn.Module, group, rank: int, world: int) -> None:
+    """Tell every routed-experts module where this rank's rows sit among a forward's (in place)."""
+    rows = DataParallelRows(group, rank, world)
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.rows = rows
 
 
 def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:

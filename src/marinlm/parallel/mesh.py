@@ -101,6 +101,25 @@ class ParallelDims:
                 "parallel.pipeline_parallel", f"{self.pp} stages but model.num_layers = {model.num_layers}"
             )
 
+    def check_capacity(self, model) -> None:
+        """Raise ConfigError where the model's pooled capacity rule cannot run on this layout."""
+        moe = model.moe
+        if moe.capacity == "receiver_pooled" and moe.capacity_factor is not None:
+            shards = moe.capacity_groups * moe.capacity_domains
+            if shards % self.dp:
+                raise ConfigError(
+                    "model.moe.capacity_groups",
+                    f"capacity_groups x capacity_domains = {shards} sender shards must be a multiple of the "
+                    f"{self.dp} data-parallel ranks (each rank holds whole shards); set capacity_domains "
+                    "so that it is, or use fewer data-parallel ranks",
+                )
+            if self.tp > 1 and self.ep > 1:
+                raise ConfigError(
+                    "model.moe.capacity",
+                    "receiver_pooled capacity under tensor x expert parallel is not supported (each tp "
+                    "rank routes part of a row); use per_expert, or drop one of the two",
+                )
+
     @property
     def efsdp(self) -> int:
         """The data ranks left in each expert-parallel group's FSDP axis: dp_shard x tp / ep."""

@@ -244,6 +244,7 @@ class PipelinedModel(nn.Module):
                 by_layer.setdefault(index, []).append(layer_stats)
         # Each layer over the step's microbatches (the last ones: see the records below).
         stats = [RouterStats.merge(by_layer[i][-self.layout.microbatches :]) for i in sorted(by_layer)]
+        self.router_layers = sorted(by_layer)  # the model's layer numbers of `stats`, for their names
         sums = torch.zeros(3, dtype=torch.float64)
         # The schedule's first step after a change of mode infers the stages' shapes with a forward
         # of its own, which also reaches the loss: the step's microbatches are the last records.

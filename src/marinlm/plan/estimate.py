@@ -232,6 +232,31 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
     }
 
 
+def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
+    """Rows a rank sends to the experts and receives from other ranks in one forward of `tokens`
+    tokens, each way (dispatch, then combine back), under the model's capacity rule at balanced
+    load: a rank sends each assignment once; it receives its experts' fair share, at most what
+    the rule keeps (receiver_pooled: its receivers' chunks, `pooled_chunk_rows`; per_expert: the
+    per-expert cap), or the fair share itself, dropless."""
+    from marinlm.model.experts import expert_capacity, pooled_chunk_rows
+
+    sent = tokens * moe.top_k
+    local = moe.num_experts // dims.ep
+    if moe.capacity_factor is None:
+        return sent, sent
+    if moe.capacity == "per_expert":
+        return sent, min(
+            dims.ep * sent, local * expert_capacity(tokens * dims.ep, moe.top_k, moe.num_experts, moe.capacity_factor)
+        )
+    # The expert group's ranks send ep x sent assignments: that many sender shards' worth, so many
+    # domains' worth; each of the rank's receivers (local / El of them) keeps its chunks from each.
+    G, El = moe.capacity_groups, moe.num_experts // moe.capacity_groups
+    shard = max(-(-sent * dims.dp // (G * moe.capacity_domains)), 1)  # a sender shard's assignments
+    chunk = int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
+    domains = max(dims.ep * sent / (shard * G), 1.0)
+    return sent, min(dims.ep * sent, math.ceil(max(local / El, 1) * moe.capacity_chunks * chunk * domains))
+
+
 def _rank_memory(
     train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit: Training
 ) -> RankPlan:
@@ -282,7 +307,8 @@ def _rank_memory(
     plan.device["fsdp_unsharded_gradients"] = unsharded_grads if dims.dp_shard > 1 else 0.0
     if dims.ep > 1:
         latent = model.moe.latent_dim or model.d_model
-        plan.device["all_to_all_buffers"] = 4 * tokens * model.moe.top_k * latent * act_bytes
+        sent, received = expert_rows(model.moe, tokens, dims)
+        plan.device["all_to_all_buffers"] = 2 * (sent + received) * latent * act_bytes
     if dims.tp > 1:
         plan.device["tensor_parallel_buffers"] = 2 * tokens * model.d_model * act_bytes
     if dims.pp > 1:

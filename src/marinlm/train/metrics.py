@@ -204,11 +204,12 @@ def plot_loss(
     return path
 
 
-def router_metrics(router_stats) -> tuple[dict[str, float], dict]:
+def router_metrics(router_stats, layers: list[int] | None = None) -> tuple[dict[str, float], dict]:
     """Per-layer routing scalars (entropy, dropped fraction, z-loss, max load relative to a perfect
-    balance of 1.0, and the spread of the QB beta) and the per-expert load histograms."""
+    balance of 1.0, and the spread of the QB beta) and the per-expert load histograms, named by
+    the model's layer numbers (`layers`: those of a pipeline stage's stats; default 0, 1, ...)."""
     scalars, histograms = {}, {}
-    for i, s in enumerate(router_stats):
+    for i, s in zip(layers or range(len(router_stats)), router_stats, strict=True):
         scalars[f"router/layer_{i}/entropy"] = s.entropy.item()
         scalars[f"router/layer_{i}/dropped_fraction"] = s.dropped_fraction.item()
         scalars[f"router/layer_{i}/z_loss"] = s.z_loss.item()

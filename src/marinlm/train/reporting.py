@@ -51,7 +51,7 @@ class Reporting:
         }
         if self.device.type == "cuda":
             scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        router_scalars, histograms = router_metrics(r.router_stats)
+        router_scalars, histograms = router_metrics(r.router_stats, r.router_layers)
         self.sinks.log(self.step, scalars | router_scalars | traffic | self._mixture_scalars(), histograms)
 
     def _mark_data_position(self) -> None:

@@ -41,6 +41,13 @@ from marinlm.utils.io import differences
 
 
 class ResumeMixin:
+    @property
+    def forward_rows(self) -> int:
+        """Rows in one forward over all data-parallel ranks: a micro-batch, or under pipeline
+        parallelism one of its microbatches. Capacity is decided over these rows."""
+        layout = getattr(self.model, "layout", None)  # a PipelinedModel's
+        return self.micro_batch // (layout.microbatches if layout is not None else 1) * self.data_world
+
     def _config_changes(self, folder: Path, sections=("model", "optim", "data", "schedule", "train")) -> list[str]:
         """The model, optimizer, data, schedule and training-loop settings that differ from the
         checkpoint's config.yaml, model first (logging, checkpointing and the like change freely).
@@ -198,14 +205,14 @@ class ResumeMixin:
             elif saved_world == self.world:
                 regrid = ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
-            saved_micro = state.get("micro_batch", self.micro_batch)
-            if saved_micro != self.micro_batch and self.config.model.moe.capacity_factor is not None:
+            saved_rows = state.get("forward_rows", self.forward_rows)
+            if saved_rows != self.forward_rows and self.config.model.moe.capacity_factor is not None:
                 # Capacity is per forward: other rows per forward drop other assignments.
                 print(
-                    f"note: {folder} ran {saved_micro} rows per forward, this run {self.micro_batch} "
-                    f"(train.micro_batch {self.config.train.micro_batch or 'auto'} over {self.world} processes): "
-                    "with moe.capacity_factor set, other assignments are dropped and the losses differ from an "
-                    f"unchanged run's; set train.micro_batch={saved_micro} to keep them",
+                    f"note: {folder} ran {saved_rows} rows per forward (over all data-parallel ranks), this run "
+                    f"{self.forward_rows} (train.micro_batch {self.config.train.micro_batch or 'auto'} on each of "
+                    f"{self.data_world}): with moe.capacity_factor set, other assignments are dropped and the losses "
+                    "differ from an unchanged run's; set train.micro_batch to keep them",
                     flush=True,
                 )
             saved_precision = state.get("precision", self.precision)
@@ -252,6 +259,7 @@ class ResumeMixin:
             "world_size": self.world,
             "layout": dataclasses.asdict(self.dims),
             "micro_batch": self.micro_batch,
+            "forward_rows": self.forward_rows,
             "precision": self.precision,
         }
 

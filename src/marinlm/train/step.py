@@ -31,6 +31,7 @@ class StepResult:
     loss_tokens: int
     skipped: bool  # NaN/Inf: the update was not applied
     router_stats: list[RouterStats]
+    router_layers: list[int] | None = None  # the model's layer number of each (a pipeline stage's); None: 0, 1, ...
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -160,7 +161,9 @@ def train_step(
     kwargs = dict(device=device, precision=precision, global_tokens=global_loss_tokens, world_size=world_size)
     if hasattr(model, "forward_backward"):  # a pipeline runs its schedule
         sums, router_stats = model.forward_backward(batches, **kwargs)
+        layers = model.router_layers
     else:
+        layers = None
         sums, router_stats = forward_backward(model, batches, **kwargs)
     all_reduce_(sums, group=group)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -194,6 +197,7 @@ def train_step(
         global_loss_tokens,
         skipped,
         stats,
+        layers,
     )
 
 

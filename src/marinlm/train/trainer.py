@@ -113,6 +113,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         # The layout first: a degree that does not fit the ranks or the model fails before anything is built.
         self.dims = ParallelDims.resolve(c.parallel, self.world)
         self.dims.check_model(c.model, c.data.seq_len)
+        self.dims.check_capacity(c.model)
         if self.info.mesh is not None:
             self.info.use_layout(self.dims.build_mesh(self.device.type))
         # Batches are split over the data-parallel ranks; tensor-parallel ranks read the same rows.
