@@ -1512,7 +1512,7 @@ def test_a_resume_with_other_rows_per_forward_says_the_capacity_drops_change(tok
     capsys.readouterr()
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6}), resume="auto")
     out = capsys.readouterr().out
-    assert "ran 2 rows per forward, this run 4" in out and "set train.micro_batch=2 to keep them" in out
+    assert "ran 2 rows per forward (over all data-parallel ranks), this run 4" in out and "set train.micro_batch" in out
     trainer.close()
     capsys.readouterr()
     trainer = Trainer(train_config(token_data, tmp_path / "run", train={"steps": 6, "micro_batch": 2}), resume="auto")

@@ -154,14 +154,9 @@ class MoEConfig:
     shared_expert_dim: int = 64
     first_k_dense: int = 0  # DeepSeek-style: the first k layers use a dense SwiGLU FFN
     dense_ffn_dim: int = 0
-    # Capacity during training (evaluation is dropless); assignments past it are dropped and
-    # counted. None = dropless. `capacity` picks the rule (model/experts.py):
-    # - per_expert (GShard): each expert keeps ceil(capacity_factor * assignments / num_experts);
-    # - receiver_pooled (Marin's hero): the forward's rows are dealt to capacity_domains x
-    #   capacity_groups sender shards; each of a domain's capacity_groups receivers holds
-    #   num_experts / capacity_groups experts and keeps clip(ceil(cf * domain assignments /
-    #   groups), its experts, ceil(cf * one shard's assignments)) rows, in capacity_chunks equal
-    #   parts of its experts, accepted by local expert, then sender shard, then token order.
+    # Capacity during training (evaluation is dropless), None = dropless; `capacity` picks the rule
+    # (model/experts.py): per_expert (GShard's) or receiver_pooled (Marin's hero, pooled per
+    # receiver over capacity_groups x capacity_domains sender shards, in capacity_chunks parts).
     capacity_factor: float | None = None
     capacity: CapacityRule = "per_expert"
     capacity_groups: int = 1
@@ -196,22 +191,12 @@ class MoEConfig:
             "capacity_factor",
             f"must be positive or null, got {self.capacity_factor}",
         )
-        check(self.capacity_groups >= 1, "capacity_groups", f"must be >= 1, got {self.capacity_groups}")
-        check(self.capacity_domains >= 1, "capacity_domains", f"must be >= 1, got {self.capacity_domains}")
-        check(self.capacity_chunks >= 1, "capacity_chunks", f"must be >= 1, got {self.capacity_chunks}")
-        if self.capacity == "receiver_pooled":
-            check(
-                self.num_experts % self.capacity_groups == 0,
-                "capacity_groups",
-                f"{self.capacity_groups} must divide num_experts = {self.num_experts} (each group receives "
-                "an equal block of experts)",
-            )
-            local = self.num_experts // self.capacity_groups
-            check(
-                local % self.capacity_chunks == 0,
-                "capacity_chunks",
-                f"{self.capacity_chunks} must divide the {local} experts of each capacity group",
-            )
+        for key in ("capacity_groups", "capacity_domains", "capacity_chunks"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        if self.capacity == "receiver_pooled":  # each group receives an equal block of experts, in chunks
+            E, G, C = self.num_experts, self.capacity_groups, self.capacity_chunks
+            check(E % G == 0, "capacity_groups", f"{G} must divide num_experts = {E}")
+            check(E // G % C == 0, "capacity_chunks", f"{C} must divide the {E // G} experts of each capacity group")
 
 
 @dataclass(kw_only=True)

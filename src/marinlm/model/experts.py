@@ -46,22 +46,17 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 class RowLayout:
-    """Where this process's rows sit among the rows of one forward, for capacity rules that pool
-    over all of them: local row j is forward row j * stride + offset. One process holds them all;
-    data parallelism (marinlm.parallel) gives each rank its stride and offset and a `sum` over the
-    ranks holding the others."""
+    """Local row j is forward row j * stride + offset; `sum` adds the other processes' counts
+    (marinlm.parallel sets both under data parallelism; one process holds every row)."""
 
     stride, offset = 1, 0
 
     def sum(self, counts: torch.Tensor) -> torch.Tensor:
-        """`counts` summed over every process holding rows of this forward."""
         return counts
 
 
 def pooled_chunk_rows(assignments, num_experts: int, groups: int, chunks: int, factor: float, shard_assignments: int):
-    """Rows one chunk of a receiver keeps, given its domain's `assignments` (a tensor):
-    max(ceil(capacity / chunks), El / chunks), capacity = clip(ceil(A * factor / groups), El,
-    max(El, ceil(factor * shard_assignments))), El = num_experts / groups."""
+    """Rows a chunk of a receiver keeps, its domain's `assignments` A given (see `pooled_accept`)."""
     El = num_experts // groups
     physical = max(El, math.ceil(factor * shard_assignments))
     capacity = torch.ceil(torch.as_tensor(assignments).double() * factor / groups).clamp(El, physical).long()
@@ -69,22 +64,12 @@ def pooled_chunk_rows(assignments, num_experts: int, groups: int, chunks: int, f
 
 
 def pooled_accept(counts_SE: torch.Tensor, groups: int, chunks: int, factor: float, shard_assignments: int):
-    """Marin's receiver-pooled capacity: how many of each (sender shard, expert) queue are kept.
-
-    The S = domains x groups sender shards form domains of `groups` consecutive shards; in each,
-    receiver g holds experts g*El .. g*El + El - 1 (El = E / groups) and keeps
-
-        capacity = clip(ceil(A * factor / groups), El, max(El, ceil(factor * shard_assignments)))
-
-    rows, A the domain's assignments, split into `chunks` equal parts of its experts of
-    max(ceil(capacity / chunks), El / chunks) rows each. A chunk accepts whole queues in the order
-    local expert, then sender shard, until it is full (levanter's grug ragged all-to-all).
-
-    Args:
-        counts_SE: [S, E] assignments of each sender shard to each expert (the whole forward's).
-        shard_assignments: assignments of one sender shard (its rows x T x k).
-
-    Returns [S, E]: how many of each queue's first assignments are kept.
+    """Marin's receiver-pooled capacity (levanter's grug ragged all-to-all): how many of each
+    (sender shard, expert) queue of `counts_SE` [S, E] are kept, [S, E]. Domains of `groups`
+    consecutive shards; in each, receiver g holds experts g*El .. (g+1)*El - 1 (El = E / groups)
+    and keeps clip(ceil(A * factor / groups), El, max(El, ceil(factor * shard_assignments))) rows,
+    A the domain's assignments, in `chunks` equal parts of its experts of max(ceil(capacity /
+    chunks), El / chunks) rows. A chunk accepts by local expert, then sender shard, until full.
     """
     S, E = counts_SE.shape
     Q, El = S // groups, E // groups

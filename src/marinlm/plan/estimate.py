@@ -198,6 +198,7 @@ def plan_layout(
     host_node = max(sum(r.host.values()) for r in ranks) * hardware.gpus_per_node
     if parallel.activation_checkpointing == "none" and headroom < 0:
         notes.append("does not fit without activation checkpointing: try --layout ...,ac=full")
+    notes += capacity_notes(model.moe, micro_rows * seq, dims)
     return LayoutPlan(
         layout=describe(parallel, dims),
         world=world,
@@ -230,6 +231,28 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
         "offload": parallel.offload,
         "activation_checkpointing": parallel.activation_checkpointing,
     }
+
+
+def capacity_notes(moe, tokens: int, dims) -> list[str]:
+    """What the capacity rule keeps on this layout, and whether the rule can run on it."""
+    if moe.capacity_factor is None or moe.capacity != "receiver_pooled":
+        return []
+    from marinlm.model.experts import pooled_chunk_rows
+
+    G, shards = moe.capacity_groups, moe.capacity_groups * moe.capacity_domains
+    shard = max(-(-tokens * moe.top_k * dims.dp // shards), 1)
+    chunk = int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
+    notes = [
+        f"capacity (receiver_pooled, factor {moe.capacity_factor}): {shards} sender shards of {shard:,} "
+        f"assignments a layer; each of a domain's {G} receivers keeps up to {moe.capacity_chunks} x {chunk:,} "
+        f"rows ({moe.num_experts // G} experts), dropping once its load passes {moe.capacity_factor}x its fair share"
+    ]
+    if shards % dims.dp:
+        notes.append(
+            f"to train on this layout, set model.moe.capacity_domains so that {G} x domains is a multiple of the "
+            f"{dims.dp} data-parallel ranks (each rank holds whole sender shards)"
+        )
+    return notes
 
 
 def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
