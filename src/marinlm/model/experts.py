@@ -82,14 +82,20 @@ def pooled_accept(counts_SE: torch.Tensor, groups: int, chunks: int, factor: flo
     return torch.minimum(c_QGE, (granted_QE - earlier_QGE).clamp(min=0)).view(S, E)
 
 
-def pooled_keep(experts_NK: torch.Tensor, shard_N: torch.Tensor, accepted_SE: torch.Tensor) -> torch.Tensor:
+def pooled_queues(experts_NK: torch.Tensor, shard_N: torch.Tensor, S: int, E: int):
+    """Each slot's (sender shard, expert) queue id, shard * E + expert, and the queues' lengths [S * E]."""
+    queue_S = shard_N.repeat_interleave(experts_NK.shape[1]) * E + experts_NK.reshape(-1)
+    return queue_S, bincount(queue_S, S * E)
+
+
+def pooled_keep(experts_NK: torch.Tensor, shard_N: torch.Tensor, accepted_SE: torch.Tensor, queues=None):
     """[N, k] True where an assignment is among the `accepted_SE` first of its (sender shard,
-    expert) queue, queues in token order. Every row of a shard must be in `experts_NK`."""
+    expert) queue, queues in token order (`queues`: `pooled_queues`, when already built). Every row
+    of a shard must be in `experts_NK`."""
     N, k = experts_NK.shape
     S, E = accepted_SE.shape
-    queue_S = shard_N.repeat_interleave(k) * E + experts_NK.reshape(-1)
+    queue_S, counts = queues or pooled_queues(experts_NK, shard_N, S, E)
     order_S = torch.argsort(queue_S, stable=True)
-    counts = bincount(queue_S, S * E)
     rank_S = torch.empty_like(order_S)
     rank_S[order_S] = torch.arange(N * k, device=order_S.device) - (torch.cumsum(counts, 0) - counts)[queue_S[order_S]]
     return (rank_S < accepted_SE.reshape(-1)[queue_S]).view(N, k)
@@ -107,12 +113,13 @@ def sort_assignments(experts_NK: torch.Tensor, num_experts: int, capacity: int |
     flat_S = experts_NK.reshape(-1)
     queue_S = torch.arange(N, device=flat_S.device) if priority_N is None else priority_N
     slot_A = torch.argsort(flat_S * N + queue_S.repeat_interleave(k))
-    counts_E = bincount(flat_S, num_experts)
+    kept_S = None if keep_NK is None else keep_NK.reshape(-1)
+    counts_E = bincount(flat_S if kept_S is None else flat_S[kept_S], num_experts)
     dropped = torch.zeros((), device=flat_S.device)
-    if keep_NK is not None:
-        keep_A = keep_NK.reshape(-1)[slot_A]
+    if kept_S is not None:
+        keep_A = kept_S[slot_A]
         dropped = (~keep_A).sum().float()
-        slot_A, counts_E = slot_A[keep_A], bincount(flat_S[keep_NK.reshape(-1)], num_experts)
+        slot_A = slot_A[keep_A]
     elif capacity is not None:
         expert_A = flat_S[slot_A]
         rank_A = torch.arange(slot_A.numel(), device=flat_S.device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
@@ -176,9 +183,10 @@ class RoutedExperts(nn.Module):
         forward_rows = rows * self.rows.stride
         shard_N = (torch.arange(rows, device=experts_NK.device) * self.rows.stride + self.rows.offset) % S
         shard_N = shard_N.repeat_interleave(T)
-        counts_SE = self.rows.sum(bincount(shard_N.repeat_interleave(k) * E + experts_NK.reshape(-1), S * E)).view(S, E)
+        queues = pooled_queues(experts_NK, shard_N, S, E)
+        counts_SE = self.rows.sum(queues[1]).view(S, E)  # the whole forward's queues
         accepted_SE = pooled_accept(counts_SE, groups, chunks, factor, -(-forward_rows // S) * T * k)
-        return pooled_keep(experts_NK, shard_N, accepted_SE)
+        return pooled_keep(experts_NK, shard_N, accepted_SE, queues)
 
     def forward(
         self,

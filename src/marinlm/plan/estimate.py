@@ -237,11 +237,8 @@ def capacity_notes(moe, tokens: int, dims) -> list[str]:
     """What the capacity rule keeps on this layout, and whether the rule can run on it."""
     if moe.capacity_factor is None or moe.capacity != "receiver_pooled":
         return []
-    from marinlm.model.experts import pooled_chunk_rows
-
     G, shards = moe.capacity_groups, moe.capacity_groups * moe.capacity_domains
-    shard = max(-(-tokens * moe.top_k * dims.dp // shards), 1)
-    chunk = int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
+    shard, chunk = _pooled_receiver(moe, tokens * moe.top_k, dims)
     notes = [
         f"capacity (receiver_pooled, factor {moe.capacity_factor}): {shards} sender shards of {shard:,} "
         f"assignments a layer; each of a domain's {G} receivers keeps up to {moe.capacity_chunks} x {chunk:,} "
@@ -255,13 +252,23 @@ def capacity_notes(moe, tokens: int, dims) -> list[str]:
     return notes
 
 
+def _pooled_receiver(moe, sent: int, dims) -> tuple[int, int]:
+    """Under receiver_pooled, with each data rank sending `sent` assignments a forward: a sender
+    shard's assignments, and the rows a chunk of a receiver keeps at balanced load."""
+    from marinlm.model.experts import pooled_chunk_rows
+
+    G = moe.capacity_groups
+    shard = max(-(-sent * dims.dp // (G * moe.capacity_domains)), 1)
+    return shard, int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
+
+
 def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
     """Rows a rank sends to the experts and receives from other ranks in one forward of `tokens`
     tokens, each way (dispatch, then combine back), under the model's capacity rule at balanced
     load: a rank sends each assignment once; it receives its experts' fair share, at most what
     the rule keeps (receiver_pooled: its receivers' chunks, `pooled_chunk_rows`; per_expert: the
     per-expert cap), or the fair share itself, dropless."""
-    from marinlm.model.experts import expert_capacity, pooled_chunk_rows
+    from marinlm.model.experts import expert_capacity
 
     sent = tokens * moe.top_k
     local = moe.num_experts // dims.ep
@@ -274,8 +281,7 @@ def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
     # The expert group's ranks send ep x sent assignments: that many sender shards' worth, so many
     # domains' worth; each of the rank's receivers (local / El of them) keeps its chunks from each.
     G, El = moe.capacity_groups, moe.num_experts // moe.capacity_groups
-    shard = max(-(-sent * dims.dp // (G * moe.capacity_domains)), 1)  # a sender shard's assignments
-    chunk = int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
+    shard, chunk = _pooled_receiver(moe, sent, dims)
     domains = max(dims.ep * sent / (shard * G), 1.0)
     return sent, min(dims.ep * sent, math.ceil(max(local / El, 1) * moe.capacity_chunks * chunk * domains))
 
