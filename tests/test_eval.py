@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 from marinlm.config import ConfigError
 from marinlm.eval.lm import Request, Scorer
 from marinlm.eval.runner import EvalOptions, markdown_table, prepare, run_eval
-from marinlm.eval.tasks import MMLU, Item, Lambada, TaskDataError, score, task_registry
+from marinlm.eval.tasks import BOOTSTRAP_ITERS, MMLU, Item, Lambada, TaskDataError, score, task_registry
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
 from marinlm.train.inference import LoadedModel
@@ -447,6 +449,38 @@ def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
     assert len(saved["predictions"]["mmlu"]) == 2
     assert "| hellaswag | acc |" in (tmp_path / "r.md").read_text()
     assert report["results"]["lambada_openai"]["perplexity"] > 1
+
+
+def test_lambada_perplexity_stderr_is_lm_evals_bootstrap(monkeypatch):
+    """lm-eval bootstraps the standard error of a perplexity (not a mean); ours draws the same
+    resamples, so on the same items both give the same number."""
+    metrics = pytest.importorskip("lm_eval.api.metrics")
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # lm-eval's one-process path: the same seeds
+    rng = random.Random(5)
+    lls = [-abs(rng.gauss(3.0, 4.0)) for _ in range(120)]
+    items = [Item([Request("a", " b")])] * len(lls)
+    ours, _ = score(Lambada(), items, [[(ll, False)] for ll in lls])
+    theirs = metrics.bootstrap_stderr(metrics.perplexity, lls, iters=BOOTSTRAP_ITERS)
+    assert ours["perplexity"] == pytest.approx(metrics.perplexity(lls), rel=1e-12)
+    assert ours["perplexity_stderr"] == pytest.approx(theirs, rel=1e-9)
+    # The delta method it replaces (perplexity x the log-likelihood's standard error) is not it.
+    delta = ours["perplexity"] * statistics.stdev(lls) / math.sqrt(len(lls))
+    assert abs(delta - theirs) > 0.02 * theirs
+
+
+def test_local_lm_eval_tasks_carry_a_version():
+    """lm-eval prints a task's `metadata.version`, and "Yaml" where a task has none."""
+    import yaml
+
+    from marinlm.eval.lm_eval_tasks import HERE, TASKS
+
+    class Loader(yaml.SafeLoader):  # lm-eval's `!function utils.x` tags, read as their names
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    for name in TASKS:
+        config = yaml.load((HERE / f"local_{name}.yaml").read_text(), Loader=Loader)  # noqa: S506
+        assert config["task"] == f"local_{name}" and config["metadata"]["version"] == 1.0
 
 
 def test_limit_takes_the_first_items_as_lm_eval_does_and_sample_a_seeded_subset(tmp_path):

@@ -12,7 +12,8 @@ Conventions (lm-eval-harness v0.4):
   target is the greedy continuation, `perplexity` = exp(-mean log-likelihood of the target).
 - winogrande: partial scoring: the shared continuation " " + rest-of-sentence under each of the
   two contexts; the higher log-likelihood wins.
-Standard errors are the sample standard deviation over items / sqrt(n).
+Standard errors of means (acc, acc_norm) are the sample standard deviation over items / sqrt(n);
+LAMBADA's perplexity, not a mean, has lm-eval's bootstrap standard error (`bootstrap_stderr`).
 """
 
 from __future__ import annotations
@@ -310,6 +311,28 @@ def _mean_stderr(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(len(arr)))
 
 
+BOOTSTRAP_ITERS = 100_000  # lm-eval's default `bootstrap_iters`
+BOOTSTRAP_CHUNK = 1_000  # resamples per seed, as lm-eval draws them
+
+
+def bootstrap_stderr(values: list[float], statistic, iters: int = BOOTSTRAP_ITERS) -> float:
+    """lm-evaluation-harness's bootstrap standard error of `statistic` over `values`, with its very
+    resamples: chunk i of `BOOTSTRAP_CHUNK` draws from `random.Random(i)`, each resample
+    `choices(values, k=n)`, and the sample standard deviation of the statistics. Python's `random()`
+    and numpy's `random_sample()` are the same Mersenne Twister doubles, so numpy draws them, all of
+    a chunk at once; `statistic` maps an (resamples, n) array to one value a row."""
+    xs = np.asarray(values, dtype=np.float64)
+    n, chunk = len(xs), min(BOOTSTRAP_CHUNK, iters)
+    stats = []
+    for i in range(iters // chunk):
+        *key, pos = random.Random(i).getstate()[1]
+        state = np.random.RandomState()
+        state.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, 0, 0.0))
+        picks = np.floor(state.random_sample((chunk, n)) * n).astype(np.int64)
+        stats.append(statistic(xs[picks]))
+    return float(np.std(np.concatenate(stats), ddof=1))
+
+
 def score(task: Task, items: list[Item], results: list[list[tuple[float, bool]]]) -> tuple[dict, list[dict]]:
     """Metrics (with `_stderr`) and per-item predictions for one task."""
     preds = []
@@ -317,10 +340,10 @@ def score(task: Task, items: list[Item], results: list[list[tuple[float, bool]]]
         lls = [r[0][0] for r in results]
         accs = [float(r[0][1]) for r in results]
         acc, acc_se = _mean_stderr(accs)
-        mean_ll, ll_se = _mean_stderr(lls)
-        ppl = math.exp(-mean_ll)
+        ppl = math.exp(-float(np.mean(lls)))
+        ppl_se = bootstrap_stderr(lls, lambda ll: np.exp(-ll.mean(axis=1))) if len(lls) > 1 else float("nan")
         preds = [{"loglikelihood": ll, "greedy": bool(a)} for ll, a in zip(lls, accs)]
-        return {"acc": acc, "acc_stderr": acc_se, "perplexity": ppl, "perplexity_stderr": ppl * ll_se}, preds
+        return {"acc": acc, "acc_stderr": acc_se, "perplexity": ppl, "perplexity_stderr": ppl_se}, preds
     accs, norms = [], []
     for item, res in zip(items, results):
         lls = [ll for ll, _ in res]
