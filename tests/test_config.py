@@ -127,7 +127,7 @@ def test_a_config_given_to_the_wrong_command_says_what_it_is(tmp_path):
     with pytest.raises(
         ConfigError, match=r"that file is a data curation config \(for `marinlm data run`\), not a Train"
     ):
-        load_config(TrainConfig, CONFIGS / "data" / "quickstart.yaml", kinds=kinds)
+        load_config(TrainConfig, CONFIGS / "data" / "python-corpus.yaml", kinds=kinds)
     with pytest.raises(
         ConfigError, match=r"that file is a training config \(for `marinlm train`\), not a PipelineConfig"
     ):

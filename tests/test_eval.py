@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -449,6 +450,23 @@ def test_run_eval_writes_results_with_metadata(tmp_path, loaded):
     assert len(saved["predictions"]["mmlu"]) == 2
     assert "| hellaswag | acc |" in (tmp_path / "r.md").read_text()
     assert report["results"]["lambada_openai"]["perplexity"] > 1
+
+
+def test_scores_move_with_the_batch_size_within_the_documented_bound(loaded):
+    """Padding changes the shapes each row's products run in, so per-item scores move by about
+    1e-5 with the batch size (docs/evaluation.md); more would be a batching bug."""
+    from marinlm.kernels import apply_kernels
+
+    rng = random.Random(0)
+    words = " ".join(SAMPLE_TEXTS).split()
+    requests = [
+        Request(" ".join(rng.choices(words, k=rng.randint(5, 60))), " " + " ".join(rng.choices(words, k=3)))
+        for _ in range(24)
+    ]
+    fast = copy.deepcopy(loaded.model)
+    for model in (loaded.model, apply_kernels(fast, torch.device("cpu"), "fp32")):
+        one, many = (Scorer(model, loaded.tokenizer, batch_size=b).loglikelihood(requests) for b in (1, 16))
+        assert max(abs(a - b) for (a, _), (b, _) in zip(one, many)) < 1e-4
 
 
 def test_lambada_perplexity_stderr_is_lm_evals_bootstrap(monkeypatch):

@@ -1,8 +1,10 @@
 """Progress bars: redrawn in place on a terminal, whole rate-limited lines in a log."""
 
 import io
+import re
 
 import pytest
+import torch
 
 from marinlm.utils.progress import INTERVAL_ENV, progress_bar
 
@@ -63,3 +65,50 @@ def test_a_disabled_bar_writes_nothing():
     bar.update(10)
     bar.close()
     assert stream.getvalue() == ""
+
+
+def _eta_line(text: str, desc: str) -> str:
+    """The last line of the `desc` bar in `text`: its count and its ETA ("[elapsed<left").
+    Off a terminal, every update is a line at interval 0."""
+    lines = [line for line in text.splitlines() if line.startswith(desc)]
+    assert lines, text[-2000:]
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", lines[-1]), lines[-1]
+    return lines[-1]
+
+
+def test_long_stages_show_progress_with_an_eta(token_data, tmp_path, monkeypatch, capsys):
+    """The quickstart's evaluation printed nothing for 292 s on a busy host. The stages that take
+    minutes on a big model or split (validation over a whole split, export, import, plan search)
+    each draw a bar with an ETA."""
+    from marinlm.config import load_config
+    from marinlm.dataset.loader import DataConfig, SourceConfig, open_sources
+    from marinlm.hf.export import export
+    from marinlm.hf.importer import import_hf
+    from marinlm.plan import run_plan
+    from marinlm.presets import preset
+    from marinlm.tokenizer import MarinTokenizer
+    from marinlm.train.config import TrainConfig
+    from marinlm.train.step import validate_sources
+
+    from conftest import build, tiny_config
+
+    monkeypatch.setenv(INTERVAL_ENV, "0")
+    tok = MarinTokenizer.load(token_data.parent / "tokenizer")
+    data = DataConfig(sources=[SourceConfig(path=str(token_data))], seq_len=64)
+    val = open_sources(data, "val", tok.hash, tok.vocab_size)[0]
+    model = build(tiny_config(vocab_size=tok.vocab_size), seed=0)
+    validate_sources(model, {"val": val}, 4, None, 0, 1, device=torch.device("cpu"), precision="fp32", progress=True)
+    batches = -(-val.rows_per_epoch // 4)
+    assert f"{batches}/{batches}" in _eta_line(capsys.readouterr().err, "validation")
+
+    from test_hf_export import make_run
+
+    make_run(tmp_path / "run", tiny_config(vocab_size=tok.vocab_size), tok)
+    export(tmp_path / "run", tmp_path / "hf")
+    _eta_line(capsys.readouterr().err, "export: weights")
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    _eta_line(capsys.readouterr().err, "import: weights")
+
+    train = load_config(TrainConfig, preset("train", "tiny"))
+    run_plan(train, "cpu", "dp_shard=4", True, tmp_path / "plan", gpus=4)
+    _eta_line(capsys.readouterr().err, "plan: search")

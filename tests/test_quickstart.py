@@ -11,8 +11,16 @@ from marinlm.config import load_config
 from marinlm.optim import ScheduleConfig
 from marinlm.presets import preset
 from marinlm.quickstart import MARKER, build_default_corpus, corpus_prompt, run_quickstart
-from marinlm.quickstart.plan import Replan, interrupted_training, median_step_seconds
-from marinlm.quickstart.report import above_baseline_verdict, short_run_note
+from marinlm.quickstart.plan import (
+    OVERHEAD,
+    REFERENCE_STEP_SECONDS,
+    STEPS,
+    Replan,
+    TrainingPlan,
+    interrupted_training,
+    median_step_seconds,
+)
+from marinlm.quickstart.report import USUAL_VAL_LOSS, above_baseline_verdict, plan_note, range_note
 from marinlm.train.checkpoint import list_checkpoints, step_of
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
@@ -187,8 +195,22 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
     assert "far fewer than" not in text  # asked for its steps: no note on a short run
     batch, seq = map(int, re.search(rf"\| training \| [\d.]+ \| {planned} steps x (\d+) x (\d+) tokens", text).groups())
     assert float(passes) * int(tokens.replace(",", "")) == pytest.approx(planned * batch * seq, rel=0.05)
-    before = float(re.search(r"validation, before training \| ([\d.]+)", text).group(1))
-    after = float(re.search(r"validation, after training \| ([\d.]+)", text).group(1))
+    # Each number names its data: the rows training validates on, before and after, and the whole split.
+    rows, subset_tokens = re.search(
+        r"\| (\d+) validation rows \(([\d,]+) tokens\), as training validates \| before", text
+    ).groups()
+    before = float(re.search(r"\| before training \| ([\d.]+)", text).group(1))
+    same = float(re.search(r"\| the same rows \| after training \| ([\d.]+)", text).group(1))
+    whole, after = re.search(
+        r"\| whole validation split \(([\d,]+) tokens\) \| after training \| ([\d.]+)", text
+    ).groups()
+    after = float(after)
+    # This corpus holds out fewer than the 48 rows training validates on: here both score all of it.
+    assert whole == subset_tokens and int(rows) < 48
+    last = [r for r in read_metrics(root / "train") if "val/loss" in r][-1]
+    assert last["step"] == planned and same == round(last["val/loss"], 3)
+    assert f"On the same {rows} rows the validation loss fell by {before - same:.3f}" in text
+    assert "Resumed a stopped run, to its own plan of 60 steps; trained to step 60." in text
     first = next(r for r in read_metrics(root / "train") if "val/loss" in r)
     assert first["step"] == 0 and before == round(first["val/loss"], 3)  # the first run's, before any step
     assert after < before - 1.0  # it learned something
@@ -316,17 +338,57 @@ def test_a_folder_the_quickstart_did_not_make_is_left_alone(tmp_path):
     assert not (tmp_path / "runs" / MARKER).exists()
 
 
-def test_a_run_cut_short_by_a_slow_host_says_so_in_its_report():
+def test_a_slow_or_short_run_says_so_in_its_report():
     """A busy host's time-planned quickstart trained 60 steps and reported 5.32 nats/token against
-    the README's ~2.8-3.0 with no word of why. Faked here: a slow host's short run is named as such,
-    with its pace and that its loss is above the documented range for that reason."""
-    slow = short_run_note(60, 1.9, 8.5, 5.32, built_in=True, asked=False)
-    assert "trained 60 steps at a median 1.90 s/step, far fewer than the 600-3,200" in slow
-    assert "this host ran its steps slowly" in slow and "5.320 nats/token, is above the 2.72-3.9" in slow
-    assert "short" in short_run_note(60, 0.3, 1.0, 5.3, built_in=True, asked=False)  # a 1 min budget
-    assert "above the" not in short_run_note(60, 1.9, 8.5, 5.3, built_in=False, asked=False)  # another corpus
-    assert short_run_note(60, 1.9, 8.5, 5.3, built_in=True, asked=True) == ""  # --steps 60
-    assert short_run_note(1800, 0.28, 8.5, 3.0, built_in=True, asked=False) == ""
+    the README's ~2.8-3.0 with no word of why. Now the report states the steps planned and trained,
+    the host's pace against the reference host, the time estimated and taken, and why a result
+    lands outside the documented range."""
+    slow = TrainingPlan("default", STEPS, step_seconds=3 * REFERENCE_STEP_SECONDS)
+    note = plan_note(slow, STEPS, 3 * slow.train_estimate_minutes * 60, 0.9)
+    assert f"Planned {STEPS:,} steps (the default) and trained {STEPS:,}" in note
+    assert f"measured {3 * REFERENCE_STEP_SECONDS:.2f} s/step, 3.0x the reference" in note
+    assert "the host slowed during training (a median 0.90 s/step), so it took longer, but trained every" in note
+    on_time = plan_note(slow, STEPS, slow.train_estimate_minutes * 60, 0.6)
+    assert "slowed" not in on_time and f"took {slow.train_estimate_minutes:.1f} min" in on_time
+    budget = TrainingPlan("minutes", 300, step_seconds=1.9, train_minutes=8.5)
+    assert "Planned by a 8.5 min training budget (`--minutes`)" in plan_note(budget, 60, 510, 1.9)
+    assert "as `--steps` asked" in plan_note(TrainingPlan("steps", 60), 60, 30, None)
+
+    low, high = USUAL_VAL_LOSS
+    assert "because it trained only 60 steps, not because something is broken" in range_note(5.32, 60, True)
+    assert "something differs from the documented runs" in range_note(high + 0.5, STEPS, True)
+    assert "below the" in range_note(low - 0.1, STEPS, True)
+    assert range_note((low + high) / 2, STEPS, True) == "" and range_note(5.32, 60, built_in=False) == ""
+
+
+def test_a_slow_host_hears_before_training_that_the_quickstart_takes_longer(tmp_path, monkeypatch, capsys):
+    """A host 3x slower than the reference still trains every planned step; it is told so, with the
+    time it will take and how to shorten it, before training starts (faked: a slow calibration)."""
+    import marinlm.quickstart as quickstart
+    from marinlm.train import trainer as trainer_module
+
+    write_corpus(tmp_path / "corpus", num_docs=120, num_files=1)
+    slow = 3 * REFERENCE_STEP_SECONDS
+    monkeypatch.setattr(quickstart, "calibrate_step_seconds", lambda config: (slow, 1e-5))
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt("reached training")
+
+    monkeypatch.setattr(trainer_module, "Trainer", stop)
+    with pytest.raises(KeyboardInterrupt, match="reached training"):
+        run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")])
+    out = capsys.readouterr().out
+    assert f"{STEPS:,} steps; {slow:.2f} s/step measured here against {REFERENCE_STEP_SECONDS:.2f}" in out
+    minutes = STEPS * slow * (1 + OVERHEAD) / 60
+    assert f"about {minutes:.1f} min of training" in out
+    assert "note: this host runs the training step 3.0x slower than the reference host" in out
+    assert f"It trains all {STEPS:,} steps" in out and "--minutes 10" in out
+
+    # At the reference pace there is nothing to warn of.
+    monkeypatch.setattr(quickstart, "calibrate_step_seconds", lambda config: (REFERENCE_STEP_SECONDS, 1e-5))
+    with pytest.raises(KeyboardInterrupt, match="reached training"):
+        run_quickstart(str(tmp_path / "run"), corpus=[str(tmp_path / "corpus")])
+    assert "slower than the reference" not in capsys.readouterr().out
 
 
 def test_a_corpus_inside_a_folder_the_quickstart_replaces_is_refused(tmp_path):

@@ -1333,7 +1333,7 @@ def test_auto_precision_is_bf16_only_where_matmuls_have_bf16_units(bf16_units, t
 
     calibrated = []
 
-    def one_step(step):
+    def one_step(step, **window):
         step()
         return 1.0
 

@@ -100,9 +100,18 @@ def _train(args, overrides) -> int:
     from marinlm.train.config import TrainConfig
     from marinlm.train.run import run_training
 
-    summary = run_training(_load(TrainConfig, args.config, overrides), resume=args.resume)
+    config = _load(TrainConfig, args.config, overrides)
+    summary = run_training(config, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         val = summary.get("validation") or {}
+        rows = config.validation.max_rows
+        scored = (
+            f" on {int(val['val/tokens']):,} tokens of "
+            + (f"at most {rows} validation rows" if rows else "the whole validation split")
+            + (f"; `marinlm eval {config.run_dir} --tasks val` scores the whole split" if rows else "")
+            if val
+            else ""
+        )
         trained = (
             f"final train loss {summary['final_loss']:.4f}"
             if summary["final_loss"] is not None
@@ -112,7 +121,7 @@ def _train(args, overrides) -> int:
         done = f"step {steps} ({steps - first} from step {first})" if first else f"{steps} steps"
         print(
             f"done: {done} in {summary['seconds']:.0f} s, {trained}"
-            + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}" if val else "")
+            + (f", val loss {val['val/loss']:.4f}, val bpb {val['val/bpb']:.4f}{scored}" if val else "")
         )
         if summary.get("median_tokens_per_s"):
             print(
@@ -143,6 +152,17 @@ def _generate(args, overrides) -> int:
         sys.stdout.write(args.prompt)
     generate_text(loaded, args.prompt, sampling, stream=sys.stdout, chat=args.chat)
     sys.stdout.write("\n")
+    return 0
+
+
+def _data_corpus(args, overrides) -> int:
+    from marinlm.quickstart import build_default_corpus
+
+    counts = build_default_corpus(Path(args.out_dir))
+    print(
+        f"{counts['python_code']:,} standard-library source files and {counts['python_docs']:,} pydoc topics "
+        f"in {args.out_dir}"
+    )
     return 0
 
 
@@ -295,14 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument(
         "--minutes",
         type=_positive(float, "a number of minutes"),
-        default=10.0,
-        help="total time budget; training gets what the data stages leave, but at least 1 min",
+        default=None,
+        help="a time budget for the whole quickstart instead of its fixed steps: training gets what the data "
+        "stages leave (at least 1 min), as many steps as the measured step time fits (fewer on a slow host)",
     )
     quick.add_argument(
         "--steps",
         type=_positive(int, "a number of steps"),
         default=None,
-        help="train exactly this many steps, however long they take (default: as many as the time budget fits)",
+        help="train exactly this many steps, however long they take (default: 2,000, with the time they take "
+        "measured and said before training)",
     )
     quick.add_argument("--run-dir", default="runs/quickstart", help="where every stage writes (default: %(default)s)")
     quick.add_argument("--seed", type=int, default=0)
@@ -322,9 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="data curation").add_subparsers(dest="data_command", required=True)
     data_run = data.add_parser("run", help=help_of("data run"))
-    data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/shared-corpus.yaml")
+    data_run.add_argument("config", nargs="?", help="YAML (PipelineConfig), e.g. configs/data/python-corpus.yaml")
     _add_print_config(data_run, "data")
     data_run.set_defaults(func=_data_run, takes_overrides=True)
+    data_corpus = data.add_parser(
+        "corpus",
+        help=help_of("data corpus"),
+        description="The quickstart's corpus, which ships with every Python: its standard library's .py files "
+        "and pydoc's documentation topics, as .jsonl files in OUT_DIR (configs/data/python-corpus.yaml reads "
+        "runs/raw). Files already there with the same text are left as they are.",
+    )
+    data_corpus.add_argument("out_dir", help="where the .jsonl files go, e.g. runs/raw")
+    data_corpus.set_defaults(func=_data_corpus)
 
     tokenizer = commands.add_parser("tokenizer", help="tokenizer training").add_subparsers(
         dest="tokenizer_command", required=True

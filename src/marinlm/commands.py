@@ -35,6 +35,10 @@ COMMANDS: dict[str, Command] = {
             resumes=True,
         ),
         Command(
+            "data corpus",
+            "write the built-in corpus (Python's standard library sources and documentation topics) as .jsonl",
+        ),
+        Command(
             "tokenizer train",
             "train a byte-level BPE tokenizer",
             "marinlm.tokenizer:TokenizerTrainConfig",

@@ -282,7 +282,15 @@ def _val_metrics(loaded, val_sources: dict, batch_size: int, limit: int | None =
     rank, world = rank_and_world()  # under torchrun each rank takes its rows; validate_sources() sums them
     precision = "fp32" if device.type == "cpu" else "bf16"
     metrics = validate_sources(
-        loaded.model, val_sources, batch_size, limit, rank, world, device=device, precision=precision
+        loaded.model,
+        val_sources,
+        batch_size,
+        limit,
+        rank,
+        world,
+        device=device,
+        precision=precision,
+        progress=rank == 0,
     )
     results = {}
     for name in ["", *val_sources] if len(val_sources) > 1 else [""]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from marinlm.model.config import MarinConfig
 from marinlm.train.config import TrainConfig
 from marinlm.train.safe_load import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 from marinlm.utils.io import make_shareable, os_error_in, refuse_overlap, sha256_file, write_json_atomic
+from marinlm.utils.progress import progress_bar
 
 FORMATS = ("auto", "native", "remote")
 MANIFEST = "marinlm_export.json"
@@ -218,7 +218,9 @@ def export(
         metas = {t.name: out_meta(t) for t in plan}
         split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size)
         largest = 0
-        for i, (filename, names) in enumerate(split.filename_to_tensors.items()):
+        total = sum(t.numel() * t.element_size() for t in metas.values())
+        bar = progress_bar(total=total, desc="export: weights", unit="B", unit_scale=True, disable=quiet)
+        for filename, names in split.filename_to_tensors.items():
             sources = sorted({s for n in names for s in by_name[n].sources})
             loaded = reader.read(sources)
             shard = {}
@@ -232,9 +234,9 @@ def export(
             except Exception as e:  # safetensors names neither the file nor the OS error's kind
                 raise os_error_in(e, out_dir / filename) from None
             make_shareable(tmp / filename)
+            bar.update(sum(metas[n].numel() * metas[n].element_size() for n in names))
             del shard
-            if not quiet:
-                print(f"  wrote {filename} ({i + 1}/{len(split.filename_to_tensors)})", file=sys.stderr, flush=True)
+        bar.close()
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             write_json_atomic(tmp / "model.safetensors.index.json", index)

@@ -22,6 +22,7 @@ from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
 from marinlm.presets import preset
 from marinlm.train.config import TrainConfig
 from marinlm.utils.io import read_utf8, refuse_overlap
+from marinlm.utils.progress import progress_bar
 
 REFUSED = {
     "olmoe": "OLMoE normalises q and k over all heads together (q_norm gains of size heads x head_dim); "
@@ -130,7 +131,9 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / INDEX
     weight_map = json.loads(read_utf8(index))["weight_map"] if index.is_file() else None
     state: dict[str, torch.Tensor] = {}
+    bar = progress_bar(total=sum(f.stat().st_size for f in files), desc="import: weights", unit="B", unit_scale=True)
     for file in files:
+        bar.update(file.stat().st_size)
         try:
             tensors = load_file(str(file))
         except (SafetensorError, OSError, ValueError) as e:
@@ -143,6 +146,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
             if stray:
                 raise ValueError(f"{file}: holds {stray[0]}, which {index} places in {weight_map.get(stray[0])}")
         state.update(tensors)
+    bar.close()
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(state))
         if absent:

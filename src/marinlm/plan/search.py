@@ -16,6 +16,7 @@ import re
 from marinlm.config import ConfigError
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.estimate import plan_layout
+from marinlm.utils.progress import progress_bar
 
 # Which dim tensor and expert parallelism split, by parameter name (as parallel/ applies them).
 TP_SPLITS = (
@@ -108,7 +109,8 @@ def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3)
     precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
     inv = inventory(train.model, precision, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
     quick = []
-    for layout in candidates(train.model, gpus, hardware):
+    layouts = list(candidates(train.model, gpus, hardware))
+    for layout in progress_bar(iterable=layouts, desc="plan: search", unit="layout"):
         parallel = dataclasses.replace(train.parallel, **layout)
         try:
             estimate = plan(train, parallel, gpus, hardware, efficiency, shards_of=rule_shards, inv=inv)

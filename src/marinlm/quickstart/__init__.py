@@ -2,8 +2,8 @@
 
 1. corpus: the Python standard library's sources and its bundled documentation topics (`pydoc_data`),
    which ship with every Python (or `--corpus PATH`);
-2. curation (configs/data/quickstart.yaml);   3. tokenizer;   4. token shards;
-5. the hero-shaped `tiny` MoE, trained for a time budget;   6. validation loss and bits per byte,
+2. curation (configs/data/python-corpus.yaml);   3. tokenizer;   4. token shards;
+5. the hero-shaped `tiny` MoE, trained for `STEPS` steps (or a time budget);   6. validation loss and bits per byte,
    against a unigram baseline;   7. a generated sample;   8. report.md with the loss curve.
 """
 
@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -22,11 +23,14 @@ import torch
 
 from marinlm.config import load_config, save_config
 from marinlm.presets import preset
-from marinlm.quickstart.plan import Replan, calibrate_step_seconds, interrupted_training
+from marinlm.quickstart.plan import STEPS, Replan, TrainingPlan, calibrate_step_seconds, interrupted_training
 from marinlm.quickstart.report import Stage, unigram_baseline, write_report
 from marinlm.utils.io import QUICKSTART_FILE, refuse_overlap, write_text_atomic
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
+VAL_BATCH = 8  # rows a forward in the evaluation of the whole validation split
+# The sample and the report, for the estimate said before training (a busy host took 32 s to sample).
+SAMPLE_SECONDS = 30.0
 
 
 MARKER = QUICKSTART_FILE
@@ -130,7 +134,7 @@ def _why_nothing_was_kept(curation: dict, text_field: str, languages: list[str])
 def run_quickstart(
     run_dir: str = "runs/quickstart",
     corpus: list[str] | None = None,
-    minutes: float = 10.0,
+    minutes: float | None = None,
     seed: int = 0,
     text_field: str = "text",
     languages: list[str] | None = None,
@@ -138,8 +142,10 @@ def run_quickstart(
 ) -> Path:
     """Run every stage; returns the path of report.md.
 
-    `steps`: train exactly this many steps, however long they take, instead of planning the run
-    from the time budget and the measured step time.
+    Training is `STEPS` steps on every host, with the time they will take said before training (and
+    how to shorten it, where that is well past the README's 10 minutes). `steps`: train exactly this
+    many instead, with no estimate; `minutes`: a time budget for the whole quickstart, in which
+    training gets what the data stages leave and as many steps as the measured step time fits.
 
     `text_field` is the JSON field holding a user corpus's text (a list of strings is joined by
     lines); `languages` replaces the curation's allowed languages (default: English and code).
@@ -156,6 +162,8 @@ def run_quickstart(
     from marinlm.train.trainer import Trainer
     from marinlm.utils.perf import tune_cpu_allocator
 
+    if steps and minutes is not None:
+        raise ValueError("--steps and --minutes: give one (steps to train, or a time budget that plans them)")
     tune_cpu_allocator()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     root = Path(run_dir)
@@ -187,7 +195,7 @@ def run_quickstart(
     stages.append(Stage("corpus", time.perf_counter() - t, detail))
 
     t = stage("2/8 curation")
-    data_config = load_config(PipelineConfig, preset("data", "quickstart"), [f"--output_dir={root / 'curated'}"])
+    data_config = load_config(PipelineConfig, preset("data", "python-corpus"), [f"--output_dir={root / 'curated'}"])
     data_config.sources = sources
     if languages:
         data_config.langid.allowed = list(languages)
@@ -271,41 +279,48 @@ def run_quickstart(
     t = stage("5/8 training")
     train_config.data.sources[0].path = str(root / "tokens")
     elapsed_min = (time.perf_counter() - began) / 60
-    budget_left = minutes - elapsed_min - 0.75  # leave time for evaluation and the report
-    train_minutes = max(1.0, budget_left)
-    if budget_left < 1.0 and not steps:
-        print(
-            f"note: the {minutes:g} min budget leaves {max(budget_left, 0.0):.1f} min for training after "
-            f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; training "
-            "for the minimum of 1 min, so the whole run takes longer"
-        )
+    budget_left = None if minutes is None else minutes - elapsed_min - 0.75  # time for evaluation and the report
     interrupted = interrupted_training(root / "train", train_config)
     if interrupted is not None:  # the same job, stopped before its end: carry on with its own plan
-        train_config, stopped_at, start_val = interrupted  # its own time limit too; Replan shortens it to this budget
+        train_config, stopped_at, start_val = interrupted
+        # A run planned by time keeps its own plan, shortened (by Replan) to this command's budget if it has one.
+        left = train_config.train.max_minutes if budget_left is None else max(1.0, budget_left)
+        plan = TrainingPlan(
+            "resumed", train_config.train.steps, train_minutes=left if train_config.train.max_minutes else None
+        )
         print(
             f"resuming the training that was stopped at step {stopped_at} of {train_config.train.steps} "
             f"in {root / 'train'} (delete that folder to train from scratch)"
         )
-    elif steps:
-        train_config.train.steps, train_config.train.max_minutes = steps, 0.0
-        train_config.checkpoint.every_steps = max(10, steps // 4)
-        train_config.validation.every_steps = max(10, steps // 10)
-        print(f"{steps} steps, as --steps asks (no time budget)")
-        if (root / "train").exists():
-            print(f"replacing the earlier training run in {root / 'train'}")
-            shutil.rmtree(root / "train")
     else:
-        step_seconds = calibrate_step_seconds(train_config)
-        # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
-        # noisy, and a run that hits the time limit stops before its learning rate has decayed. `Replan`
-        # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
-        train_config.train.steps = max(20, int(train_minutes * 60 * 0.8 / step_seconds))
-        train_config.train.max_minutes = train_minutes
-        train_config.checkpoint.every_steps = max(50, train_config.train.steps // 4)
-        train_config.validation.every_steps = max(10, train_config.train.steps // 10)
+        if budget_left is not None:  # a time budget: as many steps as it fits
+            plan = TrainingPlan("minutes", 0, train_minutes=max(1.0, budget_left))
+            if budget_left < 1.0:
+                print(
+                    f"note: the {minutes:g} min budget leaves {max(budget_left, 0.0):.1f} min for training after "
+                    f"{elapsed_min:.1f} min of data stages and 0.75 min kept for evaluation and the report; "
+                    "training for the minimum of 1 min, so the whole run takes longer"
+                )
+        else:
+            plan = TrainingPlan("steps" if steps else "default", steps or STEPS)
+        if plan.how != "steps":  # --steps N trains N however long they take: nothing to measure
+            plan.step_seconds, forward_seconds = calibrate_step_seconds(train_config)
+            plan.eval_seconds = forward_seconds * manifest["val_tokens"] + SAMPLE_SECONDS
+        if plan.how == "minutes":
+            # Plan for 80% of the budget: the calibration times a few seconds, which a shared host makes
+            # noisy, and a run that hits the time limit stops before its learning rate has decayed. `Replan`
+            # plans again from the run's own steps (90% of the time left) and shortens it if the host slows.
+            plan.steps = max(20, int(plan.train_minutes * 60 * 0.8 / plan.step_seconds))
+            train_config.train.max_minutes = plan.train_minutes
+        else:
+            train_config.train.max_minutes = 0.0
+        train_config.train.steps = plan.steps
+        train_config.checkpoint.every_steps = max(10 if steps else 50, plan.steps // 4)
+        train_config.validation.every_steps = max(10, plan.steps // 10)
         print(
-            f"{step_seconds:.2f} s/step measured: {train_config.train.steps} steps, about "
-            f"{train_config.train.steps * step_seconds / 60:.1f} min of the {train_minutes:.1f} min training budget"
+            f"{plan.steps} steps, as --steps asks (no time budget)"
+            if plan.how == "steps"
+            else plan.announce(elapsed_min)
         )
         if (root / "train").exists():  # a finished run, or another job's: this one starts over
             print(f"replacing the earlier training run in {root / 'train'}")
@@ -314,7 +329,7 @@ def run_quickstart(
     if interrupted is None:
         start_val = trainer.validate()  # at step 0: the loss before training
     if train_config.train.max_minutes:  # planned by time: planned again from the steps' own time
-        trainer.add_hook(Replan(trainer, train_minutes), every=1)
+        trainer.add_hook(Replan(trainer, plan.train_minutes), every=1)
     summary = trainer.fit()
     if summary["signal"]:  # Ctrl-C or a scheduler's SIGTERM: stop here, not evaluate half a run
         raise StoppedBySignal(summary["signal"], summary["steps"])
@@ -330,17 +345,27 @@ def run_quickstart(
 
     t = stage("6/8 evaluation")
     loaded = load_model(root / "train")
-    from marinlm.dataset.loader import open_sources, validation_batches
-    from marinlm.train.step import validate
+    from marinlm.dataset.loader import open_sources
+    from marinlm.train.step import validate_sources
 
     val_source = open_sources(train_config.data, "val", tok.hash, train_config.model.vocab_size)[0]
-    end_val = validate(loaded.model, validation_batches(val_source, 8), device=torch.device("cpu"), precision="fp32")
+    end_val = validate_sources(
+        loaded.model,
+        {"val": val_source},
+        VAL_BATCH,
+        None,
+        0,
+        1,
+        device=torch.device("cpu"),
+        precision="fp32",
+        progress=True,
+    )
     uni_loss, uni_bpb = unigram_baseline(root / "tokens", tok.vocab_size)
     stages.append(
         Stage(
             "evaluation",
             time.perf_counter() - t,
-            f"val loss {end_val['val/loss']:.3f}, bpb {end_val['val/bpb']:.3f} over "
+            f"whole validation split: loss {end_val['val/loss']:.3f}, bpb {end_val['val/bpb']:.3f} over "
             f"{int(end_val['val/tokens']):,} tokens",
         )
     )
@@ -350,8 +375,9 @@ def run_quickstart(
     # CTRL's repetition penalty (HF's `repetition_penalty`) at 1.2: without it a model this small
     # at temperature 0.7 often loops on one word ("a list of a list of ...").
     sampling = SamplingConfig(max_new_tokens=120, temperature=0.7, top_k=40, repetition_penalty=1.2, seed=seed)
-    sample = generate_text(loaded, prompt, sampling, stream=None)
-    print(prompt + sample)
+    print(prompt, end="", flush=True)
+    sample = generate_text(loaded, prompt, sampling, stream=sys.stdout)  # the text as it comes is its progress
+    print()
     stages.append(Stage("sample", time.perf_counter() - t, f"{len(sample)} characters"))
 
     t = stage("8/8 report")
@@ -374,6 +400,7 @@ def run_quickstart(
         peak / 1024 / 1024,
         time.perf_counter() - began,
         trainer,
+        plan,
     )
     print(f"\nreport: {report}")
     return report

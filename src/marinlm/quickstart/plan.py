@@ -1,6 +1,7 @@
-"""How long the quickstart trains: a step time measured before training, a plan made again from the
-training's own steps (`Replan`), and whether a stopped quickstart's training may be resumed
-(`interrupted_training`)."""
+"""How long the quickstart trains: a fixed number of steps (`STEPS`) with a time estimate from a
+step time measured before training (`TrainingPlan`), or, with `--minutes`, a time budget planned
+again from the training's own steps (`Replan`); and whether a stopped quickstart's training may be
+resumed (`interrupted_training`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import collections
 import copy
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,76 @@ from marinlm.config import load_config
 
 if TYPE_CHECKING:
     from marinlm.train.config import TrainConfig
+
+
+# The default quickstart trains this many steps on every host, so its result does not depend on the
+# host's speed; only its duration does.
+STEPS = 2_000
+# The host the README's "about 10 minutes" is measured on: a 2-core Xeon with AMX, bf16 autocast
+# (docs/performance.md): its measured step time, and the time of the whole default quickstart.
+REFERENCE_STEP_SECONDS = 0.20
+README_MINUTES = 10.0
+LONGER = 1.5  # an estimate past this many times README_MINUTES is said before training
+
+
+@dataclass
+class TrainingPlan:
+    """How the quickstart planned its training, for the terminal and the report. `how`: "default"
+    (`STEPS`), "steps" (`--steps N`), "minutes" (`--minutes N`: as many steps as the time budget
+    fits, planned again as the run goes) or "resumed" (a stopped run's own plan)."""
+
+    how: str
+    steps: int
+    step_seconds: float | None = None  # measured before training
+    train_minutes: float | None = None  # the time budget, for "minutes"
+    eval_seconds: float = 0.0  # the estimated time of the evaluation and the sample
+
+    @property
+    def train_estimate_minutes(self) -> float | None:
+        if self.step_seconds is None:
+            return None
+        return self.steps * self.step_seconds * (1 + OVERHEAD) / 60
+
+    @property
+    def slowdown(self) -> float | None:
+        """This host's measured step time over the reference host's."""
+        return None if self.step_seconds is None else self.step_seconds / REFERENCE_STEP_SECONDS
+
+    def announce(self, elapsed_minutes: float) -> str:
+        """What the quickstart says before training: the steps, the measured pace against the
+        reference host, the time it will take and, if that is well past the README's, how to
+        shorten it."""
+        if self.how == "resumed" or self.step_seconds is None:
+            return ""
+        pace = (
+            f"{self.step_seconds:.2f} s/step measured here against {REFERENCE_STEP_SECONDS:.2f} on the reference "
+            f"2-core host"
+        )
+        if self.how == "minutes":
+            return (
+                f"{pace}: {self.steps:,} steps, about {self.train_estimate_minutes:.1f} min of the "
+                f"{self.train_minutes:.1f} min training budget"
+            )
+        total = elapsed_minutes + self.train_estimate_minutes + self.eval_seconds / 60
+        line = (
+            f"{self.steps:,} steps; {pace}: about {self.train_estimate_minutes:.1f} min of training, "
+            f"{total:.0f} min for the whole quickstart"
+        )
+        if self.how == "default" and total > LONGER * README_MINUTES:
+            line += (
+                f"\nnote: this host runs the training step {self.slowdown:.1f}x slower than the reference host "
+                f"(a slower CPU, no bf16 units, or other jobs loading it), so the quickstart takes about "
+                f"{total:.0f} min rather than the README's {README_MINUTES:.0f}. It trains all {self.steps:,} steps, "
+                f"so its result is the documented one. To shorten it, stop it (Ctrl-C) and run "
+                f"`marinlm quickstart --minutes {README_MINUTES:.0f}`, which trains what {README_MINUTES:.0f} minutes "
+                "fit (fewer steps, a higher loss), or `--steps N`; it keeps the finished stages."
+            )
+        return line
+
+
+# Validation, logging and checkpoints on top of the steps: a clean-clone run spent 3% (675 steps in
+# 383 s at a median step of 0.552 s).
+OVERHEAD = 0.04
 
 
 def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_steps: int = 40) -> float:
@@ -39,9 +111,10 @@ def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_
     return float(np.median(times))
 
 
-def calibrate_step_seconds(train_config) -> float:
+def calibrate_step_seconds(train_config) -> tuple[float, float]:
     """Seconds per optimizer step of this config on this machine (`median_step_seconds`), in the
-    precision the run will train in."""
+    precision the run will train in; and seconds per token of a forward without gradients in fp32,
+    as the quickstart's evaluation runs."""
     from marinlm.kernels import apply_kernels
     from marinlm.model import MarinForCausalLM
     from marinlm.optim import build_optimizer
@@ -65,7 +138,13 @@ def calibrate_step_seconds(train_config) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    return median_step_seconds(step)
+    def forward():
+        with torch.no_grad():
+            model(ids, labels=ids)
+
+    step_seconds = median_step_seconds(step)
+    forward_seconds = median_step_seconds(forward, min_seconds=1.0, min_steps=3, max_steps=10)
+    return step_seconds, forward_seconds / ids.numel()
 
 
 class Replan:

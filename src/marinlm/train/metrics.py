@@ -158,9 +158,12 @@ def plot_loss(
     title: str,
     baseline: tuple[str, float] | None = None,
     marks: list[tuple[str, int]] = (),
+    points: list[tuple[str, int, float]] = (),
 ) -> Path:
     """Train and validation loss (and each source's, where several) against step, as a PNG, with an
-    optional labelled horizontal line and labelled steps (where a mixture phase began)."""
+    optional labelled horizontal line, labelled steps (where a mixture phase began) and labelled
+    single points (a score on other data, such as a whole split). The validation curve's label says
+    how many tokens each of its points scored."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +175,11 @@ def plot_loss(
     if train:
         ax.plot(*zip(*train), label="train loss", alpha=0.7)
     if val:
-        ax.plot(*zip(*val), marker="o", label="validation loss")
+        scored = {int(m["val/tokens"]) for m in metrics if "val/tokens" in m}
+        what = f" ({scored.pop():,} tokens a point)" if len(scored) == 1 else ""
+        ax.plot(*zip(*val), marker="o", label=f"validation loss{what}")
+    for label, step, loss in points:
+        ax.plot([step], [loss], marker="*", markersize=12, linestyle="none", label=f"{label} ({loss:.2f})")
     answers = [(m["step"], m["val/answer_loss"]) for m in metrics if "val/answer_loss" in m]  # fine-tuning
     if answers:
         ax.plot(*zip(*answers), marker="o", label="held-out answer loss")

@@ -227,27 +227,42 @@ def validate_sources(
     device,
     precision: str,
     group=None,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Validation over each source's held-out rows (`dataset.validation_sources`, `max_rows` of each):
     `val/loss`, `val/bpb` and `val/tokens` over all of them together, and with several sources
-    `val/NAME/...` for each, so that a mixture shows which of its data the model learns."""
+    `val/NAME/...` for each, so that a mixture shows which of its data the model learns. With
+    `progress`, a bar with an ETA over the batches (a whole split takes minutes on a CPU)."""
     from marinlm.dataset.loader import validation_batches
+    from marinlm.utils.progress import progress_bar
 
-    totals = {
-        name: _val_totals(
-            model,
-            validation_batches(source, batch_size, max_rows, rank, world_size),
-            device=device,
-            precision=precision,
-            group=group,
-        )
-        for name, source in sources.items()
-    }
+    def rows(source) -> int:
+        return source.rows_per_epoch if max_rows is None else min(max_rows, source.rows_per_epoch)
+
+    batches = sum(math.ceil(math.ceil(rows(s) / world_size) / batch_size) for s in sources.values())
+    what = "validation" if max_rows is None else f"validation, at most {max_rows} rows a source"
+    with progress_bar(total=batches, desc=what, unit="batch", disable=not progress) as bar:
+        totals = {
+            name: _val_totals(
+                model,
+                _ticking(validation_batches(source, batch_size, max_rows, rank, world_size), bar),
+                device=device,
+                precision=precision,
+                group=group,
+            )
+            for name, source in sources.items()
+        }
     metrics = _val_metrics(sum(totals.values()))
     if len(totals) > 1:
         for name, t in totals.items():
             metrics.update(_val_metrics(t, f"val/{name}"))
     return metrics
+
+
+def _ticking(batches, bar):
+    for batch in batches:
+        yield batch
+        bar.update(1)
 
 
 def _val_metrics(totals: torch.Tensor, prefix: str = "val") -> dict[str, float]:
