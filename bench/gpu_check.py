@@ -260,8 +260,8 @@ def part_attention(device: str, dry: bool) -> None:
 
 def part_torchrun(device: str, dry: bool) -> None:
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.dataset.tokenizer_training import TokenizerTrainConfig, train_tokenizer
     from marinlm.quickstart import build_default_corpus
-    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         build_default_corpus(Path(tmp) / "raw")
@@ -454,11 +454,11 @@ def part_finetune(device: str, dry: bool) -> None:
     from dataclasses import replace
 
     from marinlm.config import load_config
-    from marinlm.hf.importer import save_run
     from marinlm.model import MarinForCausalLM
     from marinlm.presets import preset
     from marinlm.tokenizer import MarinTokenizer, train_bpe
     from marinlm.train.config import TrainConfig
+    from marinlm.train.run_folder import save_run
 
     rng = random.Random(0)
     pairs = [(a, b) for a, b in ((rng.randint(1, 99), rng.randint(1, 99)) for _ in range(400))]

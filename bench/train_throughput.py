@@ -29,8 +29,8 @@ RSS_WRAPPER = (
 def make_tokens(folder: Path) -> Path:
     """Token shards of the standard library sources (what the quickstart uses), if none given."""
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.dataset.tokenizer_training import TokenizerTrainConfig, train_tokenizer
     from marinlm.quickstart import build_default_corpus
-    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
 
     build_default_corpus(folder / "raw")
     train_tokenizer(

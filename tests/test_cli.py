@@ -143,7 +143,7 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(tmp_path, cap
 
 
 def test_a_diverged_run_ends_with_its_message_and_no_traceback(monkeypatch, capsys):
-    import marinlm.train.run as trainer
+    import marinlm.jobs as trainer
     from marinlm.train.signals import TrainingDiverged
 
     def diverge(config, resume):
@@ -373,9 +373,9 @@ def test_the_readme_stage_by_stage_commands_chain_through_their_configs(tmp_path
         ("_quickstart", ["quickstart"], "interrupted; the same command carries on from the last finished unit"),
         ("_train", ["train", "x.yaml"], "interrupted; the same command carries on from the last finished unit"),
         ("_generate", ["generate", "run", "--prompt", "a"], "interrupted"),
-        ("marinlm.eval.commands:_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
+        ("marinlm.commands.eval:_eval", ["eval", "run", "--tasks", "val"], "interrupted"),
         (
-            "marinlm.finetune.commands:_finetune",
+            "marinlm.commands.finetune:_finetune",
             ["finetune", "x.yaml"],
             "interrupted; the same command carries on from the last finished unit",
         ),
@@ -421,9 +421,9 @@ def saved_run(run):
     """A one-layer tiny run with one checkpoint of random weights (nothing trained)."""
     from dataclasses import replace
 
-    from marinlm.hf.importer import save_run
     from marinlm.tokenizer import MarinTokenizer, train_bpe
     from marinlm.train.config import TrainConfig
+    from marinlm.train.run_folder import save_run
 
     from conftest import SAMPLE_TEXTS, build, tiny_config
 

@@ -607,7 +607,7 @@ def test_ray_address_is_checked_before_ray_waits_for_a_missing_head(tmp_path, mo
     minutes with GCS warnings; a malformed one reached Ray."""
     import socket
 
-    from marinlm.utils.pool import ray_map
+    from marinlm.data.executors import ray_map
 
     with pytest.raises(ConfigError, match=r"ray_address: must be '' \(Ray on this machine\), 'auto', HOST:PORT"):
         bare_config(tmp_path / "out", [{"name": "web", "inputs": [str(tmp_path)]}], ray_address="headnode")
@@ -911,7 +911,7 @@ def test_a_curation_folder_as_input_means_its_shards(tmp_path):
     """Pointing tokenize or the tokenizer trainer at a curation folder used to read its rejected/ and
     dropped/ side outputs as documents too (twice the documents on the quickstart corpus)."""
     from marinlm.data.inputs import expand_inputs
-    from marinlm.tokenizer import iter_training_texts
+    from marinlm.dataset.tokenizer_training import iter_training_texts
 
     docs = synthetic_docs(20, seed=3, words=60)
     write_jsonl(tmp_path / "in" / "a.jsonl", docs + docs[:5], "a-")  # 5 exact duplicates get dropped

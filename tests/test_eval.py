@@ -16,9 +16,9 @@ from marinlm.config import ConfigError
 from marinlm.eval.lm import Request, Scorer
 from marinlm.eval.runner import EvalOptions, markdown_table, prepare, run_eval
 from marinlm.eval.tasks import BOOTSTRAP_ITERS, MMLU, Item, Lambada, TaskDataError, score, task_registry
+from marinlm.loading import LoadedModel
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
-from marinlm.train.inference import LoadedModel
 
 from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, train_config
 
@@ -564,8 +564,8 @@ def strip_checkpoint_tokenizer(folder: Path) -> None:
 
 @pytest.mark.slow
 def test_eval_hook_logs_during_training(token_data, tmp_path):
+    from marinlm.jobs import run_training
     from marinlm.train.metrics import read_metrics
-    from marinlm.train.run import run_training
 
     write_tasks(tmp_path / "tasks")
     config = train_config(
@@ -578,8 +578,8 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
     logged = [r for r in read_metrics(tmp_path / "run") if "eval/arc_easy/acc" in r]
     assert [r["step"] for r in logged] == [2, 4]
     # The run's model loads with its own tokenizer, and refuses another one.
+    from marinlm.loading import load_model
     from marinlm.train.checkpoint import CheckpointError
-    from marinlm.train.inference import load_model
 
     loaded = load_model(tmp_path / "run")
     assert loaded.checkpoint.name == "step-00000004"
@@ -596,9 +596,9 @@ def test_eval_hook_logs_during_training(token_data, tmp_path):
 def test_eval_and_generate_skip_a_damaged_newest_checkpoint(token_data, tmp_path, capsys):
     """A run killed while its newest checkpoint was copied, or a disk that lost its tail: `marinlm
     eval/generate RUN` warn and use the newest good one; naming the damaged one is an error."""
-    from marinlm.train.checkpoint import CheckpointError
-    from marinlm.train.inference import load_model, resolve_checkpoint
-    from marinlm.train.run import run_training
+    from marinlm.jobs import run_training
+    from marinlm.loading import load_model
+    from marinlm.train.checkpoint import CheckpointError, resolve_checkpoint
 
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 4}, checkpoint={"every_steps": 2}))
     newest = tmp_path / "run" / "checkpoints" / "step-00000004"
@@ -621,8 +621,8 @@ def test_a_checkpoint_copied_out_of_its_run_still_loads_with_its_tokenizer(token
     tokenizer": the tokenizer lived in the run folder only. Each checkpoint now keeps a copy."""
     import shutil
 
-    from marinlm.train.inference import load_model
-    from marinlm.train.run import run_training
+    from marinlm.jobs import run_training
+    from marinlm.loading import load_model
 
     run_training(train_config(token_data, tmp_path / "run", train={"steps": 2}, checkpoint={"every_steps": 2}))
     saved = tmp_path / "run" / "checkpoints" / "step-00000002"
@@ -646,9 +646,9 @@ def test_each_sources_validation_loss_is_logged_in_training_and_scored_by_eval(t
     """With a mixture, validation covered the first source only; now each source and all of them."""
     import shutil
 
-    from marinlm.train.inference import load_model
+    from marinlm.jobs import run_training
+    from marinlm.loading import load_model
     from marinlm.train.metrics import read_metrics
-    from marinlm.train.run import run_training
 
     shutil.copytree(token_data, tmp_path / "other")  # a second source: the same documents, other rows drawn
     sources = [{"path": str(token_data)}, {"path": str(tmp_path / "other"), "weight": 0.5}]
@@ -682,8 +682,8 @@ def test_val_of_a_run_trained_with_relative_paths_scores_from_another_folder(tok
     manifest": the run's data path is relative to the folder training ran from, /a."""
     import shutil
 
-    from marinlm.train.inference import load_model
-    from marinlm.train.run import run_training
+    from marinlm.jobs import run_training
+    from marinlm.loading import load_model
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     shutil.copytree(token_data, project / "runs" / "tokens")
@@ -714,7 +714,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     import sys
 
     from marinlm.config import save_config
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
     from marinlm.train.metrics import read_metrics
 
     from conftest import ROOT
@@ -791,7 +791,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
 def test_eval_hook_checks_its_task_files_before_the_first_step(token_data, tmp_path):
     """A missing task file used to surface at step N, ending the run with the steps since the last
     checkpoint lost."""
-    from marinlm.train.run import attach_eval_hook
+    from marinlm.jobs import attach_eval_hook
     from marinlm.train.trainer import Trainer
 
     config = train_config(
@@ -867,7 +867,7 @@ def test_task_rows_from_hf_datasets_on_local_files(tmp_path, loaded):
 
 def test_cli_output_may_be_a_folder(tmp_path, loaded, monkeypatch):
     """`--output DIR` writes DIR/eval.json (it was an IsADirectoryError), or eval-2.json beside an earlier one."""
-    import marinlm.train.inference as inference
+    import marinlm.loading as inference
     from marinlm.cli import main
 
     monkeypatch.setattr(inference, "load_model", lambda run, device: loaded)
@@ -908,7 +908,7 @@ def test_val_task_without_its_data_fails_before_any_scoring(tmp_path, loaded, mo
 def test_scoring_and_generation_start_texts_as_training_started_documents(loaded, tmp_path, monkeypatch):
     """A run trained with data.add_bos false never saw BOS: its texts began after the previous
     document's EOS, so scoring and generation put EOS first, not a token untrained at position 0."""
-    import marinlm.train.inference as inference
+    import marinlm.loading as inference
     from marinlm.model import SamplingConfig
 
     (tmp_path / "text.txt").write_text("the cat sat on the mat")
@@ -934,8 +934,8 @@ def test_scoring_and_generation_start_texts_as_training_started_documents(loaded
 
 
 def test_generating_past_max_seq_len_warns(loaded, capsys):
+    from marinlm.loading import generate_text
     from marinlm.model import SamplingConfig
-    from marinlm.train.inference import generate_text
 
     limit = loaded.model.config.max_seq_len
     generate_text(loaded, "a b c", SamplingConfig(max_new_tokens=2, temperature=0))
@@ -948,7 +948,7 @@ def test_generation_in_generate_and_eval_keeps_to_the_tokenizers_ids(loaded, mon
     """The model's 4,096 rows pass the tokenizer's few hundred ids: both generators limit sampling to
     the ids the tokenizer can decode."""
     import marinlm.eval.lm as lm
-    import marinlm.train.inference as inference
+    import marinlm.loading as inference
     from marinlm.model import SamplingConfig
 
     assert loaded.model.config.vocab_size > loaded.tokenizer.vocab_size
@@ -993,7 +993,7 @@ def test_an_unreachable_hub_for_hf_task_files_is_an_error_not_a_traceback(tmp_pa
     ConnectionError, which `marinlm eval` printed as a traceback."""
     import datasets
 
-    import marinlm.train.inference as inference
+    import marinlm.loading as inference
     from marinlm.cli import main
 
     def offline(*args, **kwargs):
@@ -1013,7 +1013,7 @@ def test_cli_results_outlive_checkpoint_retention_and_never_overwrite(tmp_path, 
     """`marinlm eval RUN` wrote CHECKPOINT/eval.json: while training went on, retention
     (checkpoint.keep_last) deleted that checkpoint folder and the results with it, and a second
     eval of the same checkpoint overwrote the first."""
-    import marinlm.train.inference as inference
+    import marinlm.loading as inference
     from marinlm.cli import main
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000050"

@@ -19,9 +19,10 @@ import pytest
 from fault_inject import POINTS
 from marinlm.cli import main as marinlm
 from marinlm.config import save_config
+from marinlm.jobs import run_training
 from marinlm.train.checkpoint import list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
-from marinlm.train.run import Trainer, run_training
+from marinlm.train.trainer import Trainer
 from test_data_pipeline import parquet_with_a_corrupt_row_group, synthetic_docs
 
 from conftest import ROOT, train_config
@@ -322,9 +323,9 @@ def small_run(tmp_path_factory) -> Path:
     import and fine-tune."""
     from dataclasses import replace
 
-    from marinlm.hf.importer import save_run
     from marinlm.tokenizer import MarinTokenizer, train_bpe
     from marinlm.train.config import TrainConfig
+    from marinlm.train.run_folder import save_run
 
     from conftest import SAMPLE_TEXTS, build, tiny_config
 

@@ -26,10 +26,10 @@ from marinlm.finetune.adapters import (
 from marinlm.finetune.config import FinetuneConfig
 from marinlm.finetune.data import ChatRenderer, Examples, SFTDataError, pack, render_all
 from marinlm.hf.export import MANIFEST, verify
-from marinlm.hf.importer import save_run
 from marinlm.model.experts import RoutedExperts
 from marinlm.tokenizer import CHAT_TEMPLATE, MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
+from marinlm.train.run_folder import save_run
 
 from conftest import CONFIGS, SAMPLE_TEXTS, build, randomize_identity_inits, shared_data, tiny_config
 
@@ -410,7 +410,7 @@ def test_finetuning_lowers_the_held_out_answer_loss(tmp_path, base_run, method, 
     model's; the trainable count printed at start is the one the method implies; the run generates
     with its chat template, evaluates and exports."""
     from marinlm.cli import main
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     files = gsm8k_slice(tmp_path, 64, 16)
     config_file = CONFIGS / "finetune" / "gsm8k-lora.yaml"
@@ -468,7 +468,7 @@ def test_routers_and_norms_that_lora_trains_travel_in_the_adapter(tmp_path, base
     from safetensors.torch import load_file
 
     from marinlm.cli import main
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     files = gsm8k_slice(tmp_path, 16, 4)
     run = tmp_path / "run"
@@ -643,7 +643,7 @@ def test_a_larger_vocab_takes_the_base_rows_and_starts_new_rows_at_their_mean(tm
     transformers' resize_token_embeddings does; a smaller one, or too little room, is an error
     that names the size to set."""
     from marinlm.finetune.loading import load_base_weights
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     base = load_model(base_run).model.state_dict()
     config = replace(load_model(base_run).config.model, vocab_size=1024)
@@ -666,8 +666,8 @@ def test_new_special_tokens_train_their_rows_and_export_with_the_adapter(tmp_pat
 
     from marinlm.cli import main
     from marinlm.finetune.trainer import frozen_new_rows
+    from marinlm.loading import load_model
     from marinlm.train.checkpoint import checkpoint_tokenizer, resolve_checkpoint
-    from marinlm.train.inference import load_model
 
     template = tmp_path / "t.jinja"
     template.write_text(
@@ -704,8 +704,8 @@ def test_new_special_tokens_train_their_rows_and_export_with_the_adapter(tmp_pat
 
 def test_a_bad_value_is_traced_to_the_command_line_or_the_file(tmp_path):
     """A bad `--lora.r=0` was blamed on the YAML file ("(in configs/finetune/...)")."""
+    from marinlm.commands.finetune import load_finetune_config
     from marinlm.config import ConfigError
-    from marinlm.finetune.commands import load_finetune_config
 
     config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
     model = f"--model={CONFIGS / 'model' / 'tiny.yaml'}"  # no base run to read
@@ -720,7 +720,7 @@ def test_a_model_file_on_the_command_line_replaces_the_base_runs_model(base_run)
     """`--model=FILE` crashed with a traceback (a string merged as a section); it now stands for that
     file's model (what `marinlm plan` of a fine-tuning config for another base needs), and plain
     keys still edit the base run's."""
-    from marinlm.finetune.commands import load_finetune_config
+    from marinlm.commands.finetune import load_finetune_config
     from marinlm.model.config import MarinConfig
 
     config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")

@@ -12,10 +12,10 @@ from marinlm.config import load_config, save_config
 from marinlm.hf.export import export, parity_check, verify
 from marinlm.hf.importer import import_hf, save_run
 from marinlm.hf.remote_code import _strip_own_imports, modeling_source
+from marinlm.loading import load_model
 from marinlm.model import MarinConfig
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
-from marinlm.train.inference import load_model
 
 from conftest import CONFIGS, SAMPLE_TEXTS, build, randomize_identity_inits, train_config
 

@@ -100,6 +100,65 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+# The packages of marinlm (a top-level module counts as one), lowest first, as docs/architecture.md
+# draws them. A package imports only from layers below its own, at module level or in a function.
+LAYERS = [
+    {"marinlm", "utils", "presets"},
+    {"config"},
+    {"model", "tokenizer"},
+    {"kernels", "optim", "parallel"},
+    {"data"},
+    {"dataset"},
+    {"train"},
+    {"finetune"},
+    {"loading", "plan"},
+    {"eval"},
+    {"hf", "jobs"},
+    {"quickstart", "commands"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Each import from one package into another that is not in a lower layer, as
+    "importer -> imported", and each package no layer names."""
+    level = {package: i for i, layer in enumerate(layers) for package in layer}
+    unplaced = {package_of(m) for m in graph} - set(level)
+    found = [f"{p}: in no layer" for p in sorted(unplaced)]
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = package_of(module), package_of(target)
+            if a != b and a in level and b in level and level[b] >= level[a]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_packages_only_point_down():
+    """train -> eval, train -> finetune, finetune -> hf, parallel -> train and utils -> config each
+    ran back up through an import inside a function; the module-level cycle test passed them."""
+    graph = import_graph()
+    assert not upward_imports(graph, LAYERS), "\n".join(upward_imports(graph, LAYERS))
+
+
+def test_an_upward_import_inside_a_function_is_found(tmp_path, monkeypatch):
+    """A planted loop: a function in train/ that imports eval/, as train/run.py did."""
+    planted = tmp_path / "src"
+    (planted / "marinlm").mkdir(parents=True)
+    for path in (SRC / "marinlm").rglob("*.py"):
+        target = planted / path.relative_to(SRC)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    step = planted / "marinlm" / "train" / "step.py"
+    step.write_text(step.read_text() + "\n\ndef _planted():\n    from marinlm.eval.hook import make_eval_hook\n")
+    monkeypatch.setattr(__import__(__name__), "SRC", planted)
+    assert upward_imports(import_graph(), LAYERS) == ["marinlm.train.step -> marinlm.eval.hook"]
+
+
 def test_no_source_file_is_over_500_lines():
     lengths = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in (SRC / "marinlm").rglob("*.py")}
     assert not {p: n for p, n in lengths.items() if n > 500}

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from marinlm.config import ConfigError, save_config
+from marinlm.jobs import run_training
 from marinlm.parallel import ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.metrics import read_metrics
-from marinlm.train.run import run_training
 
 from conftest import ROOT, tiny_config, train_config
 
@@ -82,7 +82,7 @@ def val_losses(run_dir) -> dict[int, float]:
 
 
 def router_biases(run_dir) -> list[torch.Tensor]:
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     model = load_model(run_dir).model  # one process, resharding the layout's checkpoint
     return [m.router.bias.clone() for m in model.modules() if hasattr(m, "router")]

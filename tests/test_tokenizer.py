@@ -7,15 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tqdm import tqdm
 
-from marinlm.tokenizer import (
-    EOS,
-    SPECIAL_TOKENS,
-    MarinTokenizer,
-    TokenizerTrainConfig,
-    iter_training_texts,
-    train_bpe,
-    train_tokenizer,
-)
+from marinlm.dataset.tokenizer_training import TokenizerTrainConfig, iter_training_texts, train_tokenizer
+from marinlm.tokenizer import EOS, SPECIAL_TOKENS, MarinTokenizer, train_bpe
 from marinlm.utils.io import OutputInUseError
 
 from conftest import SAMPLE_TEXTS, shared_data, stdlib_python_texts
@@ -217,7 +210,7 @@ def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
 def test_a_byte_budget_samples_every_input_file(tmp_path):
     """Curated shards hold one source each. With max_bytes, the tokenizer's text came from the first
     files alone, so a later source (here: Chinese) was left out of the vocabulary."""
-    from marinlm.tokenizer import iter_training_texts
+    from marinlm.dataset.tokenizer_training import iter_training_texts
 
     for name, line in [("00000", "def parse(value): return value"), ("00001", "中文的句子和更多的汉字")]:
         with open(tmp_path / f"{name}.jsonl", "w") as f:

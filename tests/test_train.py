@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 from marinlm.config import save_config, to_dict
 from marinlm.dataset.loader import source_names
+from marinlm.jobs import run_training
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
 from marinlm.train.metrics import read_metrics
-from marinlm.train.run import Trainer, run_training
+from marinlm.train.trainer import Trainer
 from marinlm.utils.io import folder_lock
 
 from conftest import ROOT, tiny_config, train_config
@@ -285,7 +286,8 @@ def test_a_key_newer_than_the_checkpoints_config_is_named_absent(token_data, tmp
     """The warning compared today's defaults for keys an older config.yaml lacks: a run from before
     data.shuffle_rows (rows drawn in sequence) read as `data.shuffle_rows: True -> False`."""
     import marinlm.train.resume as resume_module  # where checkpoints are saved
-    from marinlm.train.run import Trainer, run_training
+    from marinlm.jobs import run_training
+    from marinlm.train.trainer import Trainer
 
     written_before_the_key = resume_module.dump_config
     monkeypatch.setattr(
@@ -679,7 +681,7 @@ def test_a_fresh_run_trains_alike_with_resume_auto_or_none(token_data, tmp_path,
 
 def test_continued_training_starts_from_another_runs_weights(token_data, tmp_path, capsys, monkeypatch):
     import marinlm.train.checkpoint as checkpoint_module
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     run_training(train_config(token_data, tmp_path / "base", train={"steps": 4}), resume="none")
     hashed = []
@@ -1341,16 +1343,16 @@ def test_auto_precision_is_bf16_only_where_matmuls_have_bf16_units(bf16_units, t
         calibrated.append(precision)
         return real_autocast(device, precision)
 
-    from marinlm.train import step as step_module
+    from marinlm.utils import device as device_module
 
-    real_autocast = step_module.autocast_context
-    monkeypatch.setattr(step_module, "autocast_context", recording)
+    real_autocast = device_module.autocast_context
+    monkeypatch.setattr(device_module, "autocast_context", recording)
     monkeypatch.setattr(plan, "median_step_seconds", one_step)
     plan.calibrate_step_seconds(config)
     assert calibrated == [want]
     for explicit in ("fp32", "bf16"):  # a precision that is named is kept
-        assert step_module.resolve_precision(explicit, torch.device("cpu")) == explicit
-    assert step_module.resolve_precision("auto", torch.device("cuda")) == "bf16"
+        assert device_module.resolve_precision(explicit, torch.device("cpu")) == explicit
+    assert device_module.resolve_precision("auto", torch.device("cuda")) == "bf16"
 
 
 def test_a_run_resumed_where_auto_means_another_precision_says_so(token_data, tmp_path, capsys, monkeypatch):
@@ -1425,7 +1427,7 @@ def _two_checkpoints(token_data, run_dir):
 def test_a_completion_marker_of_the_wrong_shape_falls_back(token_data, tmp_path, capsys, marker):
     """Valid JSON of the wrong shape in the newest COMPLETE.json crashed `--resume auto` and
     `generate` (TypeError, AttributeError, KeyError); now both skip it for the previous checkpoint."""
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     config = _two_checkpoints(token_data, tmp_path / "run")
     newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
@@ -1485,7 +1487,7 @@ def test_a_diverging_run_stops_whatever_its_checkpoint_interval(token_data, tmp_
     steps, each rollback landed on one of the bad streak, `max_rollbacks` (then counted per
     checkpoint) never triggered, and the run ended 'done' with exit 0. Now the CLI exits non-zero
     naming the learning rate, and every kept checkpoint holds finite weights."""
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     config = train_config(
         token_data,

@@ -35,7 +35,7 @@ def _load(cls, path, overrides):
 
 
 def _tokenizer_train(args, overrides) -> int:
-    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
+    from marinlm.dataset.tokenizer_training import TokenizerTrainConfig, train_tokenizer
 
     _, report = train_tokenizer(_load(TokenizerTrainConfig, args.config, overrides), in_child=True)
     print(
@@ -97,8 +97,8 @@ def _tokenize(args, overrides) -> int:
 
 
 def _train(args, overrides) -> int:
+    from marinlm.jobs import run_training
     from marinlm.train.config import TrainConfig
-    from marinlm.train.run import run_training
 
     config = _load(TrainConfig, args.config, overrides)
     summary = run_training(config, resume=args.resume)
@@ -136,8 +136,8 @@ def _train(args, overrides) -> int:
 
 
 def _generate(args, overrides) -> int:
+    from marinlm.loading import generate_text, load_model
     from marinlm.model import SamplingConfig
-    from marinlm.train.inference import generate_text, load_model
 
     loaded = load_model(args.run, device=args.device)
     sampling = SamplingConfig(
@@ -226,7 +226,7 @@ def _plan(args, overrides) -> int:
     from marinlm.train.config import TrainConfig
 
     if is_finetune_config(find_config(args.config)):  # the base run's model, what the method trains
-        from marinlm.finetune.commands import load_finetune_config
+        from marinlm.commands.finetune import load_finetune_config
 
         train = load_finetune_config(args.config, overrides)
     else:
@@ -404,13 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
 
-    from marinlm.eval.commands import add_commands as add_eval_commands
+    from marinlm.commands.eval import add_commands as add_eval_commands
 
     add_eval_commands(commands)
-    from marinlm.hf.commands import add_commands as add_hf_commands
+    from marinlm.commands.hf import add_commands as add_hf_commands
 
     add_hf_commands(commands)
-    from marinlm.finetune.commands import add_commands as add_finetune_commands
+    from marinlm.commands.finetune import add_commands as add_finetune_commands
 
     add_finetune_commands(commands)
 
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
-        from marinlm.eval.commands import lm_eval_passthrough
+        from marinlm.commands.eval import lm_eval_passthrough
 
         return lm_eval_passthrough(argv[1:])
     parser = build_parser()

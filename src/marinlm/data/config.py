@@ -9,11 +9,11 @@ from marinlm.config import ConfigError, check
 from marinlm.data.classify import ClassifierConfig, TopicConfig
 from marinlm.data.decontam import DecontamConfig
 from marinlm.data.dedup import DedupConfig
+from marinlm.data.executors import check_executor
 from marinlm.data.filters import QualityConfig
 from marinlm.data.mixture import MixtureConfig
 from marinlm.data.normalize import LangIdConfig, NormalizeConfig
 from marinlm.data.pii import PIIConfig
-from marinlm.utils.pool import check_executor
 
 
 @dataclass(kw_only=True)

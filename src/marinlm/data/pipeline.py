@@ -31,6 +31,7 @@ from marinlm.data.classify import QualityScore, TopicAssign, cell_name, fit_mode
 from marinlm.data.config import OutputConfig, PipelineConfig, SourceSpec  # noqa: E402,F401  (the config API in one place)
 from marinlm.data.decontam import Decontaminate, NgramIndex
 from marinlm.data.dedup import minhash_bands, xxh3
+from marinlm.data.executors import ray_map
 from marinlm.data.filters import quality_steps
 from marinlm.data.inputs import expand_inputs, input_note
 from marinlm.data.normalize import LanguageId, Normalize
@@ -39,7 +40,7 @@ from marinlm.data.readers import Document, document_location, input_parts, read_
 from marinlm.data.records import doc_record, read_records, repeat_id, write_records  # noqa: E402,F401
 from marinlm.data.steps import ShardContext
 from marinlm.utils.io import atomic_path, job_output, sha256_file, write_json_atomic
-from marinlm.utils.pool import process_map, ray_map
+from marinlm.utils.pool import process_map
 from marinlm.utils.progress import progress_bar, resumed_line
 
 PARAGRAPH = re.compile(r"\n{2,}")

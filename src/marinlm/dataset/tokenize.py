@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from marinlm.config import check
+from marinlm.data.executors import check_executor, ray_map
 from marinlm.data.readers import input_parts
 from marinlm.data.records import original_id
 from marinlm.dataset.shards import SPLITS, token_dtype
 from marinlm.utils.io import atomic_path, copy_folder_atomic, job_output, named, sha256_file, write_json_atomic
-from marinlm.utils.pool import check_executor, process_map, ray_map
+from marinlm.utils.pool import process_map
 from marinlm.utils.progress import progress_bar, resumed_line
 
 REJECTED_IN_MANIFEST = 100  # examples of rejected input records kept in manifest.json

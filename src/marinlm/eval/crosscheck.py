@@ -42,7 +42,7 @@ def harness_scores(export_dir, tasks, limit: int, data_dir, batch_size: int = 16
 
 def marinlm_scores(run, tasks, limit: int, data_dir, batch_size: int = 16, kernels: bool = True) -> dict:
     from marinlm.eval.runner import EvalOptions, run_eval
-    from marinlm.train.inference import load_model
+    from marinlm.loading import load_model
 
     options = EvalOptions(
         tasks=list(tasks), data_dir=str(data_dir), limit=limit, predictions=True, batch_size=batch_size

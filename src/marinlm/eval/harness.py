@@ -23,7 +23,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from marinlm.eval.lm import Request, Scorer
-from marinlm.train.inference import document_start_id, load_model
+from marinlm.loading import document_start_id, load_model
 
 
 @register_model("marinlm")

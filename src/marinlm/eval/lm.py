@@ -57,7 +57,7 @@ class Scorer:
     ):
         self.model, self.tok = model.eval(), tokenizer
         # What every scored text starts with: the token training documents began with
-        # (train.inference.document_start_id); BOS when not given.
+        # (marinlm.loading.document_start_id); BOS when not given.
         self.start_id = tokenizer.bos_id if start_id is None else start_id
         self.max_length = max_length or model.config.max_seq_len
         self.batch_size, self.share_context = batch_size, share_context

@@ -22,8 +22,8 @@ from marinlm.data.inputs import expand_inputs
 from marinlm.data.readers import COMPRESSED_TEXT_SUFFIXES, Rejected, decompressed, read_documents
 from marinlm.eval.lm import Scorer
 from marinlm.eval.tasks import MMLU, TaskDataError, TaskFileMissing, read_text, score, subset, task_registry
+from marinlm.loading import document_start_id
 from marinlm.parallel.distributed import rank_and_world
-from marinlm.train.inference import document_start_id
 from marinlm.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 # Where task files are found without --data-dir: $MARINLM_EVAL_DATA, else ../shared/data/eval beside
@@ -149,7 +149,7 @@ def prepare(options: EvalOptions) -> list[tuple[str, object, list]]:
 def run_eval(
     loaded, options: EvalOptions, output: str | Path | None = None, val_sources=None, prepared: list | None = None
 ) -> dict:
-    """Score `loaded` (a train.inference.LoadedModel) on the tasks; write results if `output` is given.
+    """Score `loaded` (a marinlm.loading.LoadedModel) on the tasks; write results if `output` is given.
 
     `prepared` is `prepare(options)` done ahead (the training hook loads its tasks once, at start).
     """

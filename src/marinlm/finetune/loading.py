@@ -210,8 +210,8 @@ def merge_run(run: str | Path, out_dir: str | Path | None = None, base: Path | N
 def save_plain_run(model: torch.nn.Module, config: FinetuneConfig, folder: Path, out_dir: Path, key: str) -> Path:
     """`model` (plain modules) as the step-0 checkpoint of a training run in `out_dir`, with the
     fine-tuning checkpoint `folder`'s tokenizer; `key` names `folder` in its trainer state."""
-    from marinlm.hf.importer import save_run
     from marinlm.train.config import TrainConfig
+    from marinlm.train.run_folder import save_run
 
     if (out_dir / "checkpoints").exists():
         raise ValueError(f"{out_dir}: already holds a run; remove it or give another folder")

@@ -236,10 +236,3 @@ class FinetuneTrainer(Trainer):
                 save_peft_adapter(state, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
             summary["adapter"] = str(self.run_dir / "adapter")
         return summary
-
-
-def run_finetune(config: FinetuneConfig, resume: str = "auto") -> dict:
-    """Entry point for `marinlm finetune` (also under torchrun)."""
-    from marinlm.train.run import run_training
-
-    return run_training(config, resume, FinetuneTrainer)

@@ -307,8 +307,8 @@ def parity_check(
     different lengths, and whether greedy generate() gives the same tokens for `new_tokens` steps."""
     from transformers import AutoModelForCausalLM
 
+    from marinlm.loading import load_model
     from marinlm.model import SamplingConfig, generate
-    from marinlm.train.inference import load_model
 
     out_dir = Path(out_dir)
     source = source or json.loads((out_dir / MANIFEST).read_text())["checkpoint"]

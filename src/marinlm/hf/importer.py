@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from marinlm.config import dump_config, from_dict, load_config
+from marinlm.config import from_dict, load_config
 from marinlm.dataset.loader import DataConfig
 from marinlm.hf import qwen3_moe
 from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
 from marinlm.presets import preset
 from marinlm.train.config import TrainConfig
+from marinlm.train.run_folder import save_run
 from marinlm.utils.io import read_utf8, refuse_overlap
 from marinlm.utils.progress import progress_bar
 
@@ -197,20 +198,6 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, *, overwrite: bool = Fals
     if overwrite:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return save_run(run_dir, train, ours, tokenizer, {"imported_from": str(hf_dir.resolve())})
-
-
-def save_run(run_dir: Path, train: TrainConfig, state: dict, tokenizer, extra: dict) -> Path:
-    """A run folder holding `state` as its step-0 checkpoint, with its config and tokenizer."""
-    from marinlm.train.checkpoint import CheckpointManager
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tok_dir = run_dir / "tokenizer"
-    shutil.rmtree(tok_dir, ignore_errors=True)
-    tokenizer.save(tok_dir, model_max_length=train.model.max_seq_len)
-    (run_dir / "config.yaml").write_text(dump_config(train))
-    trainer_state = {"step": 0, "tokenizer_hash": tokenizer.hash, **extra}
-    manager = CheckpointManager(run_dir / "checkpoints")
-    return manager.save(0, {"model": state}, trainer_state, dump_config(train), tokenizer=tok_dir)
 
 
 def _check_tensors(ours: dict[str, torch.Tensor], model: MarinConfig, where: Path) -> None:

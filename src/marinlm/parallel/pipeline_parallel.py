@@ -230,7 +230,7 @@ class PipelinedModel(nn.Module):
     def forward_backward(self, batches, *, device, precision, global_tokens: int, world_size: int):
         """`train.step.forward_backward` through the schedule: the micro-batches are its microbatches."""
         from marinlm.model.router import RouterStats
-        from marinlm.train.step import autocast_context
+        from marinlm.utils.device import autocast_context
 
         self._global_tokens, self._world, self._records = global_tokens, world_size, []
         cat = {key: torch.cat([b[key] for b in batches]).to(device) for key in ("input_ids", "segment_ids", "labels")}

@@ -153,10 +153,10 @@ def run_quickstart(
     from marinlm.data.inputs import expand_inputs, glob_base
     from marinlm.data.pipeline import PipelineConfig, SourceSpec, run_pipeline
     from marinlm.dataset.tokenize import TokenizeConfig, tokenize
+    from marinlm.dataset.tokenizer_training import TokenizerTrainConfig, train_tokenizer
+    from marinlm.loading import generate_text, load_model
     from marinlm.model import SamplingConfig
-    from marinlm.tokenizer import TokenizerTrainConfig, train_tokenizer
     from marinlm.train.config import TrainConfig
-    from marinlm.train.inference import generate_text, load_model
     from marinlm.train.metrics import read_metrics
     from marinlm.train.signals import StoppedBySignal
     from marinlm.train.trainer import Trainer

@@ -118,8 +118,7 @@ def calibrate_step_seconds(train_config) -> tuple[float, float]:
     from marinlm.kernels import apply_kernels
     from marinlm.model import MarinForCausalLM
     from marinlm.optim import build_optimizer
-    from marinlm.train.step import autocast_context, resolve_precision
-    from marinlm.utils.device import resolve_device
+    from marinlm.utils.device import autocast_context, resolve_device, resolve_precision
 
     device = resolve_device(train_config.train.device)
     precision = resolve_precision(train_config.train.precision, device)

@@ -8,7 +8,6 @@ and N processes on the same global batch compute the same gradient, up to summat
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from marinlm.model.router import RouterStats, bin_live, margin_range
 from marinlm.parallel.distributed import all_reduce_
-from marinlm.utils.device import native_bf16
+from marinlm.utils.device import autocast_context
 
 
 @dataclass
@@ -51,20 +50,6 @@ def split_rows(batches: list[dict], pieces: int) -> list[dict]:
     if pieces == 1:
         return batches
     return [{k: v[i::pieces] for k, v in b.items()} for b in batches for i in range(pieces)]
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`train.precision` as a run computes: `auto` is bf16 where matmuls have bf16 hardware
-    (`native_bf16`: GPUs, CPUs with AVX512-BF16 or AMX), fp32 elsewhere."""
-    if precision == "auto":
-        return "bf16" if native_bf16(device) else "fp32"
-    return precision
-
-
-def autocast_context(device: torch.device, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def total_norm(tensors: list[torch.Tensor], group=None) -> torch.Tensor:

@@ -49,12 +49,11 @@ from marinlm.train.step import (
     OutOfMemoryInUpdate,
     StepResult,
     is_out_of_memory,
-    resolve_precision,
     split_rows,
     train_step,
     validate_sources,
 )
-from marinlm.utils.device import emulated_bf16, gemm_dtype
+from marinlm.utils.device import emulated_bf16, gemm_dtype, resolve_precision
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar

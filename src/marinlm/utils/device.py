@@ -3,6 +3,7 @@ and how much memory a device has free."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,3 +88,17 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype to run a GEMM of `dtype` operands in: fp32 for bf16 where bf16 is emulated (the
     caller rounds operands and results to bf16), otherwise `dtype` itself."""
     return torch.float32 if dtype == torch.bfloat16 and emulated_bf16(device) else dtype
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`train.precision` as a run computes: `auto` is bf16 where matmuls have bf16 hardware
+    (`native_bf16`: GPUs, CPUs with AVX512-BF16 or AMX), fp32 elsewhere."""
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    return precision
+
+
+def autocast_context(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -80,7 +80,7 @@ def _finetune(args: argparse.Namespace, overrides) -> int:
         saved = merge_run(args.run, args.out)
         print(f"merged run: {saved.parent.parent} (generate, eval and export take it)")
         return 0
-    from marinlm.finetune.trainer import run_finetune
+    from marinlm.jobs import run_finetune
 
     if args.base_checkpoint is not None:
         overrides = [*overrides, f"--base_checkpoint={args.base_checkpoint}"]

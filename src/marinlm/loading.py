@@ -1,4 +1,6 @@
-"""Load a trained model (and its tokenizer) from a run folder or a checkpoint, for generation and eval."""
+"""Open a run for use: `load_model` builds the model of a training or fine-tuning run (or of one
+of its checkpoints) with its tokenizer, for evaluation, generation and export; `generate_text`
+samples from it. Above train/ and finetune/, whose runs it opens; below eval/ and hf/."""
 
 from __future__ import annotations
 
@@ -11,17 +13,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from marinlm.config import load_config
+from marinlm.finetune.loading import finetuned_model, is_finetune_config
 from marinlm.kernels import apply_kernels
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
 from marinlm.tokenizer import MarinTokenizer
-from marinlm.train.checkpoint import (  # noqa: F401  (resolve_checkpoint, checkpoint_tokenizer: used from here too)
-    CheckpointError,
-    checkpoint_tokenizer,
-    load_tensors,
-    resolve_checkpoint,
-)
+from marinlm.train.checkpoint import CheckpointError, checkpoint_tokenizer, load_tensors, resolve_checkpoint
 from marinlm.train.config import TrainConfig
 
 
@@ -44,8 +42,6 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
-    from marinlm.finetune.loading import finetuned_model, is_finetune_config
-
     if is_finetune_config(folder / "config.yaml"):  # base weights + trained tensors, merged
         model, config = finetuned_model(folder, info.device, kernels=kernels)
         if info.mesh is not None:

@@ -113,8 +113,8 @@ def _hf_source(spec: str) -> tuple[str, str]:
 
 def _eval(args, overrides) -> int:
     from marinlm.eval.runner import EvalOptions, markdown_table, run_eval
+    from marinlm.loading import load_model
     from marinlm.parallel.distributed import shutdown_distributed
-    from marinlm.train.inference import load_model
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun: the ranks share the work, rank 0 reports
     # Space- or comma-separated, as `marinlm lm-eval` takes them (a bpb:PATH keeps its commas)

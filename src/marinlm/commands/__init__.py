@@ -1,7 +1,9 @@
 """The commands of `marinlm`, in one place: what each is called, its help line, the config class it
 reads (and the folder of configs/ that holds its YAML files), and whether it carries on where it
 stopped when run again. The CLI builds its parser, `--print-config`, the "that file is a ... config"
-hints and its interruption message from this table; nothing below `marinlm` imports it."""
+hints and its interruption message from this table. The package's modules are the command-line
+side of the bigger commands (`eval.py`, `finetune.py`, `hf.py`); only `marinlm.cli` and they import
+the table, which sits above every package whose work it names."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ COMMANDS: dict[str, Command] = {
         Command(
             "tokenizer train",
             "train a byte-level BPE tokenizer",
-            "marinlm.tokenizer:TokenizerTrainConfig",
+            "marinlm.dataset.tokenizer_training:TokenizerTrainConfig",
             "tokenizer",
             "a tokenizer training config (for `marinlm tokenizer train`)",
         ),

@@ -1,11 +1,15 @@
-"""Entry points that run a Trainer: `run_training` for `marinlm train`, and the hooks a caller
-attaches (downstream evaluation lives in marinlm.eval, which reads checkpoints through train/, so it
-is attached from here rather than imported by the trainer)."""
+"""The jobs behind `marinlm train` and `marinlm finetune`: build the trainer, attach the hooks it is
+given from above (downstream evaluation, which lives in eval/ and reads runs through
+marinlm.loading, so the trainer cannot import it), fit, and shut the process group down."""
 
 from __future__ import annotations
 
 import os
 
+from marinlm.eval.hook import make_eval_hook
+from marinlm.finetune.config import FinetuneConfig
+from marinlm.finetune.trainer import FinetuneTrainer
+from marinlm.parallel import shutdown_distributed
 from marinlm.train.config import TrainConfig
 from marinlm.train.trainer import Trainer
 
@@ -14,8 +18,6 @@ def attach_eval_hook(trainer: Trainer) -> None:
     """Score `eval.tasks` every `eval.every_n_steps` steps, when the config asks for it."""
     c = trainer.config.eval
     if c.every_n_steps and c.tasks:
-        from marinlm.eval.hook import make_eval_hook
-
         trainer.add_hook(make_eval_hook(trainer, c), every=c.every_n_steps)
 
 
@@ -29,8 +31,11 @@ def run_training(config: TrainConfig, resume: str = "auto", trainer_class: type[
         attach_eval_hook(trainer)
         return trainer.fit()
     finally:
-        from marinlm.parallel import shutdown_distributed
-
         if trainer is not None:
             trainer.close()
         shutdown_distributed()
+
+
+def run_finetune(config: FinetuneConfig, resume: str = "auto") -> dict:
+    """Entry point for `marinlm finetune` (also under torchrun)."""
+    return run_training(config, resume, FinetuneTrainer)
