@@ -164,6 +164,46 @@ def test_no_source_file_is_over_500_lines():
     assert not {p: n for p, n in lengths.items() if n > 500}
 
 
+# A past measurement in a comment or docstring: a rate, a timing, a date, a named host. Such
+# numbers belong in docs/performance.md and commit messages, where they can be dated and replaced.
+MEASUREMENT = re.compile(
+    r"GFLOP/s|TFLOP/s|seen on|(?<!runs/)\b20\d\d-\d\d-\d\d\b|\d ?(ms|us|µs)\b|\d s/step|2-core|EPYC|Xeon"
+    r"|\bH[12]00\b|clean[- ]clone|dev VM|\d(\.\d+)?x (faster|slower)"
+)
+
+
+def comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every line of every docstring in a Python file."""
+    import io
+    import tokenize
+
+    text = path.read_text()
+    found = [
+        (t.start[0], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                found += [(node.body[0].lineno + i, line) for i, line in enumerate(doc.splitlines())]
+    return found
+
+
+def test_no_code_comment_records_a_past_measurement():
+    """About 60 comments held readings ("seen on an H200", "2-core dev VM ... 112 GFLOP/s", dated
+    runs); code comments say why, and the readings live in docs/performance.md."""
+    found = [
+        f"{path.relative_to(SRC)}:{line}: {text.strip()}"
+        for path in sorted((SRC / "marinlm").rglob("*.py"))
+        for line, text in comments_and_docstrings(path)
+        if MEASUREMENT.search(text)
+    ]
+    assert not found, "\n".join(found)
+    assert MEASUREMENT.search("# on the 2-core EPYC: 0.06 against 0.37 ms (2026-12-03)")
+
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 

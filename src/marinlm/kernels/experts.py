@@ -82,8 +82,8 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_set
 
 def _grouped(x_AD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """`grouped_mm`, through torch's own op and autograd where they cover the operands (bf16): a
-    custom op's Python dispatch and backward cost ~90 us of host time per forward and backward
-    (2-core EPYC, tiny shapes), which a GPU step bound by its host pays 24 times at 8 layers."""
+    custom op's Python dispatch and backward cost host time on every forward and backward, which a
+    GPU step bound by its host pays three times a layer."""
     if x_AD.dtype == torch.bfloat16 and w_EDF.dtype == torch.bfloat16:
         return torch._grouped_mm(x_AD, w_EDF, offs=offsets_E)
     return grouped_mm(x_AD, w_EDF, offsets_E)
@@ -104,9 +104,7 @@ def _sum_slots(
 
     Without drops and in the rows' dtype this is one `embedding_bag` (sum mode): it reads each
     token's k rows and writes the sum, where gathering the [S, D] slots and then summing them
-    writes and reads them again. On the 2-core EPYC, 1,024 x 4 rows of 384 in bf16: 0.06 against
-    0.37 ms, with the same error against fp64 (it too adds in fp32 and rounds once); in fp32, with
-    the cache flushed, 0.18-0.22 against 0.65-0.75 ms, with the same bits.
+    writes and reads them again; it too adds in fp32 and rounds once, so its result is the same.
     """
     dtype = dtype or rows_PD.dtype
     if not dropped and dtype == rows_PD.dtype:
@@ -186,7 +184,7 @@ class _ChunkWeights(torch.autograd.Function):
 
 # Rows per chunk the `chunked` kernel chooses from, and what one chunk with gathered matrices
 # costs, in rows of expert compute (its matrix copies forward and its gradient sums backward),
-# fitted on the 2-core AVX512-BF16 EPYC in bf16 with bench/experts.py (docs/performance.md).
+# fitted with bench/experts.py on a CPU in bf16 (docs/performance.md).
 CHUNK_ROWS = (64, 128, 256, 512)
 CHUNK_COST_ROWS = 48
 

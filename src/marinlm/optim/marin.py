@@ -73,14 +73,10 @@ def newton_schulz(
 def _batch_elements(device: torch.device) -> int:
     """How many elements one batched Newton-Schulz call may stack.
 
-    Measured on the 2-core CPU (`small` preset): stacking all 24 layers' [32, 192, 192] experts
-    into one call ran 2.8 s against 1.4 s one parameter at a time (the stack falls out of cache),
-    while stacking the small matrices halved their time. So on CPU a batch stays near cache size;
-    with the allocator tuned as the trainer tunes it, `python bench/muon_step.py` then gave `tiny`
-    55.6 against 67.9 ms one matrix at a time (1.22x) and `small` 1,475 against 1,586 ms (1.08x).
-    On an H200, where a step of small matrices is bound by
-    kernel launches, batches are large: `tiny` 2.57x, `small` 2.79x (187 -> 67 ms), a 1.1B
-    hero-shaped model 1.73x (239 -> 138 ms).
+    On a CPU a stack of every layer's experts falls out of cache and runs slower than one matrix
+    at a time, while a stack of small matrices runs faster: a batch stays near cache size. On a
+    GPU a step of small matrices is bound by kernel launches, so batches are large
+    (`python bench/muon_step.py`; its readings are in docs/performance.md).
     """
     return 1 << 26 if device.type == "cuda" else 1 << 21
 
@@ -158,8 +154,8 @@ def _hyperball_step(p: torch.Tensor, update_local: torch.Tensor, lr: float) -> N
     """W <- normalise(W - lr * U * |W| / |U|) * |W|, per matrix, in place on the local shard.
 
     On fp32 weights the step runs in place: five passes over the matrix (three norms, one
-    multiply-add, one scale) and no temporaries. Spelled with a copy and separate products, as
-    before, it took 660 us for `small`'s [32, 192, 192] experts against 246 us so (2-core EPYC).
+    multiply-add, one scale) and no temporaries, where a copy and separate products would read
+    and write the matrix several times more.
     """
     w = _local(p)
     new = w if w.dtype in (torch.float32, torch.float64) else w.float()
@@ -289,7 +285,7 @@ class MarinOptimizer(torch.optim.Optimizer):
         """`buf = mu*buf + g`, then the direction `g + mu*buf` (Nesterov) or `buf`: whole matrices.
 
         One foreach op per term over all the parameters (on their local shards), not one op per
-        parameter: `tiny` has 80 MuonH matrices, and on CPU each small op costs ~5-10 us of dispatch.
+        parameter: `tiny` has 80 MuonH matrices, and each small op costs its own dispatch.
         """
         mu = group["momentum"]
         bufs, grads = [], []

@@ -65,8 +65,9 @@ class ParallelConfig:
 def parallelize(
     model: nn.Module, config: ParallelConfig, info: DistributedInfo, *, rows: int = 0, seq_len: int = 0
 ) -> nn.Module:
-    """Apply tensor parallel, expert parallel, pipeline parallel, activation checkpointing, compile
-    and (under torchrun) FSDP2 or HSDP, in that order, to a model on `meta` or initialised.
+    """Cut a model on `meta` or initialised into pipeline stages (under pipeline parallel), then
+    apply to each stage, in order: tensor parallel, expert parallel, activation checkpointing,
+    compile and (under torchrun) FSDP2 or HSDP.
 
     Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
     With pipeline parallelism (`rows`: a step's rows on this data-parallel rank; `seq_len`: their
@@ -81,7 +82,7 @@ def parallelize(
         if config.pipeline_schedule in ZERO_BUBBLE:
             # Zero-bubble schedules compute weight gradients in a pass of their own after the input
             # gradients; FSDP2 units resharded after forward then lose them (wrong weight gradients
-            # for whole stages, measured on gloo), so the blocks keep their gathered weights.
+            # for whole stages, which the layout tests catch), so the blocks keep their gathered weights.
             stage_config = dataclasses.replace(config, reshard_after_forward=False)
         stage = lambda s: _parallelize(s, stage_config, info)  # noqa: E731 - the other techniques, stage by stage
         return build_pipeline(model, config, info, rows=rows, seq_len=seq_len, parallelize_stage=stage)

@@ -2,7 +2,7 @@
 
 On GPU the group carries gloo for CPU tensors as well: with FSDP2 CPU offload the optimizer steps
 on host memory, and MuonH's norm all-reduces and Newton-Schulz all-gathers then move CPU tensors,
-which NCCL cannot ("No backend type associated with device type cpu", seen on an H200).
+which NCCL cannot (it fails with "No backend type associated with device type cpu").
 """
 
 from __future__ import annotations

@@ -33,6 +33,6 @@ def apply_fsdp(
     # is never resharded after forward: backward starts with those very weights. FSDP2 only
     # regathers a resharded unit when its pre-backward hook finds the unit's output tensors, and
     # torch 2.11 does not look inside our CausalLMOutput dataclass: with the root resharded, the
-    # final norm's backward read freed memory ("illegal memory access" on an H200; on CPU it went
+    # final norm's backward read freed memory (an "illegal memory access" on a GPU; on CPU it goes
     # unnoticed). This is also what FSDP2 does for the root when left to choose.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)

@@ -29,7 +29,7 @@ from marinlm.utils.io import QUICKSTART_FILE, refuse_overlap, write_text_atomic
 
 VAL_FRACTION = 0.02  # of the documents, held out for validation
 VAL_BATCH = 8  # rows a forward in the evaluation of the whole validation split
-# The sample and the report, for the estimate said before training (a busy host took 32 s to sample).
+# The sample and the report, for the estimate said before training (a busy host samples slowly).
 SAMPLE_SECONDS = 30.0
 
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 # The default quickstart trains this many steps on every host, so its result does not depend on the
 # host's speed; only its duration does.
 STEPS = 2_000
-# The host the README's "about 10 minutes" is measured on: a 2-core Xeon with AMX, bf16 autocast
-# (docs/performance.md): its measured step time, and the time of the whole default quickstart.
+# The step time of the host the README's "about 10 minutes" comes from (docs/performance.md names
+# it), and those minutes.
 REFERENCE_STEP_SECONDS = 0.20
 README_MINUTES = 10.0
 LONGER = 1.5  # an estimate past this many times README_MINUTES is said before training
@@ -88,8 +88,7 @@ class TrainingPlan:
         return line
 
 
-# Validation, logging and checkpoints on top of the steps: a clean-clone run spent 3% (675 steps in
-# 383 s at a median step of 0.552 s).
+# Validation, logging and checkpoints on top of the steps, as a share of their time.
 OVERHEAD = 0.04
 
 
@@ -97,9 +96,8 @@ def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_
     """Median seconds of `step()` after one warm-up call, over at least `min_steps` calls and at
     least `min_seconds` (at most `max_steps` calls).
 
-    A window of seconds, not a fixed few steps: on a shared host a few slow seconds at calibration
-    time planned 764 quickstart steps (0.55 s/step measured) on a machine that then trained at
-    0.39 s/step, where other runs planned 1,100-1,500.
+    A window of seconds, not a fixed few steps: on a shared host a few slow seconds would set
+    the estimate, or the plan, for the whole run.
     """
     step()
     times: list[float] = []
@@ -156,22 +154,15 @@ class Replan:
     the learning rate never jumps, up or down. A resumed run is only ever shortened: it carries on
     to the plan it had.
 
-    The calibration measures a few seconds; on a shared host those can be slow: a clean-clone run
-    measured 0.65 s/step, planned 625 steps, then trained at 0.43 s/step and ended after 4.9 of its
-    8.5 min, 0.8 nats/token above the runs that planned 1,100-1,500 steps. The host can also slow
-    down later: another clean-clone run re-planned 947 steps at 0.44 s/step, slowed to ~0.6 s/step,
-    and was stopped by its time budget at step 848, with the learning rate still at 15% of its peak
-    instead of its floor of 5%; it ended at 3.55 nats/token, above the README's range. With only
-    one re-plan, 20% of the time was kept back for such slowdowns, and on a steady host it went
-    unused (a run trained 6.4 of its 8.5 min). And a slowdown can pass: a clean-clone run
-    (2026-12-03) re-planned 2,993 steps at 0.16 s/step, was shortened twice, to 2,408 steps, while
-    the host ran at 0.19-0.22 s/step over steps 337-784, then trained at 0.16 s/step again and
-    ended after 6.7 of its 8.9 min; when shortening was final, the time a passing slowdown took
-    back was lost.
+    Why again and again: the calibration measures a few seconds, which a shared host can make slow
+    (a plan too short, ending minutes early and well above the usual loss); the host can slow down
+    later (a run stopped by its budget before its learning rate decayed); and a slowdown can pass
+    (a run shortened for it would leave its budget unused). Time kept back for slowdowns goes
+    unused on a steady host, so the later checks lengthen as well as shorten.
     """
 
-    # Of the time left, planned for steps: logging, validation and checkpoints took 3% (a clean-clone
-    # run: 675 steps in 383 s, median step 0.552 s), and the later checks absorb a host's slowdowns.
+    # Of the time left, planned for steps: the rest is for logging, validation and checkpoints, and
+    # for a host's slowdowns until the next check.
     SLACK = 0.9
     OVERRUN = 0.98  # a later check shortens the run when the steps left would take more of the time left
     UNUSED = 0.05  # and lengthens it when, beyond that slack, over 5% of the training budget would go unused

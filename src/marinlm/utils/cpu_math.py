@@ -3,10 +3,9 @@
 torch's CPU builds with MKL compute cos, exp, log, tanh and other elementwise functions through
 oneMKL's vector math library (VML), which picks each function's kernel on its first call. With
 oneMKL 2024.2 (torch 2.13's wheels) intra-op threads that make that first call together can run
-a low-accuracy kernel on one thread's share (pytorch/pytorch#188792). Measured on the 2-core dev
-hosts: the first cos of the RoPE tables in a process was up to 1.5e-4 off (against 3.5e-8) in half
-of the table in 2 to 5 processes of 40, so a resumed run's first step did not repeat the
-uninterrupted run's. A one-element call runs on the calling thread alone; one per function and
+a low-accuracy kernel on one thread's share (pytorch/pytorch#188792): in a few processes of many,
+the first cos of the RoPE tables was off by about 1e-4 in part of the table, so a resumed run's
+first step did not repeat the uninterrupted run's. A one-element call runs on the calling thread alone; one per function and
 precision, as the upstream fix does, leaves no first call for the threads to race on.
 """
 

@@ -45,8 +45,8 @@ def tune_cpu_allocator() -> bool:
     """Keep large freed blocks in glibc's heap instead of returning them to the OS.
 
     By default glibc serves blocks over ~32 MB with mmap and unmaps them on free, so every
-    training step page-faults its activations in again; on the 2-core VMs we develop on that
-    made a 64 MB `torch.zeros` 10x slower (33 ms vs 3.4 ms) and cross-entropy 2.5x slower.
+    training step page-faults its activations in again, which makes a large allocation, and the
+    first work that touches it, several times slower.
     Returns False where glibc's mallopt is unavailable (macOS, musl).
     """
     import ctypes
