@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from marinlm.utils import progress
 from marinlm.utils.progress import INTERVAL_ENV, progress_bar
 
 
@@ -93,6 +94,7 @@ def test_long_stages_show_progress_with_an_eta(token_data, tmp_path, monkeypatch
     from conftest import build, tiny_config
 
     monkeypatch.setenv(INTERVAL_ENV, "0")
+    monkeypatch.setattr(progress, "QUIET_SECONDS", 0.0)  # export and import show a bar after 2 s
     tok = MarinTokenizer.load(token_data.parent / "tokenizer")
     data = DataConfig(sources=[SourceConfig(path=str(token_data))], seq_len=64)
     val = open_sources(data, "val", tok.hash, tok.vocab_size)[0]

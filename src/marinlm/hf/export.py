@@ -219,7 +219,9 @@ def export(
         split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size)
         largest = 0
         total = sum(t.numel() * t.element_size() for t in metas.values())
-        bar = progress_bar(total=total, desc="export: weights", unit="B", unit_scale=True, disable=quiet)
+        bar = progress_bar(
+            total=total, desc="export: weights", unit="B", unit_scale=True, disable=quiet, quiet_start=True
+        )
         for filename, names in split.filename_to_tensors.items():
             sources = sorted({s for n in names for s in by_name[n].sources})
             loaded = reader.read(sources)

@@ -132,22 +132,22 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / INDEX
     weight_map = json.loads(read_utf8(index))["weight_map"] if index.is_file() else None
     state: dict[str, torch.Tensor] = {}
-    bar = progress_bar(total=sum(f.stat().st_size for f in files), desc="import: weights", unit="B", unit_scale=True)
-    for file in files:
-        bar.update(file.stat().st_size)
-        try:
-            tensors = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e}); truncated or corrupt?") from None
-        twice = sorted(set(tensors) & set(state))
-        if twice:
-            raise ValueError(f"{file}: holds {twice[0]} again, which another weight file already holds")
-        if weight_map is not None:
-            stray = sorted(n for n in tensors if weight_map.get(n) != file.name)
-            if stray:
-                raise ValueError(f"{file}: holds {stray[0]}, which {index} places in {weight_map.get(stray[0])}")
-        state.update(tensors)
-    bar.close()
+    size = sum(f.stat().st_size for f in files)
+    with progress_bar(total=size, desc="import: weights", unit="B", unit_scale=True, quiet_start=True) as bar:
+        for file in files:
+            try:
+                tensors = load_file(str(file))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"{file}: not a readable safetensors file ({e}); truncated or corrupt?") from None
+            twice = sorted(set(tensors) & set(state))
+            if twice:
+                raise ValueError(f"{file}: holds {twice[0]} again, which another weight file already holds")
+            if weight_map is not None:
+                stray = sorted(n for n in tensors if weight_map.get(n) != file.name)
+                if stray:
+                    raise ValueError(f"{file}: holds {stray[0]}, which {index} places in {weight_map.get(stray[0])}")
+            state.update(tensors)
+            bar.update(file.stat().st_size)
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(state))
         if absent:

@@ -5,8 +5,9 @@ oneMKL's vector math library (VML), which picks each function's kernel on its fi
 oneMKL 2024.2 (torch 2.13's wheels) intra-op threads that make that first call together can run
 a low-accuracy kernel on one thread's share (pytorch/pytorch#188792): in a few processes of many,
 the first cos of the RoPE tables was off by about 1e-4 in part of the table, so a resumed run's
-first step did not repeat the uninterrupted run's. A one-element call runs on the calling thread alone; one per function and
-precision, as the upstream fix does, leaves no first call for the threads to race on.
+first step did not repeat the uninterrupted run's. A one-element call runs on the calling thread
+alone; one per function and precision, as the upstream fix does, leaves no first call for the
+threads to race on.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ from tqdm import tqdm
 
 INTERVAL_ENV = "MARINLM_PROGRESS_INTERVAL"
 DEFAULT_LOG_INTERVAL = 30.0
+# A bar drawn `quiet_start` shows only once its work has taken this long: a stage that may take
+# minutes on a big model (export, import) says nothing when it is done, or has failed, at once.
+QUIET_SECONDS = 2.0
 
 
 class _Lines:
@@ -56,9 +59,12 @@ def log_interval() -> float:
     return value
 
 
-def progress_bar(*, file=None, **kwargs) -> tqdm:
-    """`tqdm(**kwargs)` on `file` (stderr by default); whole lines every few seconds off a terminal."""
+def progress_bar(*, file=None, quiet_start: bool = False, **kwargs) -> tqdm:
+    """`tqdm(**kwargs)` on `file` (stderr by default); whole lines every few seconds off a terminal.
+    With `quiet_start`, nothing until the work has taken `QUIET_SECONDS`."""
     stream = sys.stderr if file is None else file
+    if quiet_start:
+        kwargs.setdefault("delay", QUIET_SECONDS)
     if getattr(tqdm, "_lock", None) is None:
         # tqdm's default lock holds a multiprocessing semaphore, for bars shared across processes
         # (ours never are). A worker process that draws a bar (tokenizer training's child) leaves
