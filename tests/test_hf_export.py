@@ -268,6 +268,49 @@ def test_the_modeling_file_is_assembled_from_the_reference_source_or_not_at_all(
         _strip_own_imports("from marinlm.kernels import fused_thing\n", "marinlm.model.new", set())
 
 
+def remote_code_breaches(sources: dict[str, str]) -> list[str]:
+    """What in `sources` (module -> text, in pasting order) the flat remote-code file cannot take:
+    a marinlm import inside a function or class, `import marinlm...`, an import of a name that no
+    module pasted before defines, a top-level name defined twice."""
+    import ast
+
+    from marinlm.hf.remote_code import CONFIG_MODULE, _top_level_names
+
+    found, names = [], {}
+    for module, text in sources.items():
+        tree = ast.parse(text)
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name.startswith("marinlm") for a in node.names):
+                found.append(f"{module}:{node.lineno}: import marinlm...")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("marinlm"):
+                if id(node) not in top:
+                    found.append(f"{module}:{node.lineno}: a marinlm import inside a function")
+                elif node.module != CONFIG_MODULE and any(a.name not in names for a in node.names):
+                    found.append(f"{module}:{node.lineno}: imports from {node.module} what is not pasted before it")
+        for name in _top_level_names(tree):
+            if name in names:
+                found.append(f"{module}: defines {name}, as {names[name]} does")
+            names[name] = module
+    return found
+
+
+def test_the_reference_modules_keep_the_remote_code_contract():
+    """model/__init__.py's contract, checked on the modules the export pastes, and on a planted
+    breach of each kind."""
+    from marinlm.hf.remote_code import SOURCE_MODULES, module_path
+
+    sources = {m: module_path(m).read_text() for m in SOURCE_MODULES}
+    assert remote_code_breaches(sources) == []
+    planted = dict(sources)
+    planted["marinlm.model.moe"] += "\n\ndef _late():\n    from marinlm.kernels import experts\n"
+    planted["marinlm.model.loss"] += "\n\nclass RouterStats:\n    pass\n"
+    planted["marinlm.model.layers"] = "from marinlm.model.moe import MoE\n" + planted["marinlm.model.layers"]
+    found = remote_code_breaches(planted)
+    assert any("inside a function" in f for f in found) and any("defines RouterStats" in f for f in found)
+    assert any("imports from marinlm.model.moe what is not pasted before it" in f for f in found)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_checkpoint_written_by_two_ranks_exports_and_matches(token_data, tmp_path):

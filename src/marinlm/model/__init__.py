@@ -1,4 +1,6 @@
-"""The Marin MoE transformer. Nothing in this package imports torch.distributed."""
+"""The Marin MoE transformer; nothing here imports torch.distributed. `marinlm export` pastes these
+modules into one remote-code file, so marinlm imports sit at a module's top, name only what a module
+pasted before defines, and no top-level name is defined twice (tests/test_hf_export.py)."""
 
 from marinlm.model.config import (
     AttentionConfig,
