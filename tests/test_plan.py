@@ -132,6 +132,25 @@ def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_activation_checkpointing_repeats_the_expert_all_to_alls():
+    """A checkpointed block's recomputed forward dispatches and combines again: a real EP 2 run
+    logged 16 all-to-all calls a step instead of 8, where the plan counted 4 passes a layer."""
+    from dataclasses import replace
+
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    train = load_config(TrainConfig, str(ROOT / "configs" / "train" / "marin-535b-a23b.yaml"), [])
+    a2a = {}
+    for ac in ("none", "full", "every_n"):  # every_n: every 2nd block
+        parallel = replace(train.parallel, activation_checkpointing=ac, checkpoint_every_n=2)
+        plan = plan_layout(train, parallel, 704, load_hardware("gb200-nvl72"), Efficiency())
+        a2a[ac] = plan.step["expert_all_to_all"]
+    assert a2a["full"] == pytest.approx(a2a["none"] * 6 / 4)
+    assert a2a["every_n"] == pytest.approx(a2a["none"] * 5 / 4)
+
+
 def test_layout_overrides_and_errors_name_the_key():
     from marinlm.plan import parse_layout, world_of
     from marinlm.plan.hardware import load_hardware

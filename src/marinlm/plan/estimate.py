@@ -13,7 +13,8 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
 - temporaries: one block's activations again (their gradients in backward).
 
 Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (4
-passes a layer: dispatch and combine, forward and backward) over NVLink when its group fits in an
+passes a layer: dispatch and combine, forward and backward; 2 more in a checkpointed block's
+recomputed forward) over NVLink when its group fits in an
 NVLink domain, else the network, not overlapped; FSDP/HSDP traffic of which `overlap` is hidden;
 tensor-parallel collectives; optimizer-state copies to the host and back; all divided by (1 -
 bubble) under pipelining.
@@ -153,7 +154,10 @@ def plan_layout(
     traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     step = {"compute": compute}
     if dims.ep > 1:
-        volume = 4 * tokens_rank * model.moe.top_k * latent * act_bytes * (dims.ep - 1) / dims.ep * moe_layers
+        # Dispatch and combine in forward and backward; a checkpointed block's forward runs again in
+        # backward, all-to-alls included.
+        passes = 4 + 2 * recompute
+        volume = passes * tokens_rank * model.moe.top_k * latent * act_bytes * (dims.ep - 1) / dims.ep * moe_layers
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
         step["expert_all_to_all"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
