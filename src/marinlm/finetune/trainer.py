@@ -28,6 +28,7 @@ from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
 from marinlm.finetune.loading import base_fingerprint, load_base_weights, training_base
 from marinlm.model.loss import IGNORE_INDEX
+from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer
 from marinlm.train.trainer import Trainer
@@ -227,8 +228,8 @@ class FinetuneTrainer(Trainer):
         summary["trainable_parameters"] = self.trainable_parameters
         if self.config.method in ("lora", "qlora"):  # every rank gathers its shards; the first writes
             state = peft_state(self.model)
-            pp_group = getattr(self.model, "pp_group", None)
-            if pp_group is not None:  # a pipeline rank holds its stages' layers only: the union
+            if isinstance(self.model, PipelinedModel):  # a pipeline rank holds its stages' layers only: the union
+                pp_group = self.model.pp_group
                 parts = [None] * torch.distributed.get_world_size(pp_group)
                 torch.distributed.all_gather_object(parts, state, group=pp_group)
                 state = {key: tensor for part in parts for key, tensor in part.items()}

@@ -76,8 +76,7 @@ def parallelize(
     """
     from marinlm.parallel.pipeline_parallel import ZERO_BUBBLE, build_pipeline
 
-    layout = info.mesh is not None and info.mesh.mesh_dim_names[0] == "pp"
-    if layout and info.mesh["pp"].size() > 1:
+    if info.dims is not None and info.dims.pp > 1:
         stage_config = config
         if config.pipeline_schedule in ZERO_BUBBLE:
             # Zero-bubble schedules compute weight gradients in a pass of their own after the input
@@ -95,11 +94,10 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
     from marinlm.parallel.fsdp import apply_fsdp
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
-    layout = info.mesh is not None and info.mesh.mesh_dim_names[0] == "pp"
-    tp = info.mesh["tp"].size() if layout else 1
+    tp = info.dims.tp if info.dims is not None else 1
     if tp > 1:
         apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
-    if layout and info.expert_mesh is not None:
+    if info.expert_mesh is not None:
         apply_expert_parallel(model, info.expert_mesh["ep"], tensor_parallel=tp)
     if info.batch_world > 1:  # pooled capacity counts a forward's rows over all data ranks
         apply_data_parallel_rows(model, info.batch_group, info.batch_rank, info.batch_world)
@@ -108,9 +106,10 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
         for _, block in named_blocks(model):
             block.compile()
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
+        layout = info.dims is not None  # the layout's named mesh, or (loading a model to evaluate) a 1-D one
         mesh = info.mesh["dp_replicate", "dp_shard"] if layout else info.mesh
         experts = None
-        if layout and info.expert_mesh is not None:  # experts shard over the data ranks left beside ep
+        if info.expert_mesh is not None:  # experts shard over the data ranks left beside ep
             experts = info.expert_mesh["dp_replicate", "efsdp"]
         apply_fsdp(
             model,

@@ -37,10 +37,11 @@ class DistributedInfo:
         return self.rank == 0
 
     expert_mesh: object = None  # the layout's expert mesh, with expert parallelism
+    dims: object = None  # the layout's ParallelDims, once adopted (`use_layout`); None before, and in one process
 
     def use_layout(self, meshes) -> None:
         """Adopt the layout's meshes (`mesh.ParallelDims.build_mesh`): batches split over its data-parallel ranks."""
-        self.mesh, self.expert_mesh, batch = meshes.dense, meshes.experts, meshes.batch
+        self.mesh, self.expert_mesh, batch, self.dims = meshes.dense, meshes.experts, meshes.batch, meshes.dims
         # The ranks whose MoE layers see different tokens: the data-parallel ranks, and under expert
         # and tensor parallel together their tp ranks too (each routes its own share of the sequence).
         self.router_group = meshes.router.get_group() if meshes.router is not None else None

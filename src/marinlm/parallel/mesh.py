@@ -138,7 +138,7 @@ class ParallelDims:
             experts = world._unflatten(0, (self.pp, self.dp_replicate, self.efsdp, self.ep), EXPERT_AXES)
             if self.tp > 1:  # tp ranks route their own tokens: router statistics reduce over them too
                 router = dense["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
-        return Meshes(dense, batch, experts, router)
+        return Meshes(dense, batch, experts, router, self)
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class Meshes:
     batch: object
     experts: object = None
     router: object = None  # data x tensor-parallel ranks, when both route their own tokens
+    dims: ParallelDims | None = None  # the degrees they were cut for
 
 
 def _divisors(n: int) -> list[int]:

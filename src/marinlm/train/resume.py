@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from marinlm.config import ConfigError, dump_config, load_config, to_dict
 from marinlm.parallel.distributed import all_reduce_, barrier
 from marinlm.parallel.mesh import ParallelDims
+from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.train.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
@@ -45,8 +46,8 @@ class ResumeMixin:
     def forward_rows(self) -> int:
         """Rows in one forward over all data-parallel ranks: a micro-batch, or under pipeline
         parallelism one of its microbatches. Capacity is decided over these rows."""
-        layout = getattr(self.model, "layout", None)  # a PipelinedModel's
-        return self.micro_batch // (layout.microbatches if layout is not None else 1) * self.data_world
+        microbatches = self.model.layout.microbatches if isinstance(self.model, PipelinedModel) else 1
+        return self.micro_batch // microbatches * self.data_world
 
     def _config_changes(self, folder: Path, sections=("model", "optim", "data", "schedule", "train")) -> list[str]:
         """The model, optimizer, data, schedule and training-loop settings that differ from the

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from marinlm.model.router import RouterStats, bin_live, margin_range
 from marinlm.parallel.distributed import all_reduce_
+from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.utils.device import autocast_context
 
 
@@ -103,7 +105,7 @@ def forward_backward(model, batches, *, device, precision, global_tokens: int, w
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # fp64 so that fp64 runs log exactly
     # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
     router_stats: list[RouterStats] = []
-    fsdp = hasattr(model, "set_requires_gradient_sync")
+    fsdp = isinstance(model, FSDPModule)
     for i, batch in enumerate(batches):
         if fsdp:  # reduce-scatter gradients only after the last micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -144,7 +146,8 @@ def train_step(
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
     global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens)), group=group).item())
     kwargs = dict(device=device, precision=precision, global_tokens=global_loss_tokens, world_size=world_size)
-    if hasattr(model, "forward_backward"):  # a pipeline runs its schedule
+    pipelined = isinstance(model, PipelinedModel)
+    if pipelined:  # a pipeline runs its schedule
         sums, router_stats = model.forward_backward(batches, **kwargs)
         layers = model.router_layers
     else:
@@ -152,7 +155,7 @@ def train_step(
         sums, router_stats = forward_backward(model, batches, **kwargs)
     all_reduce_(sums, group=group)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = total_norm([p.grad for p in params], getattr(model, "pp_group", None))  # stages hold other weights
+    grad_norm = total_norm([p.grad for p in params], model.pp_group if pipelined else None)  # stages hold other weights
     loss = sums[0].item() / max(global_loss_tokens, 1)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm.item()))
     if not skipped:
