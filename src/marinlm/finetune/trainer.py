@@ -92,6 +92,65 @@ def frozen_new_rows(added: int, config: FinetuneConfig) -> str | None:
     )
 
 
+class SFTData:
+    """Fine-tuning's data, for the Trainer: `sft.train_files` rendered with the chat template, packed
+    into rows whose loss falls on the answers, with the base run's tokenizer (or `sft.tokenizer`)."""
+
+    def __init__(self, base_folder: Path):
+        self.base_folder = base_folder
+        self.tokenizer_manifest = base_folder / "trainer_state.json"
+
+    def open(self, config: FinetuneConfig, info) -> None:
+        self.config, self.info = config, info
+        tokenizer_dir = checkpoint_tokenizer(self.base_folder)
+        tokenizer = MarinTokenizer.load(tokenizer_dir)
+        trained_with = json.loads((self.base_folder / "trainer_state.json").read_text()).get("tokenizer_hash")
+        if trained_with is not None and trained_with != tokenizer.hash:
+            raise ValueError(f"{tokenizer_dir}: not the tokenizer {self.base_folder} was trained with")
+        if config.sft.tokenizer:
+            base_size = tokenizer.vocab_size
+            tokenizer_dir = Path(config.sft.tokenizer)
+            tokenizer = extended_tokenizer(tokenizer, tokenizer_dir, config)
+            if info.is_main and (warning := frozen_new_rows(tokenizer.vocab_size - base_size, config)):
+                print(warning, flush=True)
+        self.tokenizer_hash = tokenizer.hash
+        self.tokenizer_source = str(tokenizer_dir)
+        self.chat_template, template_name = chat_template(config, tokenizer, tokenizer_dir)
+        self.rows, self.val, lines = load_sft(
+            config.sft,
+            tokenizer_dir,
+            self.chat_template,
+            template_name,
+            config.data.seq_len,
+            tokenizer.pad_id,
+            config.data.seed,
+        )
+        if info.is_main:
+            for line in lines:
+                print(line, flush=True)
+
+    def loader(self, rows_per_deal: int, rank: int, world: int, run_dir: Path):
+        return SFTLoader(self.rows, rows_per_deal, rank, world, self.config.data.seed)
+
+    def val_sources(self) -> dict:
+        return {} if self.val is None else {"sft": self.val}
+
+    def planned_epochs(self, loader) -> list[float]:
+        c = self.config
+        epochs = loader.planned_epochs(c.train.steps * c.train.global_batch)
+        if self.info.is_main:
+            print(f"{loader.num_rows} packed rows of {c.data.seq_len} tokens; {epochs[0]:.2f} epochs", flush=True)
+        return epochs
+
+    def record(self, loader, epochs: list[float]) -> list[dict]:
+        return [{"sft_train_files": self.config.sft.train_files, "rows": loader.num_rows, "epochs": epochs[0]}]
+
+    def write_extras(self, run_dir: Path) -> None:
+        # The template fine-tuning rendered with travels with the run: `generate --chat` and the
+        # export use it, not the base tokenizer's.
+        write_text_atomic(run_dir / "tokenizer" / "chat_template.jinja", self.chat_template)
+
+
 class FinetuneTrainer(Trainer):
     config: FinetuneConfig
 
@@ -102,64 +161,7 @@ class FinetuneTrainer(Trainer):
             )
         self.base_folder = training_base(config, resume)
         self.base_sha256 = base_fingerprint(self.base_folder)
-        super().__init__(config, resume)
-
-    # --- data -----------------------------------------------------------------------------------
-
-    def _open_data(self) -> None:
-        c = self.config
-        tokenizer_dir = checkpoint_tokenizer(self.base_folder)
-        tokenizer = MarinTokenizer.load(tokenizer_dir)
-        trained_with = json.loads((self.base_folder / "trainer_state.json").read_text()).get("tokenizer_hash")
-        if trained_with is not None and trained_with != tokenizer.hash:
-            raise ValueError(f"{tokenizer_dir}: not the tokenizer {self.base_folder} was trained with")
-        if c.sft.tokenizer:
-            base_size = tokenizer.vocab_size
-            tokenizer_dir, tokenizer = Path(c.sft.tokenizer), extended_tokenizer(tokenizer, Path(c.sft.tokenizer), c)
-            if self.info.is_main and (warning := frozen_new_rows(tokenizer.vocab_size - base_size, c)):
-                print(warning, flush=True)
-        self.tokenizer_hash = tokenizer.hash
-        self._tokenizer_source = str(tokenizer_dir)
-        self.chat_template, template_name = chat_template(c, tokenizer, tokenizer_dir)
-        self.sft_rows, self.sft_val, lines = load_sft(
-            c.sft, tokenizer_dir, self.chat_template, template_name, c.data.seq_len, tokenizer.pad_id, c.data.seed
-        )
-        if self.info.is_main:
-            for line in lines:
-                print(line, flush=True)
-
-    def _make_loader(self):
-        return SFTLoader(
-            self.sft_rows, self.micro_batch * self.data_world, self.data_rank, self.data_world, self.config.data.seed
-        )
-
-    def _val_sources(self) -> dict:
-        return {} if self.sft_val is None else {"sft": self.sft_val}
-
-    def _epochs_planned(self) -> list[float]:
-        c = self.config
-        epochs = self.loader.planned_epochs(c.train.steps * c.train.global_batch)
-        if self.info.is_main:
-            print(f"{self.loader.num_rows} packed rows of {c.data.seq_len} tokens; {epochs[0]:.2f} epochs", flush=True)
-        return epochs
-
-    def _data_record(self) -> list[dict]:
-        return [
-            {
-                "sft_train_files": self.config.sft.train_files,
-                "rows": self.loader.num_rows,
-                "epochs": self.epochs_planned[0],
-            }
-        ]
-
-    def _tokenizer_manifest(self) -> Path:
-        return self.base_folder / "trainer_state.json"
-
-    def _write_run_record(self, resumed_from) -> None:
-        super()._write_run_record(resumed_from)
-        # The template fine-tuning rendered with travels with the run: `generate --chat` and the
-        # export use it, not the base tokenizer's.
-        write_text_atomic(self.run_dir / "tokenizer" / "chat_template.jinja", self.chat_template)
+        super().__init__(config, resume, data=SFTData(self.base_folder))
 
     # --- model ----------------------------------------------------------------------------------
 
@@ -196,9 +198,9 @@ class FinetuneTrainer(Trainer):
     def validate(self, result=None) -> dict[str, float] | None:
         """Mean loss on the held-out examples' assistant tokens (every rank runs every batch: a
         sharded model needs all of them in each forward)."""
-        if self.sft_val is None:
+        rows = self.data.val
+        if rows is None:
             return None
-        rows = self.sft_val
         v = self.config.validation
         n = min(rows["input_ids"].shape[0], v.max_rows)
         was_training = self.model.training
@@ -220,7 +222,7 @@ class FinetuneTrainer(Trainer):
         return metrics
 
     def fit(self) -> dict:
-        if self.step == 0 and self.sft_val is not None:  # the base model's answer loss, to compare with
+        if self.step == 0 and self.data.val is not None:  # the base model's answer loss, to compare with
             base = self.validate()
             if self.info.is_main:
                 print(f"base model: held-out answer loss {base['val/answer_loss']:.4f}", flush=True)

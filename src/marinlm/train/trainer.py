@@ -34,12 +34,9 @@ from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.parallel.offload import OffloadedOptimizer
 from marinlm.train.activations import ActivationMonitor
-from marinlm.train.checkpoint import (
-    CheckpointManager,
-    estimate_local_bytes,
-)
+from marinlm.train.checkpoint import CheckpointManager, estimate_local_bytes
 from marinlm.train.config import TrainConfig
-from marinlm.train.data_hooks import TrainingData
+from marinlm.train.data_source import TokenData, write_run_record
 from marinlm.train.metrics import MetricSinks, read_metrics
 from marinlm.train.provenance import check_training_memory
 from marinlm.train.reporting import Reporting
@@ -63,9 +60,10 @@ from marinlm.utils.progress import progress_bar
 REMEASURE_PEAK_AFTER_S = 60.0
 
 
-class Trainer(TrainingData, Reporting, ResumeMixin):
-    def __init__(self, config: TrainConfig, resume: str = "auto"):
+class Trainer(Reporting, ResumeMixin):
+    def __init__(self, config: TrainConfig, resume: str = "auto", data=None):
         self.config = c = config
+        self.data = TokenData() if data is None else data  # what it trains on (train/data_source.py)
         try:
             self.info = init_distributed(c.train.device)
         except ValueError as e:  # a device this machine does not have
@@ -125,7 +123,8 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             )
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world)
 
-        self._open_data()
+        self.data.open(c, self.info)
+        self.tokenizer_hash = self.data.tokenizer_hash
         warmup = c.schedule.warmup_steps
         if warmup is not None and warmup >= c.train.steps and self.info.is_main:
             print(
@@ -149,9 +148,11 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
         if c.parallel.offload == "optimizer":
             self._stepper = OffloadedOptimizer(self.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
-        self.loader = self._make_loader()
-        self.val_sources = self._val_sources()
-        self.epochs_planned = self._epochs_planned()
+        self.loader = self.data.loader(
+            self.micro_batch * self.data_world, self.data_rank, self.data_world, self.run_dir
+        )
+        self.val_sources = self.data.val_sources()
+        self.epochs_planned = self.data.planned_epochs(self.loader)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             self.info.rank,
@@ -185,7 +186,7 @@ class Trainer(TrainingData, Reporting, ResumeMixin):
             )
         self.sinks = None
         if self.info.is_main:
-            self._write_run_record(resumed_from)
+            write_run_record(self, resumed_from)
             self.sinks = MetricSinks(
                 self.run_dir,
                 c.logging.tensorboard,
