@@ -8,7 +8,7 @@ import os
 
 from marinlm.eval.hook import make_eval_hook
 from marinlm.finetune.config import FinetuneConfig
-from marinlm.finetune.trainer import FinetuneTrainer
+from marinlm.finetune.trainer import finetune_trainer
 from marinlm.parallel import shutdown_distributed
 from marinlm.train.config import TrainConfig
 from marinlm.train.trainer import Trainer
@@ -21,13 +21,13 @@ def attach_eval_hook(trainer: Trainer) -> None:
         trainer.add_hook(make_eval_hook(trainer, c), every=c.every_n_steps)
 
 
-def run_training(config: TrainConfig, resume: str = "auto", trainer_class: type[Trainer] = Trainer) -> dict:
-    """Entry point for `marinlm train` and, with its trainer class, `marinlm finetune` (also under
+def run_training(config: TrainConfig, resume: str = "auto", make_trainer=Trainer) -> dict:
+    """Entry point for `marinlm train` and, with `finetune_trainer`, `marinlm finetune` (also under
     torchrun)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     trainer = None
     try:
-        trainer = trainer_class(config, resume)
+        trainer = make_trainer(config, resume)
         attach_eval_hook(trainer)
         return trainer.fit()
     finally:
@@ -38,4 +38,4 @@ def run_training(config: TrainConfig, resume: str = "auto", trainer_class: type[
 
 def run_finetune(config: FinetuneConfig, resume: str = "auto") -> dict:
     """Entry point for `marinlm finetune` (also under torchrun)."""
-    return run_training(config, resume, FinetuneTrainer)
+    return run_training(config, resume, finetune_trainer)

@@ -31,6 +31,7 @@ from marinlm.model.loss import IGNORE_INDEX
 from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer
+from marinlm.train.model_part import FromScratch
 from marinlm.train.trainer import Trainer
 from marinlm.utils.io import write_text_atomic
 
@@ -145,97 +146,90 @@ class SFTData:
     def record(self, loader, epochs: list[float]) -> list[dict]:
         return [{"sft_train_files": self.config.sft.train_files, "rows": loader.num_rows, "epochs": epochs[0]}]
 
+    @torch.no_grad()
+    def validate(self, model, val_sources: dict, rank: int, world: int, *, device, precision: str, group=None):
+        """Mean loss on the held-out examples' assistant tokens (every rank runs every batch: a
+        sharded model needs all of them in each forward)."""
+        rows = self.val
+        if rows is None:
+            return None
+        v = self.config.validation
+        n = min(rows["input_ids"].shape[0], v.max_rows)
+        was_training = model.training
+        model.eval()
+        total, tokens = 0.0, 0
+        for start in range(0, n, v.batch_size):
+            batch = {k: t[start : min(n, start + v.batch_size)].to(device) for k, t in rows.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                out = model(batch["input_ids"], batch["segment_ids"], batch["labels"], return_logits=False)
+            counted = int((batch["labels"] != IGNORE_INDEX).sum())
+            total += float(out.ce_loss) * counted
+            tokens += counted
+        model.train(was_training)
+        return {"val/answer_loss": total / max(tokens, 1), "val/answer_tokens": float(tokens)}
+
     def write_extras(self, run_dir: Path) -> None:
         # The template fine-tuning rendered with travels with the run: `generate --chat` and the
         # export use it, not the base tokenizer's.
         write_text_atomic(run_dir / "tokenizer" / "chat_template.jinja", self.chat_template)
 
 
-class FinetuneTrainer(Trainer):
-    config: FinetuneConfig
+class Finetuning(FromScratch):
+    """The Trainer's model part for fine-tuning: the base run's weights, adapted by `method`
+    (LoRA, QLoRA, freezing) before sharding; checkpoints hold only the trained tensors and name
+    the base; the base's held-out answer loss is logged before the first step, and a LoRA run's
+    adapter is written in peft's format at the end."""
 
-    def __init__(self, config: FinetuneConfig, resume: str = "auto"):
-        if config.train.init == "sharded":
-            raise ConfigError(
-                "train.init", "fine-tuning loads the base weights whole before sharding; use full or auto"
-            )
-        self.base_folder = training_base(config, resume)
-        self.base_sha256 = base_fingerprint(self.base_folder)
-        super().__init__(config, resume, data=SFTData(self.base_folder))
+    # The frozen base is the base run's; a load checks the saved keys first (check_same_structure).
+    state_dict_options = StateDictOptions(ignore_frozen_params=True, strict=False)
 
-    # --- model ----------------------------------------------------------------------------------
+    def __init__(self, base_folder: Path):
+        self.base_folder = base_folder
+        self.base_sha256 = base_fingerprint(base_folder)
 
-    def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        check_processes(self.config, self.info.world_size)
+    def prepare(self, model: torch.nn.Module, config: FinetuneConfig, info) -> torch.nn.Module:
+        self.config = config
+        check_processes(config, info.world_size)
         load_base_weights(model, self.base_folder)
         total = sum(p.numel() for p in model.parameters())  # the base's, before 4-bit packing halves numel()
-        self.adapt_info = apply_method(model, self.config)
+        self.adapt_info = apply_method(model, config)
         freeze_router_biases(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.trainable_parameters = trainable
-        if self.info.is_main:
+        self.trainable_parameters = trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if info.is_main:
             print(
                 f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%), "
-                f"method {self.config.method}",
+                f"method {config.method}",
                 flush=True,
             )
         return model
 
-    def _state_dict_options(self) -> StateDictOptions:
-        # The frozen base is the base run's; a load checks the saved keys first (check_same_structure).
-        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    def trainer_state(self) -> dict:
+        return {"base_checkpoint": str(self.base_folder), "base_sha256": self.base_sha256}
 
-    def _trainer_state(self) -> dict:
-        return {
-            **super()._trainer_state(),
-            "base_checkpoint": str(self.base_folder),
-            "base_sha256": self.base_sha256,
-        }
-
-    # --- validation and the end -----------------------------------------------------------------
-
-    @torch.no_grad()
-    def validate(self, result=None) -> dict[str, float] | None:
-        """Mean loss on the held-out examples' assistant tokens (every rank runs every batch: a
-        sharded model needs all of them in each forward)."""
-        rows = self.data.val
-        if rows is None:
-            return None
-        v = self.config.validation
-        n = min(rows["input_ids"].shape[0], v.max_rows)
-        was_training = self.model.training
-        self.model.eval()
-        total, tokens = 0.0, 0
-        autocast = self.precision == "bf16"
-        for start in range(0, n, v.batch_size):
-            batch = {k: t[start : min(n, start + v.batch_size)].to(self.device) for k, t in rows.items()}
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-                out = self.model(batch["input_ids"], batch["segment_ids"], batch["labels"], return_logits=False)
-            counted = int((batch["labels"] != IGNORE_INDEX).sum())
-            total += float(out.ce_loss) * counted
-            tokens += counted
-        self.model.train(was_training)
-        metrics = {"val/answer_loss": total / max(tokens, 1), "val/answer_tokens": float(tokens)}
-        self._last_validation_step, self.last_validation = self.step, metrics
-        if self.sinks is not None:
-            self.sinks.log(self.step, metrics)
-        return metrics
-
-    def fit(self) -> dict:
-        if self.step == 0 and self.data.val is not None:  # the base model's answer loss, to compare with
-            base = self.validate()
-            if self.info.is_main:
+    def before_fit(self, trainer) -> None:
+        if trainer.step == 0 and trainer.data.val is not None:  # the base model's answer loss, to compare with
+            base = trainer.validate()
+            if trainer.info.is_main:
                 print(f"base model: held-out answer loss {base['val/answer_loss']:.4f}", flush=True)
-        summary = super().fit()
+
+    def after_fit(self, trainer, summary: dict) -> dict:
         summary["trainable_parameters"] = self.trainable_parameters
         if self.config.method in ("lora", "qlora"):  # every rank gathers its shards; the first writes
-            state = peft_state(self.model)
-            if isinstance(self.model, PipelinedModel):  # a pipeline rank holds its stages' layers only: the union
-                pp_group = self.model.pp_group
+            state = peft_state(trainer.model)
+            if isinstance(trainer.model, PipelinedModel):  # a pipeline rank holds its stages' layers only: the union
+                pp_group = trainer.model.pp_group
                 parts = [None] * torch.distributed.get_world_size(pp_group)
                 torch.distributed.all_gather_object(parts, state, group=pp_group)
                 state = {key: tensor for part in parts for key, tensor in part.items()}
-            if self.info.is_main:
-                save_peft_adapter(state, self.adapt_info, self.run_dir / "adapter", str(self.base_folder))
-            summary["adapter"] = str(self.run_dir / "adapter")
+            if trainer.info.is_main:
+                save_peft_adapter(state, self.adapt_info, trainer.run_dir / "adapter", str(self.base_folder))
+            summary["adapter"] = str(trainer.run_dir / "adapter")
         return summary
+
+
+def finetune_trainer(config: FinetuneConfig, resume: str = "auto") -> Trainer:
+    """A Trainer on the SFT data, with the base run's weights adapted by `method`."""
+    if config.train.init == "sharded":
+        raise ConfigError("train.init", "fine-tuning loads the base weights whole before sharding; use full or auto")
+    base_folder = training_base(config, resume)
+    return Trainer(config, resume, data=SFTData(base_folder), model_part=Finetuning(base_folder))

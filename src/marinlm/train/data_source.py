@@ -11,6 +11,7 @@ from pathlib import Path
 from marinlm.config import dump_config
 from marinlm.dataset.loader import build_loader, open_dataset, validation_sources
 from marinlm.train.provenance import copy_tokenizer, data_record, software_environment
+from marinlm.train.step import validate_sources
 from marinlm.utils.io import write_json_atomic, write_text_atomic
 
 
@@ -82,6 +83,13 @@ class TokenData:
 
     def record(self, loader, epochs: list[float]) -> list[dict]:
         return data_record(self.config.data.sources, epochs)
+
+    def validate(self, model, val_sources: dict, rank: int, world: int, **where) -> dict[str, float] | None:
+        """Loss and bits per byte on each source's held-out split (`validation.max_rows` rows of each)."""
+        if not val_sources:
+            return None
+        v = self.config.validation
+        return validate_sources(model, val_sources, v.batch_size, v.max_rows, rank, world, **where)
 
     def write_extras(self, run_dir: Path) -> None:
         """Files of the data's own that the run folder keeps (none for token shards)."""

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import yaml
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -107,7 +106,7 @@ class ResumeMixin:
             self.optimizer,
             model_state_dict=tensors["model"],
             optim_state_dict=tensors["optim"],
-            options=self._state_dict_options(),
+            options=self.model_part.state_dict_options,
         )
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)
@@ -242,12 +241,8 @@ class ResumeMixin:
                 self._last_validation_step = step
                 self.last_validation = {k: v for k, v in record.items() if k.startswith("val/")}
 
-    def _state_dict_options(self) -> StateDictOptions:
-        """What a checkpoint holds: everything (fine-tuning keeps only the trained tensors)."""
-        return StateDictOptions()
-
     def _state_tensors(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_dict_options())
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.model_part.state_dict_options)
         return {"model": model_sd, "optim": optim_sd}
 
     def _trainer_state(self) -> dict:
@@ -262,6 +257,7 @@ class ResumeMixin:
             "micro_batch": self.micro_batch,
             "forward_rows": self.forward_rows,
             "precision": self.precision,
+            **self.model_part.trainer_state(),
         }
 
     def save_checkpoint(self) -> Path | None:

@@ -38,6 +38,7 @@ from marinlm.train.checkpoint import CheckpointManager, estimate_local_bytes
 from marinlm.train.config import TrainConfig
 from marinlm.train.data_source import TokenData, write_run_record
 from marinlm.train.metrics import MetricSinks, read_metrics
+from marinlm.train.model_part import FromScratch
 from marinlm.train.provenance import check_training_memory
 from marinlm.train.reporting import Reporting
 from marinlm.train.resume import ResumeMixin
@@ -48,7 +49,6 @@ from marinlm.train.step import (
     is_out_of_memory,
     split_rows,
     train_step,
-    validate_sources,
 )
 from marinlm.utils.device import emulated_bf16, gemm_dtype, resolve_precision
 from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
@@ -61,9 +61,10 @@ REMEASURE_PEAK_AFTER_S = 60.0
 
 
 class Trainer(Reporting, ResumeMixin):
-    def __init__(self, config: TrainConfig, resume: str = "auto", data=None):
+    def __init__(self, config: TrainConfig, resume: str = "auto", data=None, model_part=None):
         self.config = c = config
         self.data = TokenData() if data is None else data  # what it trains on (train/data_source.py)
+        self.model_part = FromScratch() if model_part is None else model_part  # train/model_part.py
         try:
             self.info = init_distributed(c.train.device)
         except ValueError as e:  # a device this machine does not have
@@ -223,16 +224,12 @@ class Trainer(Reporting, ResumeMixin):
         if init == "full":  # identical on every rank (same seed), then sharded: matches 1-process init
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
-            model = self._before_parallelize(model)
+            model = self.model_part.prepare(model, c, self.info)
             model = parallelize(model, c.parallel, self.info, **layout)
         else:  # shard on meta first, then initialise each rank's shards
             model = parallelize(model, c.parallel, self.info, **layout)
             model.to_empty(device=self.device)
             model.init_weights(seed=c.train.seed)
-        return model
-
-    def _before_parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The whole, initialised model before it is sharded (fine-tuning loads and adapts it here)."""
         return model
 
     def _step_within_memory(self, micro: list[dict]):
@@ -308,21 +305,11 @@ class Trainer(Reporting, ResumeMixin):
             self._bar.refresh()
 
     def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
-        """Loss and bits per byte on the held-out split (also a hook); logged at the current step."""
-        if not self.val_sources:
+        """The data's held-out scores (also a hook); logged at the current step."""
+        where = dict(device=self.device, precision=self.precision, group=self.info.batch_group)
+        metrics = self.data.validate(self.model, self.val_sources, self.data_rank, self.data_world, **where)
+        if metrics is None:
             return None
-        v = self.config.validation
-        metrics = validate_sources(
-            self.model,
-            self.val_sources,
-            v.batch_size,
-            v.max_rows,
-            self.data_rank,
-            self.data_world,
-            device=self.device,
-            precision=self.precision,
-            group=self.info.batch_group,
-        )
         self._last_validation_step, self.last_validation = self.step, metrics
         if self.sinks is not None:
             self.sinks.log(self.step, metrics)
@@ -341,6 +328,7 @@ class Trainer(Reporting, ResumeMixin):
 
     def fit(self) -> dict:
         c = self.config
+        self.model_part.before_fit(self)
         start_time, first_step = time.perf_counter(), self.step
         batches = iter(self.loader)
         self._mark_data_position()
@@ -433,7 +421,7 @@ class Trainer(Reporting, ResumeMixin):
                 self.sinks.close(quiet=sys.exc_info()[1] is not None)  # a failing run's own error is the one to see
         if not (self._signal or c.logging.peak_flops) and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
             self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
-        return self._summary(start_time, first_step, stopped_early)
+        return self.model_part.after_fit(self, self._summary(start_time, first_step, stopped_early))
 
     def _count_bad_step(self, result: StepResult) -> bool:
         """Count a skipped (non-finite) step or reset the streak; True when the streak reached
