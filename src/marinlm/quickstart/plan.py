@@ -31,6 +31,7 @@ STEPS = 2_000
 REFERENCE_STEP_SECONDS = 0.20
 README_MINUTES = 10.0
 LONGER = 1.5  # an estimate past this many times README_MINUTES is said before training
+OVERHEAD = 0.04  # validation, logging and checkpoints on top of the steps, as a share of their time
 
 
 @dataclass
@@ -86,10 +87,6 @@ class TrainingPlan:
                 "fit (fewer steps, a higher loss), or `--steps N`; it keeps the finished stages."
             )
         return line
-
-
-# Validation, logging and checkpoints on top of the steps, as a share of their time.
-OVERHEAD = 0.04
 
 
 def median_step_seconds(step, min_seconds: float = 5.0, min_steps: int = 4, max_steps: int = 40) -> float:

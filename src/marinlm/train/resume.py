@@ -154,10 +154,10 @@ class ResumeMixin:
 
         folder = resolve_checkpoint(source, self.info.rank, self.world)
         trained_with = json.loads((folder / "trainer_state.json").read_text()).get("tokenizer_hash")
-        if trained_with is not None and trained_with != self.tokenizer_hash:
+        if trained_with is not None and trained_with != self.data.tokenizer_hash:
             raise ValueError(
                 f"checkpoint.init_from: {folder} was trained with tokenizer {trained_with[:12]}…, this run's data "
-                f"uses {self.tokenizer_hash[:12]}…: its embeddings would mean other tokens"
+                f"uses {self.data.tokenizer_hash[:12]}…: its embeddings would mean other tokens"
             )
         tensors = {"model": get_model_state_dict(self.model)}
         try:
@@ -190,10 +190,10 @@ class ResumeMixin:
         if self.config.checkpoint.init_from and self.info.is_main:
             print(f"note: checkpoint.init_from is not used: {self.run_dir} resumes from its own checkpoint", flush=True)
         folder, state = loaded
-        if state["tokenizer_hash"] != self.tokenizer_hash:
+        if state["tokenizer_hash"] != self.data.tokenizer_hash:
             raise ValueError(
                 f"{folder}: trained with tokenizer {state['tokenizer_hash'][:12]}…, data now uses "
-                f"{self.tokenizer_hash[:12]}…"
+                f"{self.data.tokenizer_hash[:12]}…"
             )
         self.loader.load_state_dict(state["loader"])
         if self.info.is_main:
@@ -251,7 +251,7 @@ class ResumeMixin:
             "bad_steps": self.bad_steps,
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
-            "tokenizer_hash": self.tokenizer_hash,
+            "tokenizer_hash": self.data.tokenizer_hash,
             "world_size": self.world,
             "layout": dataclasses.asdict(self.dims),
             "micro_batch": self.micro_batch,

@@ -125,7 +125,6 @@ class Trainer(Reporting, ResumeMixin):
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world)
 
         self.data.open(c, self.info)
-        self.tokenizer_hash = self.data.tokenizer_hash
         warmup = c.schedule.warmup_steps
         if warmup is not None and warmup >= c.train.steps and self.info.is_main:
             print(
