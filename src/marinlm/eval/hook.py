@@ -16,7 +16,7 @@ class _Live:
         self.tokenizer = MarinTokenizer.load(trainer.run_dir / "tokenizer")
         self.config = trainer.config
         self.checkpoint = f"{trainer.run_dir} (live, step {trainer.step})"
-        self.tokenizer_hash = trainer.tokenizer_hash
+        self.tokenizer_hash = trainer.data.tokenizer_hash
 
 
 def make_eval_hook(trainer, config):
