@@ -33,11 +33,36 @@ def test_degrees_fill_the_world_and_name_the_key_when_they_cannot():
     with pytest.raises(ConfigError, match="makes 6 ranks, but 4 were launched"):
         dims(4, data_parallel_shard=3, tensor_parallel=2)
     with pytest.raises(
-        ConfigError, match="parallel.expert_parallel: 4 must divide data_parallel_shard x tensor_parallel = 2"
+        ConfigError,
+        match="parallel.expert_parallel: 4 must divide data_parallel_shard x context_parallel x tensor_parallel = 2",
     ):
         dims(4, data_parallel_replicate=2, expert_parallel=4)
     with pytest.raises(ConfigError, match="data_parallel_shard: must be >= 1, or -1"):
         ParallelConfig(data_parallel_shard=0)
+
+
+def test_context_parallel_degrees_fill_the_world_and_bad_ones_name_the_key():
+    """cp ranks come out of the world beside dp_shard (experts may borrow them); a degree that does not
+    divide the ranks, a row it cannot cut into 2 x cp chunks, a pipeline or a capacity that drops
+    (which depends on the whole row) each name the key and what would be valid."""
+    assert dims(4, context_parallel=2) == ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=1, cp=2)
+    assert dims(8, context_parallel=2, expert_parallel=4).efsdp == 2  # 4 x 2 / 4
+    assert dims(4, context_parallel=2).describe() == "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1"
+    with pytest.raises(ConfigError, match=r"^parallel.context_parallel: .* does not divide the 4 ranks.*\[1, 2, 4\]"):
+        dims(4, context_parallel=3)
+    with pytest.raises(ConfigError, match="context_parallel: must be >= 1, got 0"):
+        ParallelConfig(context_parallel=0)
+    with pytest.raises(ConfigError, match="parallel.context_parallel: 2 with pipeline_parallel 2"):
+        dims(4, context_parallel=2, pipeline_parallel=2)
+    layout = dims(4, context_parallel=4)
+    with pytest.raises(ConfigError, match=r"parallel.context_parallel: 4 cuts each row into 8 .* 36 tokens"):
+        layout.check_model(tiny_config(), 36)
+    with pytest.raises(ConfigError, match="rows hold 4 tokens"):  # too short for 2 x cp chunks
+        layout.check_model(tiny_config(), 4)
+    layout.check_model(tiny_config(), 64)
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor: 1.25: context parallel .* capacity_factor: null"):
+        layout.check_capacity(tiny_config(moe={"capacity_factor": 1.25}))
+    layout.check_capacity(tiny_config(moe={"capacity_factor": None}))
 
 
 def test_degrees_that_do_not_split_the_model_name_the_key():
@@ -104,8 +129,13 @@ LAYOUTS = {
     "pp-2-zbv": {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble"},
     "pp-2xtp-2": {"pipeline_parallel": 2, "tensor_parallel": 2},
     "pp-2xep-2": {"pipeline_parallel": 2, "expert_parallel": 2},
+    "cp-2": {"context_parallel": 2},
+    "cp-4": {"context_parallel": 4},
+    "cp-2xfsdp-2": {"context_parallel": 2},
+    "cp-2xtp-2": {"context_parallel": 2, "tensor_parallel": 2},
+    "cp-2xep-2": {"context_parallel": 2, "expert_parallel": 2},
 }
-PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2}  # the rest run on 4
+PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2, "cp-2": 2}  # the rest run on 4
 
 
 def layers_of(layout: str) -> int:
@@ -116,11 +146,12 @@ def layers_of(layout: str) -> int:
 
 # Their float64 parity is checked by test_a_checkpoint_moves_between_layouts, whose uninterrupted run
 # of the same 10 steps (with a checkpoint at step 5) is compared with one process there.
-RESHARDED = ("tp-2xfsdp-2", "ep-2xfsdp-2", "pp-2xfsdp-2")
+RESHARDED = ("tp-2xfsdp-2", "ep-2xfsdp-2", "pp-2xfsdp-2", "cp-2xfsdp-2")
 CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] + [
     ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
     ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
     ("fp32", 3, 1e-5, "pp-2xfsdp-2"),
+    ("fp32", 3, 1e-5, "cp-2xfsdp-2"),  # with the kernels (fp64 runs the reference model)
     # Under bf16 autocast the stages' hidden states stay fp32: validation must send what a stage holds.
     # 4 microbatches of 2 rows round differently from one of 8: 0.3% in loss, 1.5% in grad norm by step 3.
     ("bf16", 3, 5e-2, "pp-2xfsdp-2"),
@@ -136,7 +167,8 @@ FORWARD_ROWS = {
     "pp-2xtp-2": 1,
     "pp-2xep-2": 2,
 }
-DROPLESS = ("ep-2xtp-2",)  # tp ranks each route part of a row there: the pooled rule does not run
+# tp ranks each route part of a row there, and so do cp ranks: the pooled rule does not run
+DROPLESS = ("ep-2xtp-2", "cp-2", "cp-4", "cp-2xfsdp-2", "cp-2xtp-2", "cp-2xep-2")
 
 
 def layout_model(precision: str, num_layers: int = 2, capacity: bool = True):
@@ -348,6 +380,7 @@ RESHARDS = {  # saved under -> resumed under (layout, processes, rows a forward 
     # the pipeline's forward is a microbatch of 2 rows (a row on each of 2 data ranks): so is theirs
     "pp-2xfsdp-2": [("one", None, 1, 2), ("fsdp-2", {}, 2, 1)],
     "one": [("pp-2xfsdp-2", {"pipeline_parallel": 2}, 4, 0)],
+    "cp-2xfsdp-2": [("one", None, 1, 8), ("ep-2", {"expert_parallel": 2}, 2, 0)],
 }
 
 
@@ -363,26 +396,21 @@ def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, tmp_path_facto
     layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))  # a layer a stage
     parallel, procs = LAYOUTS.get(saved), PROCESSES.get(saved, 4)
     micro = 2 if saved == "one" else 0  # as the pipeline it moves to
+    capacity = saved not in DROPLESS
+    how = dict(num_layers=layers, capacity=capacity)
     whole = layout_run(
-        token_data,
-        tmp_path,
-        "saved",
-        parallel,
-        "fp64",
-        10,
-        nproc=procs,
-        checkpoint_every=5,
-        num_layers=layers,
-        micro=micro,
+        token_data, tmp_path, "saved", parallel, "fp64", 10, nproc=procs, checkpoint_every=5, micro=micro, **how
     )
     if saved in RESHARDED:
         rows = FORWARD_ROWS.get(saved, 8)
-        assert_as_one_process(whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", 10, 1e-9, layers, rows)
+        assert_as_one_process(
+            whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", 10, 1e-9, layers, rows, capacity
+        )
     for name, parallel, procs, micro in RESHARDS[saved]:
         shutil.copytree(tmp_path / "saved", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000010")
         resumed = layout_run(
-            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, num_layers=layers, micro=micro
+            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, micro=micro, **how
         )
         for step in range(6, 11):
             assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)

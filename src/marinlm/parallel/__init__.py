@@ -1,8 +1,9 @@
 """Parallelism applied to a model built on `meta`: one file per technique, composed by `parallelize`.
 
-Order, as in torchtitan: tensor parallel, expert parallel, activation checkpointing, compile, then
-FSDP2/HSDP; pipeline parallelism cuts the model into stages after EP and applies the rest to each
-stage. The layout (`mesh.py`) is checked against the world and the model before anything is built.
+Order, as in torchtitan: context parallel, tensor parallel, expert parallel, activation
+checkpointing, compile, then FSDP2/HSDP; pipeline parallelism cuts the model into stages first and
+applies the rest to each stage. The layout (`mesh.py`) is checked against the world and the model
+before anything is built.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class ParallelConfig:
     data_parallel_replicate: int = 1
     data_parallel_shard: int = -1
     tensor_parallel: int = 1
+    # Each row's sequence cut into 2N chunks over N ranks (parallel/context_parallel.py).
+    context_parallel: int = 1
     expert_parallel: int = 1
     pipeline_parallel: int = 1
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
@@ -44,7 +47,13 @@ class ParallelConfig:
     layers_per_stage: list[int] | None = None
 
     def __post_init__(self):
-        for name in ("data_parallel_replicate", "tensor_parallel", "expert_parallel", "pipeline_parallel"):
+        for name in (
+            "data_parallel_replicate",
+            "tensor_parallel",
+            "context_parallel",
+            "expert_parallel",
+            "pipeline_parallel",
+        ):
             check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         check(
             self.data_parallel_shard == -1 or self.data_parallel_shard >= 1,
@@ -66,8 +75,8 @@ def parallelize(
     model: nn.Module, config: ParallelConfig, info: DistributedInfo, *, rows: int = 0, seq_len: int = 0
 ) -> nn.Module:
     """Cut a model on `meta` or initialised into pipeline stages (under pipeline parallel), then
-    apply to each stage, in order: tensor parallel, expert parallel, activation checkpointing,
-    compile and (under torchrun) FSDP2 or HSDP.
+    apply to each stage, in order: context parallel, tensor parallel, expert parallel, activation
+    checkpointing, compile and (under torchrun) FSDP2 or HSDP.
 
     Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
     With pipeline parallelism (`rows`: a step's rows on this data-parallel rank; `seq_len`: their
@@ -90,11 +99,14 @@ def parallelize(
 
 def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.context_parallel import apply_context_parallel
     from marinlm.parallel.expert_parallel import apply_data_parallel_rows, apply_expert_parallel
     from marinlm.parallel.fsdp import apply_fsdp
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
     tp = info.dims.tp if info.dims is not None else 1
+    if info.dims is not None and info.dims.cp > 1:
+        apply_context_parallel(model, info.mesh["cp"])
     if tp > 1:
         apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
     if info.expert_mesh is not None:
@@ -107,7 +119,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
             block.compile()
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
         layout = info.dims is not None  # the layout's named mesh, or (loading a model to evaluate) a 1-D one
-        mesh = info.mesh["dp_replicate", "dp_shard"] if layout else info.mesh
+        mesh = info.fsdp_mesh if layout else info.mesh
         experts = None
         if info.expert_mesh is not None:  # experts shard over the data ranks left beside ep
             experts = info.expert_mesh["dp_replicate", "efsdp"]

@@ -37,13 +37,14 @@ class DistributedInfo:
         return self.rank == 0
 
     expert_mesh: object = None  # the layout's expert mesh, with expert parallelism
+    fsdp_mesh: object = None  # where FSDP2 shards and replicates: [dp_replicate, dp_shard(_cp)]
     dims: object = None  # the layout's ParallelDims, once adopted (`use_layout`); None before, and in one process
 
     def use_layout(self, meshes) -> None:
         """Adopt the layout's meshes (`mesh.ParallelDims.build_mesh`): batches split over its data-parallel ranks."""
         self.mesh, self.expert_mesh, batch, self.dims = meshes.dense, meshes.experts, meshes.batch, meshes.dims
-        # The ranks whose MoE layers see different tokens: the data-parallel ranks, and under expert
-        # and tensor parallel together their tp ranks too (each routes its own share of the sequence).
+        self.fsdp_mesh = meshes.fsdp
+        # The ranks whose MoE layers see different tokens (`Meshes.router`), where more than the data ranks.
         self.router_group = meshes.router.get_group() if meshes.router is not None else None
         self.batch_rank, self.batch_world = batch.get_local_rank(), batch.size()
         self.batch_group = None if batch.size() == self.world_size else batch.get_group()

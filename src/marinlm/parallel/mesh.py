@@ -1,16 +1,19 @@
 """The parallel layout: degrees from `ParallelConfig`, checked against the world and the model, and
 the device mesh cut into named views.
 
-    world = pipeline_parallel × data_parallel_replicate × data_parallel_shard × tensor_parallel
+    world = pipeline_parallel × data_parallel_replicate × data_parallel_shard × context_parallel
+            × tensor_parallel
 
-Expert parallelism borrows its ranks from data_parallel_shard × tensor_parallel, as in torchtitan:
-it adds no axis. One flat mesh of the world is cut two ways. The dense mesh `[pp, dp_replicate,
-dp_shard, tp]` has the views:
-- `[dp_replicate, dp_shard]` where FSDP2 shards (dp_shard) and replicates (HSDP);
+Expert parallelism borrows its ranks from data_parallel_shard × context_parallel × tensor_parallel,
+as in torchtitan: it adds no axis. One flat mesh of the world is cut three ways. The dense mesh
+`[pp, dp_replicate, dp_shard, cp, tp]` has the views:
 - `dp`: the data-parallel ranks, which hold different rows of each batch (flattened);
+- `cp`: the context-parallel ranks, which hold different chunks of the same rows;
 - `tp`: the tensor-parallel ranks, which hold the same rows and split the weights.
+FSDP2 shards over dp_shard × cp and replicates over dp_replicate (HSDP): the view `[dp_replicate,
+dp_shard_cp]` of the mesh `[pp, dp_replicate, dp_shard_cp, tp]`.
 The expert mesh `[pp, dp_replicate, efsdp, ep]` holds the routed experts: split over `ep`, FSDP2 on
-`[dp_replicate, efsdp]` (efsdp = dp_shard × tp / ep).
+`[dp_replicate, efsdp]` (efsdp = dp_shard × cp × tp / ep).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from marinlm.config import ConfigError
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")
 
 
@@ -30,10 +33,11 @@ class ParallelDims:
     tp: int
     ep: int
     pp: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -41,21 +45,25 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        parts = [f"{name} {size}" for name, size in zip(AXES, (self.pp, self.dp_replicate, self.dp_shard, self.tp))]
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        parts = [f"{name} {size}" for name, size in zip(AXES, sizes) if name != "cp" or size > 1]
         return " x ".join(parts) + (f", ep {self.ep}" if self.ep > 1 else "")
 
     @staticmethod
     def resolve(config, world_size: int) -> ParallelDims:
         """The degrees of `config` (a `ParallelConfig`) on `world_size` ranks, `data_parallel_shard:
         -1` filling the rest. Raises ConfigError naming the key and what would be valid."""
-        fixed = config.pipeline_parallel * config.data_parallel_replicate * config.tensor_parallel
+        cp = config.context_parallel
+        fixed = config.pipeline_parallel * config.data_parallel_replicate * cp * config.tensor_parallel
         shard = config.data_parallel_shard
         if shard == -1:
             if world_size % fixed:
+                key = "parallel.context_parallel" if world_size % cp else "parallel"
                 raise ConfigError(
-                    "parallel",
-                    f"pipeline_parallel x data_parallel_replicate x tensor_parallel = {fixed} does not divide "
-                    f"the {world_size} ranks; valid tensor_parallel degrees here: {_divisors(world_size)}",
+                    key,
+                    f"pipeline_parallel x data_parallel_replicate x context_parallel x tensor_parallel = {fixed} "
+                    f"does not divide the {world_size} ranks; valid tensor_parallel and context_parallel "
+                    f"degrees here: {_divisors(world_size)}",
                 )
             shard = world_size // fixed
         dims = ParallelDims(
@@ -64,6 +72,7 @@ class ParallelDims:
             config.tensor_parallel,
             config.expert_parallel,
             config.pipeline_parallel,
+            cp,
         )
         if dims.world != world_size:
             raise ConfigError(
@@ -71,18 +80,28 @@ class ParallelDims:
                 f"{dims.describe()} makes {dims.world} ranks, but {world_size} were launched; set "
                 "data_parallel_shard: -1 to fill the rest",
             )
-        if (dims.dp_shard * dims.tp) % dims.ep:
+        if dims.cp > 1 and dims.pp > 1:
+            raise ConfigError(
+                "parallel.context_parallel",
+                f"{dims.cp} with pipeline_parallel {dims.pp}: the stages pass whole rows; use one of the two",
+            )
+        if (dims.dp_shard * dims.cp * dims.tp) % dims.ep:
             raise ConfigError(
                 "parallel.expert_parallel",
-                f"{dims.ep} must divide data_parallel_shard x tensor_parallel = {dims.dp_shard * dims.tp} "
-                "(experts borrow those ranks)",
+                f"{dims.ep} must divide data_parallel_shard x context_parallel x tensor_parallel = "
+                f"{dims.dp_shard * dims.cp * dims.tp} (experts borrow those ranks)",
             )
         return dims
 
     def check_model(self, model, seq_len: int | None = None) -> None:
         """Raise ConfigError, naming the key, where the model's widths (or the rows' `seq_len`, which
         sequence parallelism splits) do not split over the degrees."""
+        if self.cp > 1 and seq_len is not None:
+            from marinlm.parallel.context_parallel import check_cut
+
+            check_cut(seq_len, self.cp)
         if self.tp > 1:
+            seq_len = None if seq_len is None else seq_len // self.cp  # sequence parallel splits a rank's chunks
             for key, count in _tp_counts(model, seq_len):
                 if count % self.tp:
                     raise ConfigError(
@@ -104,6 +123,13 @@ class ParallelDims:
     def check_capacity(self, model) -> None:
         """Raise ConfigError where the model's pooled capacity rule cannot run on this layout."""
         moe = model.moe
+        if self.cp > 1 and moe.capacity_factor is not None:
+            raise ConfigError(
+                "model.moe.capacity_factor",
+                f"{moe.capacity_factor}: context parallel splits each row over {self.cp} ranks, and which "
+                "assignments a capacity drops depends on the whole row's order; set capacity_factor: null "
+                "(dropless) with parallel.context_parallel > 1",
+            )
         if moe.capacity == "receiver_pooled" and moe.capacity_factor is not None:
             shards = moe.capacity_groups * moe.capacity_domains
             if shards % self.dp:
@@ -122,8 +148,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """The data ranks left in each expert-parallel group's FSDP axis: dp_shard x tp / ep."""
-        return self.dp_shard * self.tp // self.ep
+        """The data ranks left in each expert-parallel group's FSDP axis: dp_shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     def build_mesh(self, device_type: str) -> Meshes:
         """The layout's meshes, all cut from one flat mesh of the world (FSDP2 needs them to share
@@ -131,26 +157,35 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
-        dense = world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.tp), AXES)
+        dense = world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp), AXES)
         batch = dense["dp_replicate", "dp_shard"]._flatten("dp")
-        experts = router = None
+        fsdp = dense["dp_replicate", "dp_shard"]
+        if self.cp > 1:  # FSDP2 shards over the cp ranks too (they hold the same weights)
+            shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp, self.tp)
+            flat = world._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))
+            fsdp = flat["dp_replicate", "dp_shard_cp"]
+        experts = None
         if self.ep > 1:
             experts = world._unflatten(0, (self.pp, self.dp_replicate, self.efsdp, self.ep), EXPERT_AXES)
-            if self.tp > 1:  # tp ranks route their own tokens: router statistics reduce over them too
-                router = dense["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
-        return Meshes(dense, batch, experts, router, self)
+        # The ranks whose MoE layers route different tokens: data ranks, cp ranks (other chunks),
+        # and with expert parallel the tp ranks (each routes its own share of the sequence).
+        routing = ["dp_replicate", "dp_shard"] + ["cp"] * (self.cp > 1) + ["tp"] * (self.ep > 1 and self.tp > 1)
+        router = dense[tuple(routing)]._flatten("routing") if len(routing) > 2 else None
+        return Meshes(dense, batch, fsdp, experts, router, self)
 
 
 @dataclass(frozen=True)
 class Meshes:
-    """dense: `[pp, dp_replicate, dp_shard, tp]`; batch: the data-parallel ranks, flattened (each
-    holds other rows of a batch); experts: `[pp, dp_replicate, efsdp, ep]`, None without expert
-    parallelism."""
+    """dense: `[pp, dp_replicate, dp_shard, cp, tp]`; batch: the data-parallel ranks, flattened
+    (each holds other rows of a batch); fsdp: `[dp_replicate, dp_shard]`, or `[dp_replicate,
+    dp_shard_cp]` under context parallel; experts: `[pp, dp_replicate, efsdp, ep]`, None without
+    expert parallelism."""
 
     dense: object
     batch: object
+    fsdp: object
     experts: object = None
-    router: object = None  # data x tensor-parallel ranks, when both route their own tokens
+    router: object = None  # the ranks routing different tokens, when more than the data ranks
     dims: ParallelDims | None = None  # the degrees they were cut for
 
 
@@ -179,5 +214,5 @@ def _tp_counts(model, seq_len: int | None) -> list[tuple[str, int]]:
 
 def _common_divisors(model, dims: ParallelDims, seq_len: int | None = None) -> list[int]:
     counts = [count for _, count in _tp_counts(model, seq_len)]
-    world = dims.world // (dims.pp * dims.dp_replicate)
+    world = dims.world // (dims.pp * dims.dp_replicate * dims.cp)
     return [d for d in _divisors(world) if all(c % d == 0 for c in counts)]

@@ -1,0 +1,304 @@
+"""Context parallelism over the `cp` mesh axis: each row's sequence split across N ranks.
+
+Shape legend: B batch, T tokens a rank holds, S tokens it sees (its own and those it received),
+H query heads, K KV heads, Dh head dim, C channels.
+
+A row of L tokens is cut into 2N chunks of L/2N; rank r holds chunks r and 2N−1−r, in that order
+(head–tail, as torchtitan and Megatron-Core cut for causal masks). Under a causal mask chunk j
+attends to j + 1 chunks of keys, so each rank's pair attends to (r + 1) + (2N − r) = 2N + 1
+chunks: the same work on every rank.
+
+Every operation that mixes tokens reads, from the other ranks, the tokens it can reach and no
+more, through one exchange (`Exchange`): for a reach h, each rank needs the h tokens before each
+of its chunks that it does not hold, and the ranks holding them send them in one
+`all_to_all_single`, whose backward returns the gradients the same way.
+
+- global attention reaches every earlier token: each rank receives the keys and values before
+  its chunks (an all-gather of K/V that skips what causality never reads), then attends chunk by
+  chunk to the keys up to the chunk's end;
+- local (sliding-window) attention reaches `window − 1` tokens: a halo from the neighbours;
+- SConv reaches `kernel − 1` inputs.
+
+Masks come from each token's document id and position inside its document (model/context.py),
+computed on the whole row and carried with the tokens, so the causal, window and document rules
+hold across chunk edges whatever order the keys arrive in; XSA and the head gate act on a rank's
+own tokens as on one process. The loss of each rank's tokens is summed over the cp ranks
+(autograd all-reduce), so every rank holds the row's mean; FSDP2 averages gradients over
+dp_shard × cp, which cancels the cp ranks' summed backward.
+
+Gather, not ring: the keys and values are small beside the queries (grouped-query attention), so
+one exchange moves as many bytes as a ring's N − 1 steps, in one collective instead of N − 1
+latency-bound ones, and needs no online-softmax merge of partial results
+(docs/distributed.md, "Context parallel", weighs the two at the hero's 262,144 tokens).
+torch's `context_parallel` wraps SDPA alone; the hero's document masks, windows, XSA and SConv are
+outside what it knows, so this is our own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+from torch import nn
+
+from marinlm.config import ConfigError
+from marinlm.model.attention import Attention
+from marinlm.model.context import ForwardContext, attention_mask, sconv_keep_masks
+from marinlm.model.layers import SConv, doc_ids_and_positions
+from marinlm.parallel.tensor_parallel import _waited
+
+
+def check_cut(seq_len: int, size: int) -> None:
+    """Raise ConfigError where rows of `seq_len` tokens cannot be cut into 2 x `size` equal chunks."""
+    if seq_len % (2 * size):
+        valid = [n for n in range(1, seq_len // 2 + 1) if seq_len % (2 * n) == 0][:12]
+        raise ConfigError(
+            "parallel.context_parallel",
+            f"{size} cuts each row into {2 * size} equal chunks, but rows hold {seq_len} tokens "
+            f"(data.seq_len); valid degrees for {seq_len}: {', '.join(map(str, valid))}; rows are not padded",
+        )
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where a row's tokens live: `seq_len` tokens cut into 2 x `size` chunks, head-tail."""
+
+    seq_len: int
+    size: int
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.size)
+
+    def chunks(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.size - 1 - rank
+
+    def owner(self, index: torch.Tensor) -> torch.Tensor:
+        j = index // self.chunk
+        return torch.minimum(j, 2 * self.size - 1 - j)
+
+    def held(self, rank: int) -> torch.Tensor:
+        """The row positions `rank` holds, in its order (increasing)."""
+        c = self.chunk
+        return torch.cat([torch.arange(j * c, (j + 1) * c) for j in self.chunks(rank)])
+
+    def local_index(self, rank: int, index: torch.Tensor) -> torch.Tensor:
+        """Where row positions held by `rank` sit in its tokens."""
+        c = self.chunk
+        j = index // c
+        return torch.where(j == rank, index - rank * c, c + index - j * c)
+
+    def before(self, rank: int, reach: int | None) -> torch.Tensor:
+        """Row positions `rank` needs and does not hold: up to `reach` before each of its chunks (None: all)."""
+        c = self.chunk
+        starts = [j * c for j in self.chunks(rank)]
+        wanted = torch.cat([torch.arange(0 if reach is None else max(0, s - reach), s) for s in starts])
+        wanted = torch.unique(wanted)
+        return wanted[self.owner(wanted) != rank]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One rank's part in an exchange of reach h (see the module docstring)."""
+
+    send_index: torch.Tensor  # local positions to send, grouped by receiving rank
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    order: torch.Tensor  # sorts [own tokens, received tokens] by row position
+    seen: torch.Tensor  # the row position of each of the S tokens after sorting
+    own: torch.Tensor  # where each own token sits among the S
+    spans: list[tuple[slice, slice]]  # per own chunk: its queries (local), the keys it reaches (of S)
+
+
+@functools.lru_cache(maxsize=64)
+def exchange(layout: ChunkLayout, rank: int, reach: int | None) -> Exchange:
+    send, send_sizes, received, recv_sizes = [], [], [], []
+    for other in range(layout.size):
+        theirs = layout.before(other, reach)
+        mine = theirs[layout.owner(theirs) == rank]
+        send.append(layout.local_index(rank, mine))
+        send_sizes.append(len(mine))
+        mine_from_them = layout.before(rank, reach)
+        got = mine_from_them[layout.owner(mine_from_them) == other]
+        received.append(got)
+        recv_sizes.append(len(got))
+    positions = torch.cat([layout.held(rank), *received])
+    seen, order = torch.sort(positions)
+    own = torch.searchsorted(seen, layout.held(rank))
+    spans = []
+    c = layout.chunk
+    for k, j in enumerate(layout.chunks(rank)):
+        lo = 0 if reach is None else max(0, j * c - reach)
+        keys = slice(int(torch.searchsorted(seen, lo)), int(torch.searchsorted(seen, (j + 1) * c)))
+        spans.append((slice(k * c, (k + 1) * c), keys))
+    return Exchange(torch.cat(send), send_sizes, recv_sizes, order, seen, own, spans)
+
+
+def gather_reach(x_BT_: torch.Tensor, plan: Exchange, group) -> torch.Tensor:
+    """`x` [B, T, ...] of this rank's tokens, with the tokens it reaches from other ranks: [B, S, ...]
+    in row order. Differentiable: backward sends each received token's gradient to its owner."""
+    send_TB_ = x_BT_[:, plan.send_index].transpose(0, 1).contiguous()
+    recv_TB_ = _waited(funcol.all_to_all_single_autograd(send_TB_, plan.recv_sizes, plan.send_sizes, group))
+    return torch.cat([x_BT_, recv_TB_.transpose(0, 1)], dim=1)[:, plan.order]
+
+
+class ContextParallelContext(ForwardContext):
+    """The forward context of a rank's tokens, with the whole row's document ids and positions
+    and the cp group, for the exchanges."""
+
+    def __init__(self, doc_BT, pos_BT, *, window, layout: ChunkLayout, rank: int, group, row_doc, row_pos):
+        super().__init__(doc_BT, pos_BT, packed=True, decoding=False, derived=False, window=window)
+        self.layout, self.rank, self.group = layout, rank, group
+        self.row_doc, self.row_pos = row_doc, row_pos
+
+    def plan(self, reach: int | None) -> Exchange:
+        return exchange(self.layout, self.rank, reach)
+
+    def gather(self, x_BT_: torch.Tensor, reach: int | None) -> tuple[torch.Tensor, Exchange]:
+        plan = self.plan(reach)
+        return gather_reach(x_BT_, plan, self.group), plan
+
+    def seen_ids(self, plan: Exchange) -> tuple[torch.Tensor, torch.Tensor]:
+        """Document ids and positions [B, S] of the tokens an exchange gives this rank."""
+        index = plan.seen.to(self.row_doc.device)
+        return self.row_doc[:, index], self.row_pos[:, index]
+
+
+class ContextParallelAttention:
+    """Mixed into an `Attention` (or its kernel): attention over the keys each chunk reaches."""
+
+    def layer_mask(self, ctx):
+        return None  # built per chunk in `attend`
+
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, ctx: ContextParallelContext, mask) -> torch.Tensor:
+        reach = None if self.window is None else self.window - 1
+        kv_BT2KD = torch.stack([k_BKTD.transpose(1, 2), v_BKTD.transpose(1, 2)], dim=2)  # one exchange for both
+        kv_BS2KD, plan = ctx.gather(kv_BT2KD, reach)
+        k_BKSD, v_BKSD = kv_BS2KD[:, :, 0].transpose(1, 2), kv_BS2KD[:, :, 1].transpose(1, 2)
+        doc_BS, pos_BS = ctx.seen_ids(plan)
+        outs = []
+        for queries, keys in plan.spans:  # each chunk against the keys it reaches, up to its end
+            allowed = attention_mask(
+                ctx.doc_BT[:, queries], ctx.pos_BT[:, queries], doc_BS[:, keys], pos_BS[:, keys], self.window
+            )
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_BHTD[:, :, queries],
+                    k_BKSD[:, :, keys],
+                    v_BKSD[:, :, keys],
+                    attn_mask=allowed,
+                    enable_gqa=q_BHTD.shape[1] != k_BKSD.shape[1],
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+
+class ContextParallelSConv:
+    """Mixed into an `SConv` (or its kernel): the inputs before each chunk come from their ranks."""
+
+    def forward(self, x_BTC, ctx, state=None):
+        if state is not None or not isinstance(ctx, ContextParallelContext):
+            return super().forward(x_BTC, ctx, state)
+        x_BSC, plan = ctx.gather(x_BTC, self.kernel_size - 1)
+        doc_BS, _ = ctx.seen_ids(plan)
+        y_BSC = self.convolve(x_BSC, sconv_keep_masks(doc_BS, self.kernel_size))
+        return y_BSC[:, plan.own.to(y_BSC.device)], None
+
+
+class ContextParallelModel:
+    """Mixed into the `MarinForCausalLM`: takes whole rows, runs this rank's chunks, and returns
+    the row's loss (and per-token losses for scoring) as one process would."""
+
+    cp_group = None
+    cp_rank, cp_size = 0, 1
+
+    def forward(self, input_ids, segment_ids=None, labels=None, *, return_logits=True, logits_to_keep=0, **decoding):
+        if any(v is not None for v in decoding.values()) or logits_to_keep:
+            raise ValueError(
+                "parallel.context_parallel: decoding and logits_to_keep need whole rows on one rank; "
+                "load the model without context parallel to generate"
+            )
+        B, L = input_ids.shape
+        check_cut(L, self.cp_size)
+        layout = ChunkLayout(L, self.cp_size)
+        if segment_ids is None:
+            row_doc = torch.zeros(B, L, dtype=torch.long, device=input_ids.device)
+            row_pos = torch.arange(L, device=input_ids.device).expand(B, L)
+        else:
+            row_doc, row_pos = doc_ids_and_positions(segment_ids)
+        held = layout.held(self.cp_rank).to(input_ids.device)
+        self._cp_context = ContextParallelContext(
+            row_doc[:, held],
+            row_pos[:, held],
+            window=self.config.attention.sliding_window,
+            layout=layout,
+            rank=self.cp_rank,
+            group=self.cp_group,
+            row_doc=row_doc,
+            row_pos=row_pos,
+        )
+        try:
+            out = super().forward(
+                input_ids[:, held],
+                None,
+                None if labels is None else labels[:, held],
+                return_logits=return_logits,
+            )
+        finally:
+            self._cp_context = None
+        if labels is None:
+            return out
+        return self._row_loss(out, layout, held)
+
+    def context(self, input_ids, segment_ids, caches, doc_ids, positions) -> ForwardContext:
+        return self._cp_context
+
+    def _row_loss(self, out, layout: ChunkLayout, held: torch.Tensor):
+        """The rank's token-mean losses made the row's: sums and counts over the cp ranks."""
+        group = self.cp_group
+        count = out.num_tokens if torch.is_tensor(out.num_tokens) else torch.tensor(float(out.num_tokens))
+        count = count.to(out.lm_loss.dtype)
+        total = _waited(funcol.all_reduce(count, "sum", group))
+        lm_sum = dist_fn.all_reduce(out.lm_loss * count, op=dist.ReduceOp.SUM, group=group)
+        out.lm_loss = lm_sum / total.clamp_min(1)
+        parts = torch.stack([out.ce_loss.detach() * count, out.z_loss.detach() * count])
+        out.ce_loss, out.z_loss = (_waited(funcol.all_reduce(parts, "sum", group)) / total.clamp_min(1)).unbind()
+        out.aux_loss = dist_fn.all_reduce(out.aux_loss, op=dist.ReduceOp.SUM, group=group) / self.cp_size
+        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, total
+        if out.token_ce is not None:  # every rank's tokens, back in row order
+            rows = _waited(funcol.all_gather_tensor(out.token_ce.contiguous(), gather_dim=1, group=group))
+            order = torch.cat([layout.held(r) for r in range(layout.size)]).to(rows.device)
+            out.token_ce = torch.empty_like(rows).index_copy_(1, order, rows)
+        if out.logits is not None:
+            out.logits = None  # each rank's would cover its chunks only
+        return out
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _mixed(mixin: type, cls: type) -> type:
+    if issubclass(cls, mixin):
+        return cls
+    if (mixin, cls) not in _CLASSES:
+        _CLASSES[(mixin, cls)] = type(f"ContextParallel{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[(mixin, cls)]
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
+    """Make `model` (a MarinForCausalLM, on meta or initialised) take whole rows and compute on
+    this rank's chunks of them over the 1-D `cp_mesh`, in place."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.__class__ = _mixed(ContextParallelAttention, type(module))
+        elif isinstance(module, SConv):
+            module.__class__ = _mixed(ContextParallelSConv, type(module))
+    model.__class__ = _mixed(ContextParallelModel, type(model))
+    model.cp_group = cp_mesh.get_group()
+    model.cp_rank, model.cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    model._cp_context = None
