@@ -43,7 +43,7 @@ def test_degrees_fill_the_world_and_name_the_key_when_they_cannot():
 
 def test_context_parallel_degrees_fill_the_world_and_bad_ones_name_the_key():
     """cp ranks come out of the world beside dp_shard (experts may borrow them); a degree that does not
-    divide the ranks, a row it cannot cut into 2 x cp chunks, a pipeline or a capacity that drops
+    divide the ranks, a row it cannot cut into 2 x cp chunks, or a capacity that drops
     (which depends on the whole row) each name the key and what would be valid."""
     assert dims(4, context_parallel=2) == ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=1, cp=2)
     assert dims(8, context_parallel=2, expert_parallel=4).efsdp == 2  # 4 x 2 / 4
@@ -52,8 +52,6 @@ def test_context_parallel_degrees_fill_the_world_and_bad_ones_name_the_key():
         dims(4, context_parallel=3)
     with pytest.raises(ConfigError, match="context_parallel: must be >= 1, got 0"):
         ParallelConfig(context_parallel=0)
-    with pytest.raises(ConfigError, match="parallel.context_parallel: 2 with pipeline_parallel 2"):
-        dims(4, context_parallel=2, pipeline_parallel=2)
     layout = dims(4, context_parallel=4)
     with pytest.raises(ConfigError, match=r"parallel.context_parallel: 4 cuts each row into 8 .* 36 tokens"):
         layout.check_model(tiny_config(), 36)
@@ -134,6 +132,7 @@ LAYOUTS = {
     "cp-2xfsdp-2": {"context_parallel": 2},
     "cp-2xtp-2": {"context_parallel": 2, "tensor_parallel": 2},
     "cp-2xep-2": {"context_parallel": 2, "expert_parallel": 2},
+    "cp-2xpp-2": {"context_parallel": 2, "pipeline_parallel": 2},
 }
 PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2, "cp-2": 2}  # the rest run on 4
 
@@ -166,9 +165,10 @@ FORWARD_ROWS = {
     "pp-2-zbv": 1,
     "pp-2xtp-2": 1,
     "pp-2xep-2": 2,
+    "cp-2xpp-2": 1,
 }
 # tp ranks each route part of a row there, and so do cp ranks: the pooled rule does not run
-DROPLESS = ("ep-2xtp-2", "cp-2", "cp-4", "cp-2xfsdp-2", "cp-2xtp-2", "cp-2xep-2")
+DROPLESS = ("ep-2xtp-2", "cp-2", "cp-4", "cp-2xfsdp-2", "cp-2xtp-2", "cp-2xep-2", "cp-2xpp-2")
 
 
 def layout_model(precision: str, num_layers: int = 2, capacity: bool = True):

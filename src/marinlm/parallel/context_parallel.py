@@ -210,12 +210,44 @@ class ContextParallelSConv:
         return y_BSC[:, plan.own.to(y_BSC.device)], None
 
 
-class ContextParallelModel:
-    """Mixed into the `MarinForCausalLM`: takes whole rows, runs this rank's chunks, and returns
-    the row's loss (and per-token losses for scoring) as one process would."""
+class _RowCut:
+    """What the model and its pipeline stages share: this rank's place on the cp axis, and the
+    context of a forward's rows cut into its chunks."""
 
     cp_group = None
     cp_rank, cp_size = 0, 1
+    _cp_context = None
+
+    def _cut_rows(self, segment_ids, B: int, L: int, device) -> tuple[ChunkLayout, torch.Tensor]:
+        """Set this forward's context from the whole rows' segment ids (None: one document a
+        row); return the cut and the row positions this rank holds."""
+        check_cut(L, self.cp_size)
+        layout = ChunkLayout(L, self.cp_size)
+        if segment_ids is None:
+            row_doc = torch.zeros(B, L, dtype=torch.long, device=device)
+            row_pos = torch.arange(L, device=device).expand(B, L)
+        else:
+            row_doc, row_pos = doc_ids_and_positions(segment_ids)
+        held = layout.held(self.cp_rank).to(device)
+        where = dict(layout=layout, rank=self.cp_rank, group=self.cp_group, row_doc=row_doc, row_pos=row_pos)
+        window = self.config.attention.sliding_window
+        self._cp_context = ContextParallelContext(row_doc[:, held], row_pos[:, held], window=window, **where)
+        return layout, held
+
+    def context(self, input_ids, segment_ids, caches, doc_ids, positions) -> ForwardContext:
+        return self._cp_context
+
+
+def rows_in_order(x_BT: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor:
+    """Every cp rank's [B, T] values of its chunks (no gradient), as [B, L] in row order."""
+    gathered_BL = _waited(funcol.all_gather_tensor(x_BT.contiguous(), gather_dim=1, group=group))
+    order = torch.cat([layout.held(r) for r in range(layout.size)]).to(gathered_BL.device)
+    return torch.empty_like(gathered_BL).index_copy_(1, order, gathered_BL)
+
+
+class ContextParallelModel(_RowCut):
+    """Mixed into the `MarinForCausalLM`: takes whole rows, runs this rank's chunks, and returns
+    the row's loss (and per-token losses for scoring) as one process would."""
 
     def forward(self, input_ids, segment_ids=None, labels=None, *, return_logits=True, logits_to_keep=0, **decoding):
         if any(v is not None for v in decoding.values()) or logits_to_keep:
@@ -224,41 +256,17 @@ class ContextParallelModel:
                 "load the model without context parallel to generate"
             )
         B, L = input_ids.shape
-        check_cut(L, self.cp_size)
-        layout = ChunkLayout(L, self.cp_size)
-        if segment_ids is None:
-            row_doc = torch.zeros(B, L, dtype=torch.long, device=input_ids.device)
-            row_pos = torch.arange(L, device=input_ids.device).expand(B, L)
-        else:
-            row_doc, row_pos = doc_ids_and_positions(segment_ids)
-        held = layout.held(self.cp_rank).to(input_ids.device)
-        self._cp_context = ContextParallelContext(
-            row_doc[:, held],
-            row_pos[:, held],
-            window=self.config.attention.sliding_window,
-            layout=layout,
-            rank=self.cp_rank,
-            group=self.cp_group,
-            row_doc=row_doc,
-            row_pos=row_pos,
-        )
+        layout, held = self._cut_rows(segment_ids, B, L, input_ids.device)
         try:
-            out = super().forward(
-                input_ids[:, held],
-                None,
-                None if labels is None else labels[:, held],
-                return_logits=return_logits,
-            )
+            mine = None if labels is None else labels[:, held]
+            out = super().forward(input_ids[:, held], None, mine, return_logits=return_logits)
         finally:
             self._cp_context = None
         if labels is None:
             return out
-        return self._row_loss(out, layout, held)
+        return self._row_loss(out, layout)
 
-    def context(self, input_ids, segment_ids, caches, doc_ids, positions) -> ForwardContext:
-        return self._cp_context
-
-    def _row_loss(self, out, layout: ChunkLayout, held: torch.Tensor):
+    def _row_loss(self, out, layout: ChunkLayout):
         """The rank's token-mean losses made the row's: sums and counts over the cp ranks."""
         group = self.cp_group
         count = out.num_tokens if torch.is_tensor(out.num_tokens) else torch.tensor(float(out.num_tokens))
@@ -271,12 +279,22 @@ class ContextParallelModel:
         out.aux_loss = dist_fn.all_reduce(out.aux_loss, op=dist.ReduceOp.SUM, group=group) / self.cp_size
         out.loss, out.num_tokens = out.lm_loss + out.aux_loss, total
         if out.token_ce is not None:  # every rank's tokens, back in row order
-            rows = _waited(funcol.all_gather_tensor(out.token_ce.contiguous(), gather_dim=1, group=group))
-            order = torch.cat([layout.held(r) for r in range(layout.size)]).to(rows.device)
-            out.token_ce = torch.empty_like(rows).index_copy_(1, order, rows)
-        if out.logits is not None:
-            out.logits = None  # each rank's would cover its chunks only
+            out.token_ce = rows_in_order(out.token_ce, layout, group)
+        out.logits = None  # each rank's would cover its chunks only
         return out
+
+
+class ContextParallelStage(_RowCut):
+    """Mixed into a pipeline `StageModel`: the first stage cuts the token ids, every stage builds
+    the context of its chunks from the whole rows' segment ids, which travel between stages."""
+
+    def forward(self, x, segment_ids):
+        B, L = segment_ids.shape
+        _, held = self._cut_rows(segment_ids, B, L, segment_ids.device)
+        try:
+            return super().forward(x[:, held] if self.embed is not None else x, segment_ids)
+        finally:
+            self._cp_context = None
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -291,14 +309,16 @@ def _mixed(mixin: type, cls: type) -> type:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Make `model` (a MarinForCausalLM, on meta or initialised) take whole rows and compute on
-    this rank's chunks of them over the 1-D `cp_mesh`, in place."""
+    """Make `model` (a MarinForCausalLM or a pipeline stage of one, on meta or initialised) take
+    whole rows and compute on this rank's chunks of them over the 1-D `cp_mesh`, in place."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.__class__ = _mixed(ContextParallelAttention, type(module))
         elif isinstance(module, SConv):
             module.__class__ = _mixed(ContextParallelSConv, type(module))
-    model.__class__ = _mixed(ContextParallelModel, type(model))
+    from marinlm.parallel.pipeline_parallel import StageModel
+
+    mixin = ContextParallelStage if isinstance(model, StageModel) else ContextParallelModel
+    model.__class__ = _mixed(mixin, type(model))
     model.cp_group = cp_mesh.get_group()
     model.cp_rank, model.cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
-    model._cp_context = None

@@ -80,11 +80,6 @@ class ParallelDims:
                 f"{dims.describe()} makes {dims.world} ranks, but {world_size} were launched; set "
                 "data_parallel_shard: -1 to fill the rest",
             )
-        if dims.cp > 1 and dims.pp > 1:
-            raise ConfigError(
-                "parallel.context_parallel",
-                f"{dims.cp} with pipeline_parallel {dims.pp}: the stages pass whole rows; use one of the two",
-            )
         if (dims.dp_shard * dims.cp * dims.tp) % dims.ep:
             raise ConfigError(
                 "parallel.expert_parallel",

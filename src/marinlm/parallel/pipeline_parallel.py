@@ -215,9 +215,21 @@ class PipelinedModel(nn.Module):
         share of the global batch's loss tokens, times the data-parallel ranks (FSDP2 averages)."""
         B, T, D = h_BTD.shape
         last = next(s for s in self.stages if s.lm_head is not None)
+        labels_BT, ranks = self._my_labels(labels_BT), self._world
+        if self.cp_mesh is not None:  # FSDP2 averages over the cp ranks too, each holding part of the rows
+            ranks *= self.cp_mesh.size()
         lm_loss, ce, z, count, _ = last.loss(h_BTD.reshape(B * T, D), last.lm_head.weight, labels_BT.reshape(-1))
         self._records.append((ce.detach().double() * count, z.detach().double() * count))
-        return lm_loss * (int(count) / max(self._global_tokens, 1) * self._world)  # a Python float: exact share
+        return lm_loss * (int(count) / max(self._global_tokens, 1) * ranks)  # a Python float: exact share
+
+    def _my_labels(self, labels_BL):
+        """The labels of this rank's chunks under context parallel; all of them otherwise."""
+        if self.cp_mesh is None:
+            return labels_BL
+        from marinlm.parallel.context_parallel import ChunkLayout
+
+        held = ChunkLayout(labels_BL.shape[1], self.cp_mesh.size()).held(self.cp_mesh.get_local_rank())
+        return labels_BL[:, held.to(labels_BL.device)]
 
     def _run(self, ids, segment_ids, labels, train: bool) -> None:
         args = (ids, segment_ids) if self.has_first else ()
@@ -252,6 +264,8 @@ class PipelinedModel(nn.Module):
             sums[0] += ce
             sums[1] += z
         torch.distributed.all_reduce(sums, group=self.pp_group)  # the last stage's sums, on every stage
+        if self.cp_mesh is not None:  # over the rows' chunks
+            torch.distributed.all_reduce(sums, group=self.cp_mesh.get_group())
         return sums, stats
 
     @torch.no_grad()
@@ -288,8 +302,15 @@ class PipelinedModel(nn.Module):
             out = mine[s](x, seg)
             if s == num_stages - 1:
                 stage = mine[s]
-                _, _, _, _, token_ce = stage.loss(out.reshape(B * T, -1), stage.lm_head.weight, labels.reshape(-1))
-                ce_BT = token_ce.view(B, T).double()
+                mine_BT = self._my_labels(labels)
+                _, _, _, _, token_ce = stage.loss(
+                    out.reshape(mine_BT.numel(), -1), stage.lm_head.weight, mine_BT.reshape(-1)
+                )
+                ce_BT = token_ce.view(mine_BT.shape).double()
+                if self.cp_mesh is not None:
+                    from marinlm.parallel.context_parallel import ChunkLayout, rows_in_order
+
+                    ce_BT = rows_in_order(ce_BT, ChunkLayout(T, self.cp_mesh.size()), self.cp_mesh.get_group())
                 break
             x, seg = out
             if owner[s + 1] != me:
@@ -349,7 +370,9 @@ def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len:
         )
     holder = PipelinedModel(model.config, stages, pipeline_stages, None, layout, group)
     holder.stage_indices = ids
-    holder.sequence_split = info.mesh["tp"].size()  # under tensor parallel the stages pass T/tp tokens
+    # Under tensor and context parallel the stages pass T/(tp x cp) tokens of each row.
+    holder.sequence_split = info.mesh["tp"].size() * info.mesh["cp"].size()
+    holder.cp_mesh = info.mesh["cp"] if info.dims.cp > 1 else None
     holder.stage_owner = {s: r for r in range(pp) for s in stage_ids(r, pp, layout.schedule, layout.per_rank)}
     cls = schedule_class(layout.schedule)
     holder.schedule = cls(
