@@ -22,9 +22,8 @@ of its chunks that it does not hold, and the ranks holding them send them in one
 Masks come from each token's document id and position inside its document (model/context.py),
 computed on the whole row and carried with the tokens, so the causal, window and document rules
 hold across chunk edges whatever order the keys arrive in; XSA and the head gate act on a rank's
-own tokens as on one process. The loss of each rank's tokens is summed over the cp ranks
-(autograd all-reduce), so every rank holds the row's mean; FSDP2 averages gradients over
-dp_shard × cp, which cancels the cp ranks' summed backward.
+own tokens as on one process. The losses of each rank's tokens are summed over the cp ranks, so
+every rank reports the row's mean; FSDP2 averages gradients over dp_shard × cp.
 
 Gather, not ring: the keys and values are small beside the queries (grouped-query attention), so
 one exchange moves as many bytes as a ring's N − 1 steps, in one collective instead of N − 1
@@ -40,9 +39,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -139,6 +136,26 @@ def exchange(layout: ChunkLayout, rank: int, reach: int | None) -> Exchange:
     return Exchange(torch.cat(send), send_sizes, recv_sizes, order, seen, own, spans)
 
 
+@dataclass(frozen=True)
+class Reach:
+    """What an exchange of one reach costs the busiest rank (the one receiving most): tokens it
+    receives a row, and the keys its two chunks attend to, summed over its queries (mask and
+    score elements a row)."""
+
+    received: int
+    seen: int  # own and received tokens: the gathered tensor's length
+    pairs: int
+
+
+def reach_cost(seq_len: int, size: int, reach: int | None) -> Reach:
+    """The busiest rank's `Reach` for rows of `seq_len` over `size` cp ranks (`marinlm plan`)."""
+    layout = ChunkLayout(seq_len, size)
+    plans = [exchange(layout, r, reach) for r in range(size)]
+    busiest = max(plans, key=lambda p: sum(p.recv_sizes))
+    pairs = max(sum((q.stop - q.start) * (k.stop - k.start) for q, k in p.spans) for p in plans)
+    return Reach(sum(busiest.recv_sizes), len(busiest.seen), pairs)
+
+
 def gather_reach(x_BT_: torch.Tensor, plan: Exchange, group) -> torch.Tensor:
     """`x` [B, T, ...] of this rank's tokens, with the tokens it reaches from other ranks: [B, S, ...]
     in row order. Differentiable: backward sends each received token's gradient to its owner."""
@@ -151,8 +168,8 @@ class ContextParallelContext(ForwardContext):
     """The forward context of a rank's tokens, with the whole row's document ids and positions
     and the cp group, for the exchanges."""
 
-    def __init__(self, doc_BT, pos_BT, *, window, layout: ChunkLayout, rank: int, group, row_doc, row_pos):
-        super().__init__(doc_BT, pos_BT, packed=True, decoding=False, derived=False, window=window)
+    def __init__(self, doc_BT, pos_BT, *, window, layout: ChunkLayout, rank: int, group, row_doc, row_pos, packed=True):
+        super().__init__(doc_BT, pos_BT, packed=packed, decoding=False, derived=False, window=window)
         self.layout, self.rank, self.group = layout, rank, group
         self.row_doc, self.row_pos = row_doc, row_pos
 
@@ -182,9 +199,12 @@ class ContextParallelAttention:
         k_BKSD, v_BKSD = kv_BS2KD[:, :, 0].transpose(1, 2), kv_BS2KD[:, :, 1].transpose(1, 2)
         doc_BS, pos_BS = ctx.seen_ids(plan)
         outs = []
-        for queries, keys in plan.spans:  # each chunk against the keys it reaches, up to its end
-            allowed = attention_mask(
-                ctx.doc_BT[:, queries], ctx.pos_BT[:, queries], doc_BS[:, keys], pos_BS[:, keys], self.window
+        for j, (queries, keys) in enumerate(plan.spans):  # each chunk against the keys it reaches
+            allowed = ctx.memo(  # one mask a chunk for all the layers of a kind
+                ("cp_mask", self.window, j),
+                lambda q=queries, k=keys: attention_mask(
+                    ctx.doc_BT[:, q], ctx.pos_BT[:, q], doc_BS[:, k], pos_BS[:, k], self.window
+                ),
             )
             outs.append(
                 F.scaled_dot_product_attention(
@@ -205,8 +225,12 @@ class ContextParallelSConv:
         if state is not None or not isinstance(ctx, ContextParallelContext):
             return super().forward(x_BTC, ctx, state)
         x_BSC, plan = ctx.gather(x_BTC, self.kernel_size - 1)
-        doc_BS, _ = ctx.seen_ids(plan)
-        y_BSC = self.convolve(x_BSC, sconv_keep_masks(doc_BS, self.kernel_size))
+        keep = None
+        if ctx.packed:  # taps stop at document edges (one document a row: none to stop at)
+            keep = ctx.memo(
+                ("cp_sconv_keep", self.kernel_size), lambda: sconv_keep_masks(ctx.seen_ids(plan)[0], self.kernel_size)
+            )
+        y_BSC = self.convolve(x_BSC, keep)
         return y_BSC[:, plan.own.to(y_BSC.device)], None
 
 
@@ -230,6 +254,7 @@ class _RowCut:
             row_doc, row_pos = doc_ids_and_positions(segment_ids)
         held = layout.held(self.cp_rank).to(device)
         where = dict(layout=layout, rank=self.cp_rank, group=self.cp_group, row_doc=row_doc, row_pos=row_pos)
+        where["packed"] = segment_ids is not None
         window = self.config.attention.sliding_window
         self._cp_context = ContextParallelContext(row_doc[:, held], row_pos[:, held], window=window, **where)
         return layout, held
@@ -240,7 +265,7 @@ class _RowCut:
 
 def rows_in_order(x_BT: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor:
     """Every cp rank's [B, T] values of its chunks (no gradient), as [B, L] in row order."""
-    gathered_BL = _waited(funcol.all_gather_tensor(x_BT.contiguous(), gather_dim=1, group=group))
+    gathered_BL = _waited(funcol.all_gather_single(x_BT.detach().contiguous(), gather_dim=1, group=group))
     order = torch.cat([layout.held(r) for r in range(layout.size)]).to(gathered_BL.device)
     return torch.empty_like(gathered_BL).index_copy_(1, order, gathered_BL)
 
@@ -267,17 +292,23 @@ class ContextParallelModel(_RowCut):
         return self._row_loss(out, layout)
 
     def _row_loss(self, out, layout: ChunkLayout):
-        """The rank's token-mean losses made the row's: sums and counts over the cp ranks."""
-        group = self.cp_group
+        """The row's losses from each rank's token means: sums and counts over the cp ranks.
+
+        Each rank's loss reads as the row's mean, and backpropagates cp x its own tokens' share
+        of it: FSDP2 averages gradients over the cp ranks, and the average of those is the
+        gradient of the row's mean (the house's "value + (other - value).detach()" split)."""
+        group, size = self.cp_group, self.cp_size
         count = out.num_tokens if torch.is_tensor(out.num_tokens) else torch.tensor(float(out.num_tokens))
         count = count.to(out.lm_loss.dtype)
-        total = _waited(funcol.all_reduce(count, "sum", group))
-        lm_sum = dist_fn.all_reduce(out.lm_loss * count, op=dist.ReduceOp.SUM, group=group)
-        out.lm_loss = lm_sum / total.clamp_min(1)
-        parts = torch.stack([out.ce_loss.detach() * count, out.z_loss.detach() * count])
-        out.ce_loss, out.z_loss = (_waited(funcol.all_reduce(parts, "sum", group)) / total.clamp_min(1)).unbind()
-        out.aux_loss = dist_fn.all_reduce(out.aux_loss, op=dist.ReduceOp.SUM, group=group) / self.cp_size
-        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, total
+        parts = torch.stack([out.lm_loss.detach(), out.ce_loss.detach(), out.z_loss.detach(), count.new_ones(())])
+        sums = _waited(funcol.all_reduce(torch.cat([parts[:3] * count, parts[3:] * count]), "sum", group))
+        total = sums[3].clamp_min(1)
+        mine = out.lm_loss * count * size / total
+        out.lm_loss = mine + (sums[0] / total - mine).detach()
+        out.ce_loss, out.z_loss = sums[1] / total, sums[2] / total
+        aux_mean = _waited(funcol.all_reduce(out.aux_loss.detach(), "sum", group)) / size
+        out.aux_loss = out.aux_loss + (aux_mean - out.aux_loss).detach()
+        out.loss, out.num_tokens = out.lm_loss + out.aux_loss, sums[3]
         if out.token_ce is not None:  # every rank's tokens, back in row order
             out.token_ce = rows_in_order(out.token_ce, layout, group)
         out.logits = None  # each rank's would cover its chunks only

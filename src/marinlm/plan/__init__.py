@@ -21,6 +21,7 @@ LAYOUT_KEYS = {
     "dp_replicate": "data_parallel_replicate",
     "dp_shard": "data_parallel_shard",
     "tp": "tensor_parallel",
+    "cp": "context_parallel",
     "ep": "expert_parallel",
     "pp": "pipeline_parallel",
     "schedule": "pipeline_schedule",
@@ -50,6 +51,7 @@ def world_of(parallel) -> int:
     return (
         parallel.data_parallel_replicate
         * parallel.data_parallel_shard
+        * parallel.context_parallel
         * parallel.tensor_parallel
         * parallel.pipeline_parallel
     )

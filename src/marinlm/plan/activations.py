@@ -156,31 +156,73 @@ def inventory(config: MarinConfig, precision: str, kernels_device: str = "cpu") 
 
 
 def activation_bytes(
-    inv: Inventory, config: MarinConfig, tokens: int, seq_len: int, layers=None, weights: int = 0, gpu: bool = False
+    inv: Inventory,
+    config: MarinConfig,
+    tokens: int,
+    seq_len: int,
+    layers=None,
+    weights: int = 0,
+    gpu: bool = False,
+    cp: int = 1,
+    act_bytes: int = 4,
 ) -> dict[str, float]:
     """Saved bytes of a forward over `tokens` tokens of rows of `seq_len`: by part ("blocks",
-    "outside", "weight_copies" of the `weights` matrix elements the rank multiplies, "masks"), for
-    the given layer indices (all by default).
+    "outside", "weight_copies" of the `weights` matrix elements the rank multiplies, "masks",
+    "context_halo"), for the given layer indices (all by default).
 
     `gpu`: CUDA's fused attention keeps no T x T scores, as the CPU proxy's does; what stays is the
     boolean document/window mask, one for the local and one for the global layers a forward.
+
+    `cp`: the rank holds `tokens` of rows cut over `cp` context-parallel ranks: each query's T x T
+    terms span the keys its chunk reaches (`context_parallel.reach_cost`, the busiest rank's), and
+    each layer keeps the keys and values it gathered (own and received, `act_bytes` an element)
+    and its SConv inputs' halo.
     """
     table = widths(config, seq_len)
     layers = range(config.num_layers) if layers is None else layers
+    a = config.attention
+    keys = {"global": seq_len, "local": seq_len, "dense": seq_len}  # keys a query's T x T terms span
+    halo = {"global": 0.0, "local": 0.0, "dense": 0.0}  # bytes a row beside the per-token ones
+    mask_elements = 2 * seq_len * seq_len  # a row's masks: [T, T], local and global
+    if cp > 1:
+        from marinlm.parallel.context_parallel import reach_cost
 
-    def per_token(bucket: dict[str, float]) -> float:
-        return sum(c * table[name] for name, c in bucket.items() if not (gpu and name == "sequence"))
+        mine = seq_len // cp
+        window = a.sliding_window
+        cost = {
+            "global": reach_cost(seq_len, cp, None),
+            "local": reach_cost(seq_len, cp, None if window is None else window - 1),
+        }
+        cost["dense"] = cost["local"]
+        sconv = reach_cost(seq_len, cp, config.sconv.kernel_size - 1)
+        kv_width = a.num_kv_heads * a.head_dim
+        sites = {"k": kv_width, "v": kv_width, "attn": config.d_model, "mlp": config.d_model}
+        sconv_halo = sconv.received * sum(sites[s] for s in config.sconv.sites) * act_bytes
+        for kind, c in cost.items():
+            keys[kind] = c.pairs / mine
+            kv = (a.global_kv_heads() if kind == "global" else a.num_kv_heads) * a.head_dim
+            halo[kind] = c.seen * 2 * kv * act_bytes + sconv_halo
+        if not gpu:  # the CPU's SDPA keeps a float copy of a mask; one process's global layers have none
+            halo["global"] += 4 * cost["global"].pairs
+        mask_elements = cost["global"].pairs + cost["local"].pairs
+    rows = tokens / (seq_len // cp)
 
-    blocks = 0.0
+    def per_token(bucket: dict[str, float], kind: str) -> float:
+        width = dict(table, sequence=keys[kind])
+        return sum(c * width[name] for name, c in bucket.items() if not (gpu and name == "sequence"))
+
+    blocks = halos = 0.0
     for i in layers:
         if not config.is_moe_layer(i):
             kind = "dense"
         else:
             kind = "global" if config.is_global_layer(i) else "local"
-        blocks += per_token(inv.layer_kinds.get(kind, inv.layer_kinds.get("local", {})))
+        blocks += per_token(inv.layer_kinds.get(kind, inv.layer_kinds.get("local", {})), kind)
+        halos += halo[kind]
     return {
         "blocks": blocks * tokens,
-        "outside": (per_token(inv.outside) + inv.unknown) * tokens,
+        "outside": (per_token(inv.outside, "local") + inv.unknown) * tokens,
         "weight_copies": inv.cast_bytes_per_weight * weights,
-        "masks": 2 * tokens * seq_len if gpu else 0.0,  # bool [rows, 1, T, T], local and global
+        "masks": mask_elements * rows if gpu or cp > 1 else 0.0,  # bool, local and global
+        "context_halo": halos * rows,
     }

@@ -5,9 +5,11 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   config: gradients and optimizer state of what trains only, plan/finetune.py);
 - optimizer state: per local weight, MuonH's momentum (1 copy) or Adam's two moments, fp32; in
   host memory under `parallel.offload: optimizer` (and weights and gradients too under `all`);
-- activations: what autograd saves (plan/activations.py) for the rank's tokens, divided by tp
-  (sequence parallel), times the microbatches a pipeline stage holds at once (1F1B: pp - stage),
-  with full activation checkpointing only the blocks' inputs plus one block;
+- activations: what autograd saves (plan/activations.py) for the rank's tokens (under context
+  parallel a 1/cp share of each row, with the keys and values each layer gathers and the masks of
+  the keys its chunks reach), divided by tp (sequence parallel), times the microbatches a pipeline
+  stage holds at once (1F1B: pp - stage), with full activation checkpointing only the blocks'
+  inputs plus one block;
 - buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert
   all-to-all's send and receive rows; tensor parallel's gathered activations; pipeline sends;
 - temporaries: one block's activations again (their gradients in backward).
@@ -15,7 +17,9 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
 Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (4
 passes a layer: dispatch and combine, forward and backward; 2 more in a checkpointed block's
 recomputed forward) over NVLink when its group fits in an
-NVLink domain, else the network, not overlapped; FSDP/HSDP traffic of which `overlap` is hidden;
+NVLink domain, else the network, not overlapped; context parallel's exchanges of keys, values and
+SConv halos (forward, their gradients back, and again in a recomputed forward), not overlapped
+(the exchange waits before attention); FSDP/HSDP traffic of which `overlap` is hidden;
 tensor-parallel collectives; optimizer-state copies to the host and back; all divided by (1 -
 bubble) under pipelining.
 """
@@ -137,7 +141,7 @@ def plan_layout(
         notes.append(f"fine-tuning ({fit.method}): {100 * trained:.2f}% of a rank's weights train{factors}")
 
     # --- time -------------------------------------------------------------------------------------
-    tokens_rank = rows * seq  # a data-parallel rank's tokens a step; pipeline stages share them
+    tokens_rank = rows * seq // dims.cp  # a rank's tokens a step; pipeline stages share them
     stage_flops = []
     for s in range(dims.pp):
         layers = stage_layers[s] if dims.pp > 1 else range(model.num_layers)
@@ -161,13 +165,20 @@ def plan_layout(
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
         step["expert_all_to_all"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
+    if dims.cp > 1:
+        volume = rows * context_exchange_bytes(model, seq, dims.cp, act_bytes) * (2 + recompute) * local_layers
+        volume /= model.num_layers * dims.tp  # the bytes above are the whole model's; tp ranks hold a share of heads
+        link = "nvlink" if dims.cp * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
+        traffic[link] += volume
+        step["context_exchange"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
     fsdp_bytes = sum(r.device.get("fsdp_gathered_block", 0.0) for r in ranks[:1]) / 2  # one block, fp32
-    shard_group = dims.dp_shard * dims.tp
+    fsdp = dims.dp_shard * dims.cp  # FSDP2 shards over the cp ranks too
+    shard_group = fsdp * dims.tp
     accumulation = rows // micro_rows if dims.pp == 1 else microbatches  # forwards a step
-    if dims.dp_shard > 1:
+    if fsdp > 1:
         # Gathered for every forward and (resharded after forward) every backward; gradients once.
         passes = accumulation * (2 if parallel.reshard_after_forward else 1) + 1
-        volume = passes * fsdp_bytes * local_layers * (dims.dp_shard - 1) / dims.dp_shard
+        volume = passes * fsdp_bytes * local_layers * (fsdp - 1) / fsdp
         link = "nvlink" if shard_group <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
         step["fsdp"] = volume / (_bandwidth(hardware, link) * eff.collectives) * (1 - eff.overlap)
@@ -220,6 +231,25 @@ def plan_layout(
     )
 
 
+def context_exchange_bytes(model, seq_len: int, cp: int, act_bytes: int) -> float:
+    """Bytes the busiest cp rank receives in one forward of a row: every layer's keys and values
+    (global layers: all earlier tokens; local: the window's halo) and the SConv sites' halos."""
+    from marinlm.parallel.context_parallel import reach_cost
+
+    a = model.attention
+    window = None if a.sliding_window is None else a.sliding_window - 1
+    halo = reach_cost(seq_len, cp, model.sconv.kernel_size - 1).received
+    kv_width = a.num_kv_heads * a.head_dim
+    sites = {"k": kv_width, "v": kv_width, "attn": model.d_model, "mlp": model.d_model}
+    total = 0.0
+    for i in range(model.num_layers):
+        is_global = model.is_global_layer(i)
+        kv = (a.global_kv_heads() if is_global else a.num_kv_heads) * a.head_dim
+        total += reach_cost(seq_len, cp, None if is_global else window).received * 2 * kv
+        total += halo * sum(sites[s] for s in model.sconv.sites)
+    return total * act_bytes
+
+
 def _bandwidth(hardware: Hardware, link: str) -> float:
     return hardware.nvlink_bandwidth if link == "nvlink" else hardware.network_bandwidth
 
@@ -229,6 +259,7 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
         "dp_replicate": dims.dp_replicate,
         "dp_shard": dims.dp_shard,
         "tp": dims.tp,
+        "cp": dims.cp,
         "ep": dims.ep,
         "pp": dims.pp,
         "pipeline_schedule": parallel.pipeline_schedule if dims.pp > 1 else None,
@@ -313,12 +344,14 @@ def _rank_memory(
     weights_where["gradients"] = (sum(trained.values()) + adapters) * FP32
 
     layers = sorted({int(name.split(".")[1]) for name in shards if name.startswith("layers.")})
-    tokens = micro_rows * train.data.seq_len
+    tokens = micro_rows * train.data.seq_len // dims.cp
     in_flight = dims.pp - stage if dims.pp > 1 else 1  # 1F1B keeps pp - stage microbatches' activations
     matrices = sum(s["unsharded"] for s in shards.values() if len(s["full"]) >= 2)
     gpu = hardware.name != "cpu"
-    acts = activation_bytes(inv, model, tokens, train.data.seq_len, layers, weights=matrices, gpu=gpu)
-    one_block = acts["blocks"] / max(len(layers), 1)
+    acts = activation_bytes(
+        inv, model, tokens, train.data.seq_len, layers, weights=matrices, gpu=gpu, cp=dims.cp, act_bytes=act_bytes
+    )
+    one_block = (acts["blocks"] + acts["context_halo"]) / max(len(layers), 1)
     # Checkpointed blocks keep their input only (and, under autocast, no weight copies) until the
     # backward recomputes them one at a time.
     kept = len(layers)
@@ -335,9 +368,10 @@ def _rank_memory(
     block_unsharded = max(
         (sum(s["unsharded"] for n, s in shards.items() if n.startswith(f"layers.{i}.")) for i in layers), default=0
     )
-    plan.device["fsdp_gathered_block"] = 2 * block_unsharded * FP32 if dims.dp_shard > 1 else 0.0
+    sharded = dims.dp_shard * dims.cp > 1
+    plan.device["fsdp_gathered_block"] = 2 * block_unsharded * FP32 if sharded else 0.0
     unsharded_grads = block_unsharded * FP32 * min(plan.trained_fraction, 1.0)
-    plan.device["fsdp_unsharded_gradients"] = unsharded_grads if dims.dp_shard > 1 else 0.0
+    plan.device["fsdp_unsharded_gradients"] = unsharded_grads if sharded else 0.0
     if dims.ep > 1:
         latent = model.moe.latent_dim or model.d_model
         sent, received = expert_rows(model.moe, tokens, dims)

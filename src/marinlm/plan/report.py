@@ -12,7 +12,7 @@ GiB = 2**30
 
 def layout_name(plan) -> str:
     d = plan.layout
-    parts = [f"{k} {d[k]}" for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp") if d[k] > 1]
+    parts = [f"{k} {d[k]}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp") if d.get(k, 1) > 1]
     extra = [f"offload {d['offload']}"] if d["offload"] != "none" else []
     extra += [f"AC {d['activation_checkpointing']}"] if d["activation_checkpointing"] != "none" else []
     return " x ".join(parts or ["1 process"]) + (", " + ", ".join(extra) if extra else "")

@@ -67,7 +67,7 @@ def rule_shards(model_config, parallel, world, rank, rows, seq_len) -> dict[str,
         if experts and dims.ep > 1:
             shape[0] //= dims.ep
         unsharded = math.prod(shape)
-        shape[0] = math.ceil(shape[0] / (dims.efsdp if experts and dims.ep > 1 else dims.dp_shard))
+        shape[0] = math.ceil(shape[0] / (dims.efsdp if experts and dims.ep > 1 else dims.dp_shard * dims.cp))
         shards[name] = {"shape": tuple(shape), "full": tuple(p.shape), "unsharded": unsharded}
     return shards
 
