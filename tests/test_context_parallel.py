@@ -112,6 +112,13 @@ def _ranks(rank: int, size: int, store: str, results) -> None:
                 y = _Attention(window).attend(*mine, ctx, None)
                 (y.double() * w[:, :, held]).sum().backward()
                 results[("attention", size, str(dtype), window, rank)] = (y.detach(), *(t.grad for t in mine))
+                # The first row alone, one document: the banded mask of one-document rows.
+                one = ContextParallelContext(doc[:1, held], pos[:1, held], window=None, **where, packed=False)
+                one.row_doc, one.row_pos = doc[:1], pos[:1]
+                mine = [t[:1, :, held].clone().requires_grad_() for t in (q, k, v)]
+                y = _Attention(window).attend(*mine, one, None)
+                (y.double() * w[:1, :, held]).sum().backward()
+                results[("one-document", size, str(dtype), window, rank)] = (y.detach(), *(t.grad for t in mine))
             torch.manual_seed(0)
             conv = _SConv(5, 4).to(dtype)
             with torch.no_grad():
@@ -142,7 +149,8 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("size", [2, 4])
 def test_attention_on_a_ranks_chunks_is_attention_on_the_whole_row(collected, size, window, dtype):
     """Values and the gradients of queries, keys and values, each rank's tokens against the same
-    tokens of one SDPA over the whole row, with packed documents crossing chunk edges."""
+    tokens of one SDPA over the whole row, with packed documents crossing chunk edges; and for a
+    row of one document alone (its mask a band, not compared ids)."""
     whole = _whole_row(dtype, window)
     layout = ChunkLayout(SEQ, size)
     for rank in range(size):
@@ -150,6 +158,9 @@ def test_attention_on_a_ranks_chunks_is_attention_on_the_whole_row(collected, si
         got = collected[("attention", size, str(dtype), window, rank)]
         for name, a, b in zip(("values", "dq", "dk", "dv"), got, whole):
             torch.testing.assert_close(a.float(), b[:, :, held].float(), **TOLERANCE[dtype], msg=name)
+        got = collected[("one-document", size, str(dtype), window, rank)]  # the first row alone
+        for name, a, b in zip(("values", "dq", "dk", "dv"), got, whole):
+            torch.testing.assert_close(a.float(), b[:1, :, held].float(), **TOLERANCE[dtype], msg=name)
 
 
 @pytest.mark.distributed

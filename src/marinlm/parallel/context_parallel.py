@@ -202,8 +202,10 @@ class ContextParallelAttention:
         for j, (queries, keys) in enumerate(plan.spans):  # each chunk against the keys it reaches
             allowed = ctx.memo(  # one mask a chunk for all the layers of a kind
                 ("cp_mask", self.window, j),
-                lambda q=queries, k=keys: attention_mask(
-                    ctx.doc_BT[:, q], ctx.pos_BT[:, q], doc_BS[:, k], pos_BS[:, k], self.window
+                lambda q=queries, k=keys: (
+                    attention_mask(ctx.doc_BT[:, q], ctx.pos_BT[:, q], doc_BS[:, k], pos_BS[:, k], self.window)
+                    if ctx.packed
+                    else band_mask(q, k, plan, self.window, q_BHTD.device)
                 ),
             )
             outs.append(
@@ -216,6 +218,18 @@ class ContextParallelAttention:
                 )
             )
         return torch.cat(outs, dim=2)
+
+
+def band_mask(queries: slice, keys: slice, plan: Exchange, window: int | None, device) -> torch.Tensor:
+    """The [1, 1, T, S] mask of a chunk of one-document rows: its keys are the row positions
+    seen[keys], contiguous, so query i sees key m iff 0 <= i + offset - m < window (one `tril`
+    where the general rule would compare T x S document ids and positions)."""
+    offset = int(plan.own[queries.start]) - keys.start  # the first query's place among the keys
+    allowed = torch.ones(queries.stop - queries.start, keys.stop - keys.start, dtype=torch.bool, device=device)
+    allowed = allowed.tril(offset)
+    if window is not None:
+        allowed &= torch.ones_like(allowed).triu(offset - window + 1)
+    return allowed[None, None]
 
 
 class ContextParallelSConv:

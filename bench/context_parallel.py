@@ -1,0 +1,162 @@
+"""Context parallel's global attention: our gather of the keys each chunk reaches, against a ring.
+
+    python bench/context_parallel.py [--seq 8192] [--ranks 2 4] [--rounds 5]
+
+One row of `--seq` tokens, the `tiny` model's global layer (4 query heads, 1 KV head, head dim 32),
+cut head-tail over N gloo ranks. Timed on every rank, the slowest rank's median of `--rounds`:
+- ours: `ContextParallelAttention.attend` (one all_to_all_single of the keys and values each
+  chunk reaches, then SDPA chunk by chunk with the causal mask), forward and backward;
+- the peer, a ring (Liu et al. 2023, torch's `_templated_ring_attention`, Megatron's CP): N steps,
+  each attending to the K/V block the ring brings and passing it on with isend/irecv while the
+  next block computes, partial results merged by their log-sum-exp (online softmax). Forward only:
+  it is written here as the peer and has no backward, so ours is timed forward-only beside it too.
+torch's own ring does not run here: on a CPU, SDPA dispatches to an op with no context-parallel
+sharding rule ("_scaled_dot_product_flash_attention_for_cpu ... does not have a sharding strategy").
+Both on rows of one document (plain causal: the ring's blocks need no mask) and on packed
+documents of 1,000 tokens (every block masked by document ids, as training rows are).
+Printed: each one's time and the ring's over ours, per degree. The ranks share 2 cores on this
+machine, so the times say which does less work and waiting here, not what a GPU cluster would do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 1, 32
+DOCUMENT = 1000  # tokens a packed document
+
+
+def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=None, pos=None):
+    """Causal attention of this rank's chunks over the whole row, with the K/V blocks passed round;
+    with `doc` and `pos` (the row's document ids and positions), within documents only."""
+    from marinlm.model.context import attention_mask
+
+    attend = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    c = layout.chunk
+    mine = layout.chunks(rank)
+    out = lse = None
+    kv = torch.stack([k_BKTD, v_BKTD]).contiguous()
+    for step in range(size):
+        owner = (rank - step) % size
+        pending = []
+        if step < size - 1:  # pass the block on while this one computes
+            incoming = torch.empty_like(kv)
+            pending = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, kv, (rank + 1) % size),
+                    dist.P2POp(dist.irecv, incoming, (rank - 1) % size),
+                ]
+            )
+        for qi, a in enumerate(mine):
+            for ki, b in enumerate(layout.chunks(owner)):
+                if b > a:
+                    continue  # a later chunk: nothing a causal query sees
+                q = q_BHTD[:, :, qi * c : (qi + 1) * c]
+                k = kv[0][:, :, ki * c : (ki + 1) * c].repeat_interleave(HEADS // KV_HEADS, 1)
+                v = kv[1][:, :, ki * c : (ki + 1) * c].repeat_interleave(HEADS // KV_HEADS, 1)
+                if doc is None:
+                    o, s = attend(q, k, v, is_causal=a == b)[:2]
+                else:  # a block's mask from the ids; a query may see none of its keys
+                    qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                    allowed = attention_mask(doc[:, qs], pos[:, qs], doc[:, ks], pos[:, ks], None)
+                    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, -torch.inf)
+                    o, s = attend(q, k, v, attn_mask=bias)[:2]
+                    seen = allowed.any(-1, keepdim=True)  # [B, 1, T, 1]
+                    o, s = o.masked_fill(~seen, 0.0), s.masked_fill(~seen[..., 0], -torch.inf)
+                s = s.unsqueeze(-1)
+                if out is None:
+                    out = torch.zeros_like(q_BHTD)
+                    lse = torch.full((*q_BHTD.shape[:3], 1), -torch.inf)
+                part = slice(qi * c, (qi + 1) * c)
+                new = torch.logaddexp(lse[:, :, part], s)
+                keep = torch.nan_to_num(torch.exp(lse[:, :, part] - new))  # -inf - -inf: nothing seen yet
+                out[:, :, part] = out[:, :, part] * keep + o * torch.nan_to_num(torch.exp(s - new))
+                lse[:, :, part] = new
+        for request in pending:
+            request.wait()
+        if step < size - 1:
+            kv = incoming
+    return out
+
+
+def _rank(rank: int, size: int, seq: int, rounds: int, store: str, results) -> None:
+    from marinlm.model.layers import doc_ids_and_positions
+    from marinlm.parallel.context_parallel import ChunkLayout, ContextParallelAttention, ContextParallelContext
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    layout = ChunkLayout(seq, size)
+    held = layout.held(rank)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, seq, HEAD_DIM, generator=g)[:, :, held].contiguous()
+    k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, generator=g)[:, :, held].contiguous()
+    v = torch.randn(1, KV_HEADS, seq, HEAD_DIM, generator=g)[:, :, held].contiguous()
+    one = doc_ids_and_positions(torch.zeros(1, seq, dtype=torch.long))
+    packed = doc_ids_and_positions(torch.arange(seq).div(DOCUMENT, rounding_mode="floor")[None])
+
+    class Global(ContextParallelAttention):
+        window = None
+
+    def ours(backward: bool, rows):
+        doc, pos = rows
+        where = dict(layout=layout, rank=rank, group=dist.group.WORLD, row_doc=doc, row_pos=pos)
+        ctx = ContextParallelContext(doc[:, held], pos[:, held], window=None, packed=rows is packed, **where)
+        qq, kk, vv = (t.clone().requires_grad_(backward) for t in (q, k, v))
+        y = Global().attend(qq, kk, vv, ctx, None)
+        if backward:
+            y.sum().backward()
+        return y
+
+    contenders = {
+        "ours, forward": lambda: ours(False, one),
+        "ring, forward": lambda: ring_attention(q, k, v, layout, rank, size),
+        "ours, forward + backward": lambda: ours(True, one),
+        "ours, forward, packed": lambda: ours(False, packed),
+        "ring, forward, packed": lambda: ring_attention(q, k, v, layout, rank, size, *packed),
+    }
+    with torch.no_grad():
+        torch.testing.assert_close(contenders["ring, forward"](), ours(False, one), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(contenders["ring, forward, packed"](), ours(False, packed), rtol=1e-4, atol=1e-4)
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
+            times[name].append(float(elapsed))
+    if rank == 0:
+        results[size] = {name: statistics.median(t) for name, t in times.items()}
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    results = mp.Manager().dict()
+    for size in args.ranks:
+        with tempfile.TemporaryDirectory() as work:
+            mp.spawn(_rank, args=(size, args.seq, args.rounds, f"{work}/store", results), nprocs=size)
+    print(f"global attention of one row of {args.seq:,} tokens, cut over N gloo ranks (median of {args.rounds})")
+    print(f"{'N':>3} {'rows':>22} {'ours fwd':>10} {'ring fwd':>10} {'ring / ours':>12} {'ours fwd+bwd':>13}")
+    for size in args.ranks:
+        r = results[size]
+        for rows, tail in (("one document", ""), (f"documents of {DOCUMENT:,}", ", packed")):
+            ours, ring = r["ours, forward" + tail], r["ring, forward" + tail]
+            both = f"{r['ours, forward + backward'] * 1e3:>11.1f}ms" if not tail else ""
+            print(f"{size:>3} {rows:>22} {ours * 1e3:>8.1f}ms {ring * 1e3:>8.1f}ms {ring / ours:>11.2f}x {both}")
+
+
+if __name__ == "__main__":
+    main()
