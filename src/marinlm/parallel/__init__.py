@@ -106,7 +106,9 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
 
     tp = info.dims.tp if info.dims is not None else 1
     if info.dims is not None and info.dims.cp > 1:
-        apply_context_parallel(model, info.mesh["cp"])
+        from marinlm.parallel.pipeline_parallel import StageModel
+
+        apply_context_parallel(model, info.mesh["cp"], stage=isinstance(model, StageModel))
     if tp > 1:
         apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
     if info.expert_mesh is not None:

@@ -353,17 +353,16 @@ def _mixed(mixin: type, cls: type) -> type:
     return _CLASSES[(mixin, cls)]
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Make `model` (a MarinForCausalLM or a pipeline stage of one, on meta or initialised) take
-    whole rows and compute on this rank's chunks of them over the 1-D `cp_mesh`, in place."""
+def apply_context_parallel(model: nn.Module, cp_mesh, *, stage: bool = False) -> None:
+    """Make `model` (a MarinForCausalLM, or with `stage` a pipeline stage of one, on meta or
+    initialised) take whole rows and compute on this rank's chunks of them over the 1-D `cp_mesh`,
+    in place."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.__class__ = _mixed(ContextParallelAttention, type(module))
         elif isinstance(module, SConv):
             module.__class__ = _mixed(ContextParallelSConv, type(module))
-    from marinlm.parallel.pipeline_parallel import StageModel
-
-    mixin = ContextParallelStage if isinstance(model, StageModel) else ContextParallelModel
+    mixin = ContextParallelStage if stage else ContextParallelModel
     model.__class__ = _mixed(mixin, type(model))
     model.cp_group = cp_mesh.get_group()
     model.cp_rank, model.cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
