@@ -127,6 +127,7 @@ def _ranks(rank: int, size: int, store: str, results) -> None:
             y, _ = conv(x_mine, ctx)
             (y.double() * w[:, 0, held, :5]).sum().backward()
             results[("sconv", size, str(dtype), rank)] = (y.detach(), x_mine.grad, conv.weight.grad)
+        results[("peak", size, rank)] = _activation_peak(_memory_config(), size)
     finally:
         dist.destroy_process_group()
 
@@ -190,59 +191,59 @@ def test_sconv_on_a_ranks_chunks_reads_the_inputs_before_them(collected, size, d
     torch.testing.assert_close(weight_grad, conv.weight.grad.float(), **TOLERANCE[dtype])
 
 
-def _activation_peak(rank: int, config, seq_len: int, size: int, store: str | None, results) -> None:
-    """MemTracker's activation peak of one forward and backward of a row of `seq_len`, in one
-    process (`size` 1) or on `rank` of `size` gloo processes under context parallel."""
+MEMORY_SEQ = 512
+
+
+def _memory_config():
+    from marinlm.config import load_config
+    from marinlm.model.config import MarinConfig
+
+    from conftest import ROOT
+
+    config = load_config(MarinConfig, str(ROOT / "configs" / "model" / "tiny.yaml"), [])
+    config.kernels, config.moe.capacity_factor, config.max_seq_len = "reference", None, MEMORY_SEQ
+    return config
+
+
+def _activation_peak(config, size: int) -> float:
+    """MemTracker's activation peak of one forward and backward of a row of MEMORY_SEQ tokens, in
+    one process (`size` 1) or on this rank of `size` gloo processes under context parallel."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
     from marinlm.model import MarinForCausalLM
     from marinlm.parallel.context_parallel import apply_context_parallel
 
+    with torch.device("meta"):
+        model = MarinForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
     if size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    try:
-        with torch.device("meta"):
-            model = MarinForCausalLM(config)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
-        if size > 1:
-            apply_context_parallel(model, init_device_mesh("cpu", (size,), mesh_dim_names=("cp",)))
-        ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            model(ids, labels=ids, return_logits=False).loss.backward()
-        peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        results[(size, rank)] = next(v for k, v in peaks.items() if "ACT" in str(k))
-    finally:
-        if size > 1:
-            dist.destroy_process_group()
+        apply_context_parallel(model, init_device_mesh("cpu", (size,), mesh_dim_names=("cp",)))
+    ids = torch.randint(0, config.vocab_size, (1, MEMORY_SEQ), generator=torch.Generator().manual_seed(0))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(ids, labels=ids, return_logits=False).loss.backward()
+    peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return next(v for k, v in peaks.items() if "ACT" in str(k))
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
-def test_a_cp_rank_holds_a_1_over_n_share_of_the_activations_and_the_plan_predicts_it(tmp_path):
-    """The `tiny` model on a row of 1,024 tokens: MemTracker's activation peak on each rank of CP 2
+def test_a_cp_rank_holds_a_1_over_n_share_of_the_activations_and_the_plan_predicts_it(collected):
+    """The `tiny` model on a row of 512 tokens: MemTracker's activation peak on each rank of CP 2
     and CP 4 (gloo) is at most one process's / N plus the halo the plan counts (gathered keys and
     values, masks, SConv inputs), and the plan's estimate is within 5% of the busiest rank's."""
-    from marinlm.config import load_config
     from marinlm.model import MarinForCausalLM
-    from marinlm.model.config import MarinConfig
     from marinlm.plan.activations import activation_bytes, inventory
 
-    from conftest import ROOT
-
-    config = load_config(MarinConfig, str(ROOT / "configs" / "model" / "tiny.yaml"), [])
-    config.kernels, config.moe.capacity_factor, config.max_seq_len = "reference", None, 1024
-    seq_len, results = 1024, mp.Manager().dict()
-    _activation_peak(0, config, seq_len, 1, None, results)
+    config = _memory_config()
+    one = _activation_peak(config, 1)
     with torch.device("meta"):
         weights = sum(p.numel() for p in MarinForCausalLM(config).parameters() if p.ndim >= 2)
     inv = inventory(config, "fp32")
     for size in (2, 4):
-        mp.spawn(_activation_peak, args=(config, seq_len, size, str(tmp_path / f"store{size}"), results), nprocs=size)
-        plan = activation_bytes(inv, config, seq_len // size, seq_len, weights=weights, cp=size)
-        busiest = max(results[(size, r)] for r in range(size))
-        assert busiest <= results[(1, 0)] / size + plan["context_halo"] + plan["masks"], size
+        plan = activation_bytes(inv, config, MEMORY_SEQ // size, MEMORY_SEQ, weights=weights, cp=size)
+        busiest = max(collected[("peak", size, r)] for r in range(size))
+        assert busiest <= one / size + plan["context_halo"] + plan["masks"], size
         assert sum(plan.values()) == pytest.approx(busiest, rel=0.05), size

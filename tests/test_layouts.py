@@ -134,7 +134,8 @@ LAYOUTS = {
     "cp-2xep-2": {"context_parallel": 2, "expert_parallel": 2},
     "cp-2xpp-2": {"context_parallel": 2, "pipeline_parallel": 2},
 }
-PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2, "cp-2": 2}  # the rest run on 4
+# the rest run on 4; CP 2 x EP 2 on 2 borrows the experts' ranks from the cp ranks
+PROCESSES = {"pp-2": 2, "pp-2-interleaved-4-stages": 2, "pp-2-zbv": 2, "cp-2": 2, "cp-2xep-2": 2}
 
 
 def layers_of(layout: str) -> int:

@@ -85,7 +85,7 @@ def parallelize(
     """
     from marinlm.parallel.pipeline_parallel import ZERO_BUBBLE, build_pipeline
 
-    if info.dims is not None and info.dims.pp > 1:
+    if info.dims is not None and info.dims.pp_enabled:
         stage_config = config
         if config.pipeline_schedule in ZERO_BUBBLE:
             # Zero-bubble schedules compute weight gradients in a pass of their own after the input
@@ -105,7 +105,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
     tp = info.dims.tp if info.dims is not None else 1
-    if info.dims is not None and info.dims.cp > 1:
+    if info.dims is not None and info.dims.cp_enabled:
         from marinlm.parallel.pipeline_parallel import StageModel
 
         apply_context_parallel(model, info.mesh["cp"], stage=isinstance(model, StageModel))

@@ -40,6 +40,22 @@ class ParallelDims:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def dp(self) -> int:
         """Data-parallel ranks: each holds different rows of a batch."""
         return self.dp_replicate * self.dp_shard

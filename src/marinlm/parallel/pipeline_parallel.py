@@ -372,7 +372,7 @@ def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len:
     holder.stage_indices = ids
     # Under tensor and context parallel the stages pass T/(tp x cp) tokens of each row.
     holder.sequence_split = info.mesh["tp"].size() * info.mesh["cp"].size()
-    holder.cp_mesh = info.mesh["cp"] if info.dims.cp > 1 else None
+    holder.cp_mesh = info.mesh["cp"] if info.dims.cp_enabled else None
     holder.stage_owner = {s: r for r in range(pp) for s in stage_ids(r, pp, layout.schedule, layout.per_rank)}
     cls = schedule_class(layout.schedule)
     holder.schedule = cls(

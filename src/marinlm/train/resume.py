@@ -200,8 +200,11 @@ class ResumeMixin:
             saved_world = state.get("world_size", 1)
             regrid = f" (saved by {saved_world} processes, resharded onto {self.world})"
             saved = state.get("layout")  # the degrees; checkpoints before layouts had only FSDP
-            if saved is not None and {**saved, "dp_shard": 0} != {**dataclasses.asdict(self.dims), "dp_shard": 0}:
-                regrid = f" (saved under {ParallelDims(**saved).describe()}, resharded onto {self.dims.describe()})"
+            saved = None if saved is None else ParallelDims(**saved)  # a degree added since defaults to 1
+            if saved is not None and dataclasses.replace(saved, dp_shard=0) != dataclasses.replace(
+                self.dims, dp_shard=0
+            ):
+                regrid = f" (saved under {saved.describe()}, resharded onto {self.dims.describe()})"
             elif saved_world == self.world:
                 regrid = ""
             print(f"resumed from {folder} at step {self.step}{regrid}", flush=True)
