@@ -8,8 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
 
 from marinlm.config import ConfigError
+from marinlm.kernels.attention import FusedAttention
+from marinlm.model.attention import Attention
 from marinlm.model.context import attention_mask, sconv_keep_masks
 from marinlm.model.layers import SConv, doc_ids_and_positions
 from marinlm.parallel.context_parallel import (
@@ -88,9 +91,18 @@ def _whole_row(dtype, window):
     return y.detach(), q.grad, k.grad, v.grad
 
 
-class _Attention(ContextParallelAttention):
+class _Attention(ContextParallelAttention, Attention):
+    """The reference's per-chunk attention (SDPA) under context parallel, without weights."""
+
     def __init__(self, window):
-        self.window = window
+        nn.Module.__init__(self)
+        self.window, self.is_global = window, window is None
+
+
+class _KernelAttention(ContextParallelAttention, FusedAttention):
+    """The same through the CPU attention kernel."""
+
+    __init__ = _Attention.__init__
 
 
 class _SConv(ContextParallelSConv, SConv):
@@ -119,6 +131,10 @@ def _ranks(rank: int, size: int, store: str, results) -> None:
                 y = _Attention(window).attend(*mine, one, None)
                 (y.double() * w[:1, :, held]).sum().backward()
                 results[("one-document", size, str(dtype), window, rank)] = (y.detach(), *(t.grad for t in mine))
+                mine = [t[:, :, held].clone().requires_grad_() for t in (q, k, v)]  # through the kernel
+                y = _KernelAttention(window).attend(*mine, ctx, None)
+                (y.double() * w[:, :, held]).sum().backward()
+                results[("kernel", size, str(dtype), window, rank)] = (y.detach(), *(t.grad for t in mine))
             torch.manual_seed(0)
             conv = _SConv(5, 4).to(dtype)
             with torch.no_grad():
@@ -150,8 +166,8 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("size", [2, 4])
 def test_attention_on_a_ranks_chunks_is_attention_on_the_whole_row(collected, size, window, dtype):
     """Values and the gradients of queries, keys and values, each rank's tokens against the same
-    tokens of one SDPA over the whole row, with packed documents crossing chunk edges; and for a
-    row of one document alone (its mask a band, not compared ids)."""
+    tokens of one SDPA over the whole row, with packed documents crossing chunk edges; for a row
+    of one document alone (its mask a band, not compared ids); and through the CPU kernel."""
     whole = _whole_row(dtype, window)
     layout = ChunkLayout(SEQ, size)
     for rank in range(size):
@@ -162,6 +178,9 @@ def test_attention_on_a_ranks_chunks_is_attention_on_the_whole_row(collected, si
         got = collected[("one-document", size, str(dtype), window, rank)]  # the first row alone
         for name, a, b in zip(("values", "dq", "dk", "dv"), got, whole):
             torch.testing.assert_close(a.float(), b[:1, :, held].float(), **TOLERANCE[dtype], msg=name)
+        got = collected[("kernel", size, str(dtype), window, rank)]  # the CPU attention kernel per chunk
+        for name, a, b in zip(("values", "dq", "dk", "dv"), got, whole):
+            torch.testing.assert_close(a.float(), b[:, :, held].float(), **TOLERANCE[dtype], msg=name)
 
 
 @pytest.mark.distributed

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
 from marinlm.config import ConfigError
@@ -208,16 +207,23 @@ class ContextParallelAttention:
                     else band_mask(q, k, plan, self.window, q_BHTD.device)
                 ),
             )
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q_BHTD[:, :, queries],
-                    k_BKSD[:, :, keys],
-                    v_BKSD[:, :, keys],
-                    attn_mask=allowed,
-                    enable_gqa=q_BHTD.shape[1] != k_BKSD.shape[1],
-                )
-            )
+            # The attention of the module's own class (the reference's SDPA, or a kernel's) on the chunk.
+            view = _ChunkView(ctx, j)
+            outs.append(super().attend(q_BHTD[:, :, queries], k_BKSD[:, :, keys], v_BKSD[:, :, keys], view, allowed))
         return torch.cat(outs, dim=2)
+
+
+class _ChunkView:
+    """The forward context as one chunk's attention sees it: what a kernel memoises (a mask's
+    bias, say) is kept per chunk, shared by the layers of a kind."""
+
+    decoding = False
+
+    def __init__(self, ctx: ForwardContext, chunk: int):
+        self.ctx, self.chunk = ctx, chunk
+
+    def memo(self, key, build):
+        return self.ctx.memo(("cp_chunk", self.chunk, key), build)
 
 
 def band_mask(queries: slice, keys: slice, plan: Exchange, window: int | None, device) -> torch.Tensor:
