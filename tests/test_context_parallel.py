@@ -12,6 +12,7 @@ from torch import nn
 
 from marinlm.config import ConfigError
 from marinlm.kernels.attention import FusedAttention
+from marinlm.kernels.layers import FusedSConv
 from marinlm.model.attention import Attention
 from marinlm.model.context import attention_mask, sconv_keep_masks
 from marinlm.model.layers import SConv, doc_ids_and_positions
@@ -105,7 +106,7 @@ class _KernelAttention(ContextParallelAttention, FusedAttention):
     __init__ = _Attention.__init__
 
 
-class _SConv(ContextParallelSConv, SConv):
+class _SConv(ContextParallelSConv, FusedSConv):  # the kernel, which the reference is tested equal to
     pass
 
 

@@ -151,7 +151,6 @@ CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] 
     ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
     ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
     ("fp32", 3, 1e-5, "pp-2xfsdp-2"),
-    ("fp32", 3, 1e-5, "cp-2xfsdp-2"),  # with the kernels (fp64 runs the reference model)
     # Under bf16 autocast the stages' hidden states stay fp32: validation must send what a stage holds.
     # 4 microbatches of 2 rows round differently from one of 8: 0.3% in loss, 1.5% in grad norm by step 3.
     ("bf16", 3, 5e-2, "pp-2xfsdp-2"),
