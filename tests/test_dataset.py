@@ -173,16 +173,19 @@ def test_tokenize_says_when_no_document_is_held_out_and_which_fraction_holds_out
     assert "val 0" not in capsys.readouterr().out
     assert TokenDataset(tmp_path / "b", "val").num_docs == 1 and TokenDataset(tmp_path / "b", "train").num_docs == 2
     assert MarinTokenizer.load(tmp_path / "b" / "tokenizer").hash == MarinTokenizer.load(tokenizer_file).hash
-    # One document (a single .txt) holds out nothing whatever the fraction: the note says to cut it.
-    (tmp_path / "one.txt").write_text("a single long text\n" * 50)
-    assert main(["tokenize", str(config), f"--inputs=[{tmp_path / 'one.txt'}]", f"--output_dir={tmp_path / 'c'}"]) == 0
-    assert (
-        capsys.readouterr()
-        .out.splitlines()[-1]
-        .startswith(
-            "note: one document cannot be split into train and val, so training on these tokens runs without validation"
-        )
-    )
+    # One document (a single .txt, its path the id) cannot be split: where its hash keeps it in
+    # train, the note says to cut it; where it falls below the fraction (1 path in 100), that
+    # everything was held out. The paths are chosen by the hash, so either case runs every time.
+    paths = [tmp_path / f"one-{i}.txt" for i in range(2000)]
+    kept = next(p for p in paths if not is_validation(str(p), 0, 0.01))
+    held = next(p for p in paths if is_validation(str(p), 0, 0.01))
+    for path, out, says in (
+        (kept, "c", "note: one document cannot be split into train and val, so training on these tokens runs without"),
+        (held, "d", "note: val_fraction 0.01 held out every document (a document is held out when the hash of"),
+    ):
+        path.write_text("a single long text\n" * 50)
+        assert main(["tokenize", str(config), f"--inputs=[{path}]", f"--output_dir={tmp_path / out}"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith(says), path
 
 
 def test_tokenize_rerun_skips_done_shards_and_redoes_damaged_ones(dataset, tok_dir, capsys):

@@ -87,6 +87,12 @@ def _tokenize(args, overrides) -> int:
             f"so training on these tokens runs without validation; --val_fraction={one!r} holds out one "
             f"(into another output_dir)"
         )
+    elif manifest["train_docs"] == 0 and manifest["val_docs"] > 0:
+        print(
+            f"note: val_fraction {config.val_fraction:g} held out every document (a document is held out when "
+            "the hash of its id falls below it), so there is nothing to train on; tokenize into another "
+            "output_dir with --val_fraction=0, or cut the text into more documents"
+        )
     elif manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] == 1:
         print(
             "note: one document cannot be split into train and val, so training on these tokens runs without "
