@@ -65,7 +65,7 @@ def _tokenizer_template(args, overrides) -> int:
 
 
 def _tokenize(args, overrides) -> int:
-    from marinlm.dataset.tokenize import TokenizeConfig, document_ids, fraction_holding_out_one, tokenize
+    from marinlm.dataset.tokenize import TokenizeConfig, split_note, tokenize
 
     config = _load(TokenizeConfig, args.config, overrides)
     manifest = tokenize(config)
@@ -79,26 +79,9 @@ def _tokenize(args, overrides) -> int:
         + ("done by an earlier run in " if manifest["inputs_tokenized"] == 0 else "")
         + f"{manifest['seconds']} s"
     )
-    if manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] >= 2:
-        ids = document_ids(config.inputs, config.text_field, config.id_field)
-        one = fraction_holding_out_one(ids, config.seed, config.val_fraction)
-        print(
-            f"note: val_fraction {config.val_fraction:g} holds out none of the {manifest['train_docs']} documents, "
-            f"so training on these tokens runs without validation; --val_fraction={one!r} holds out one "
-            f"(into another output_dir)"
-        )
-    elif manifest["train_docs"] == 0 and manifest["val_docs"] > 0:
-        print(
-            f"note: val_fraction {config.val_fraction:g} held out every document (a document is held out when "
-            "the hash of its id falls below it), so there is nothing to train on; tokenize into another "
-            "output_dir with --val_fraction=0, or cut the text into more documents"
-        )
-    elif manifest["val_docs"] == 0 and config.val_fraction > 0 and manifest["train_docs"] == 1:
-        print(
-            "note: one document cannot be split into train and val, so training on these tokens runs without "
-            "validation; cut the text into documents first: `marinlm data run` with the source's chunk_chars "
-            "(the quickstart cuts a .txt corpus so), or split the file"
-        )
+    note = split_note(config, manifest)
+    if note:
+        print(note)
     return 0
 
 

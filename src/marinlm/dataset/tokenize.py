@@ -93,6 +93,34 @@ def fraction_holding_out_one(doc_ids: Iterable[str], seed: int, fraction: float)
     return math.nextafter(low, 1.0)
 
 
+def split_note(config, manifest: dict) -> str | None:
+    """What to tell the user of a finished `tokenize` (`config` a TokenizeConfig) whose split left
+    a side empty, or None: no validation document (and the fraction that holds out one), or no
+    training document (a one-document corpus whose hash fell below the fraction)."""
+    train, val, fraction = manifest["train_docs"], manifest["val_docs"], config.val_fraction
+    if val == 0 and fraction > 0 and train >= 2:
+        one = fraction_holding_out_one(
+            document_ids(config.inputs, config.text_field, config.id_field), config.seed, fraction
+        )
+        return (
+            f"note: val_fraction {fraction:g} holds out none of the {train} documents, so training on these tokens "
+            f"runs without validation; --val_fraction={one!r} holds out one (into another output_dir)"
+        )
+    if train == 0 and val > 0:
+        return (
+            f"note: val_fraction {fraction:g} held out every document (a document is held out when the hash of its "
+            "id falls below it), so there is nothing to train on; tokenize into another output_dir with "
+            "--val_fraction=0, or cut the text into more documents"
+        )
+    if val == 0 and fraction > 0 and train == 1:
+        return (
+            "note: one document cannot be split into train and val, so training on these tokens runs without "
+            "validation; cut the text into documents first: `marinlm data run` with the source's chunk_chars "
+            "(the quickstart cuts a .txt corpus so), or split the file"
+        )
+    return None
+
+
 def document_ids(inputs: list[str], text_field: str = "text", id_field: str = "id") -> Iterator[str]:
     """The ids of the documents that `tokenize` reads from `inputs`, in order: the split hashes them."""
     from marinlm.data.inputs import expand_inputs

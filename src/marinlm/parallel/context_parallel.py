@@ -26,9 +26,11 @@ own tokens as on one process. The losses of each rank's tokens are summed over t
 every rank reports the row's mean; FSDP2 averages gradients over dp_shard × cp.
 
 Gather, not ring: the keys and values are small beside the queries (grouped-query attention), so
-one exchange moves as many bytes as a ring's N − 1 steps, in one collective instead of N − 1
-latency-bound ones, and needs no online-softmax merge of partial results
-(docs/distributed.md, "Context parallel", weighs the two at the hero's 262,144 tokens).
+one exchange moves as many bytes as a ring's N − 1 steps, in one collective, and needs no
+online-softmax merge of partial results: each chunk differentiates through the attention's own
+backward. A ring overlaps its passing and runs a one-document row's blocks without a mask, which
+`bench/context_parallel.py` measures faster on a CPU (docs/distributed.md, "Context parallel",
+weighs the two, also at the hero's 262,144 tokens).
 torch's `context_parallel` wraps SDPA alone; the hero's document masks, windows, XSA and SConv are
 outside what it knows, so this is our own.
 """
