@@ -44,16 +44,8 @@ class ParallelDims:
         return self.pp > 1
 
     @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
 
     @property
     def dp(self) -> int:
