@@ -15,6 +15,7 @@ from pathlib import Path
 
 from marinlm.commands import COMMANDS, config_classes, config_kinds, help_of
 from marinlm.config import ConfigError
+from marinlm.parallel.fault_tolerance import LighthouseLost
 from marinlm.train.signals import OutOfMemory, StoppedBySignal, Terminated, TrainingDiverged, raise_on_sigterm
 from marinlm.utils.pool import WorkerDied
 
@@ -88,6 +89,7 @@ def _tokenize(args, overrides) -> int:
 def _train(args, overrides) -> int:
     from marinlm.jobs import run_training
     from marinlm.train.config import TrainConfig
+    from marinlm.train.replicas import replica_report
 
     config = _load(TrainConfig, args.config, overrides)
     summary = run_training(config, resume=args.resume)
@@ -119,6 +121,8 @@ def _train(args, overrides) -> int:
                 f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s); "
                 f"loss curve {summary['loss_plot']}"
             )
+        if "fault_tolerance" in summary:
+            print(replica_report(summary["fault_tolerance"]))
     if summary.get("signal"):
         raise StoppedBySignal(summary["signal"], summary["steps"])
     return 0
@@ -449,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         collides = isinstance(e, (FileExistsError, NotADirectoryError))
         print(f"error: {where}" + (" (a file stands where a folder must go)" if collides else ""), file=sys.stderr)
         return 2
-    except (WorkerDied, TrainingDiverged, OutOfMemory) as e:
+    except (WorkerDied, TrainingDiverged, OutOfMemory, LighthouseLost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StoppedBySignal as e:

@@ -9,7 +9,7 @@ before anything is built.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -19,6 +19,27 @@ from marinlm.parallel.distributed import DistributedInfo, init_distributed, shut
 from marinlm.parallel.offload import OFFLOADS
 
 __all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize", "shutdown_distributed"]
+
+
+@dataclass(kw_only=True)
+class FaultToleranceConfig:
+    """Replica groups on torchft (parallel/fault_tolerance.py): `groups` torchrun jobs, this one `group`."""
+
+    groups: int = 0  # 0: off
+    group: int = 0  # this job's replica group, 0 .. groups-1
+    lighthouse: str = ""  # http://HOST:PORT of torchft's lighthouse; empty: $TORCHFT_LIGHTHOUSE
+    min_groups: int = 1  # a step commits with at least this many groups alive
+    timeout_s: float = 60.0  # each collective, commit vote and state transfer
+    quorum_timeout_s: float = 60.0  # waiting for a quorum before the run stops
+
+    def __post_init__(self):
+        check(self.groups >= 0, "groups", f"must be >= 0 (0: off), got {self.groups}")
+        if self.groups:
+            check(0 <= self.group < self.groups, "group", f"must be in 0..{self.groups - 1}, got {self.group}")
+            check(
+                1 <= self.min_groups <= self.groups, "min_groups", f"must be in 1..{self.groups}, got {self.min_groups}"
+            )
+        check(self.timeout_s > 0 and self.quorum_timeout_s > 0, "timeout_s", "timeouts must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +66,8 @@ class ParallelConfig:
     stages_per_rank: int = 2
     microbatches: int = 0
     layers_per_stage: list[int] | None = None
+    # Replica groups that survive each other's failures (parallel/fault_tolerance.py); off by default.
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self):
         for name in (
@@ -69,6 +92,11 @@ class ParallelConfig:
         check(self.offload in OFFLOADS, "offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         check(self.microbatches >= 0, "microbatches", f"must be >= 0 (0: one row each), got {self.microbatches}")
         check(self.stages_per_rank >= 1, "stages_per_rank", f"must be >= 1, got {self.stages_per_rank}")
+        check(
+            not (self.fault_tolerance.groups and self.data_parallel_replicate > 1),
+            "data_parallel_replicate",
+            "must be 1 under fault_tolerance: the replica groups are the replicas (fault_tolerance.groups)",
+        )
 
 
 def parallelize(

@@ -3,6 +3,8 @@ profiler."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import psutil
@@ -11,11 +13,13 @@ from tqdm import tqdm
 
 from marinlm.dataset.loader import TokenLoader, source_names
 from marinlm.parallel.expert_parallel import expert_traffic
-from marinlm.train.metrics import plot_loss, router_metrics
+from marinlm.train.metrics import plot_loss, read_metrics, router_metrics
+from marinlm.train.replicas import replica_scalars, replica_summary
 from marinlm.train.step import (
     StepResult,
     param_norm,
 )
+from marinlm.utils.io import write_json_atomic
 
 
 class Reporting:
@@ -51,6 +55,8 @@ class Reporting:
         }
         if self.device.type == "cuda":
             scalars["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        if self.replicas:
+            scalars |= replica_scalars(self, r)
         router_scalars, histograms = router_metrics(r.router_stats, r.router_layers)
         self.sinks.log(self.step, scalars | router_scalars | traffic | self._mixture_scalars(), histograms)
 
@@ -93,6 +99,33 @@ class Reporting:
                 {"step": self.step, "event": "mixture_phase", "phase": phase, "weights": weights.tolist()}
             )
         self._phase_said = phase
+
+    def _summary(self, start_time: float, first_step: int, stopped_early: bool) -> dict:
+        """What fit() returns, also written to RUN/summary.json with the loss plot (main rank)."""
+        summary = {
+            "steps": self.step,
+            "first_step": first_step,  # where this call started: a resumed run's earlier steps were timed elsewhere
+            "stopped_early": stopped_early,
+            "signal": self._signal,
+            "seconds": time.perf_counter() - start_time,
+            "final_loss": self._last_result.loss if self._last_result else None,
+            "events": self.events,
+            "validation": self.last_validation,
+        }
+        if self.replicas:
+            summary["fault_tolerance"] = replica_summary(self, summary["seconds"])
+        if self.info.is_main:
+            records = read_metrics(self.run_dir)
+            rates = [r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r and r["step"] > first_step]
+            summary["median_tokens_per_s"] = statistics.median(rates) if rates else None
+            summary["peak_flops"] = self.peak_flops
+            summary["peak_source"] = "given" if self.config.logging.peak_flops else "measured"
+            summary["peak_dtype"] = "bf16" if self.peak_dtype == torch.bfloat16 else "fp32"
+            summary["median_mfu"] = self.mfu(summary["median_tokens_per_s"]) if rates else None
+            if records:
+                summary["loss_plot"] = str(self._plot_loss(records))
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
 
     def _plot_loss(self, records: list[dict]) -> Path:
         """RUN/loss.png, marking the steps where the run's mixture phases began."""

@@ -33,6 +33,8 @@ class StepResult:
     skipped: bool  # NaN/Inf: the update was not applied
     router_stats: list[RouterStats]
     router_layers: list[int] | None = None  # the model's layer number of each (a pipeline stage's); None: 0, 1, ...
+    committed: bool = True  # replica groups: False when the quorum did not agree (nothing was applied)
+    groups: int = 1  # replica groups that trained this step
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -73,24 +75,31 @@ def total_norm(tensors: list[torch.Tensor], group=None) -> torch.Tensor:
     return square.sqrt()
 
 
-def reduce_router_stats(merged: list[RouterStats], group=None) -> list[RouterStats]:
+def reduce_router_stats(merged: list[RouterStats], group=None, replicas=None) -> list[RouterStats]:
     """Sum counts (and QB histograms) / average means and beta across the ranks of `group` (the
-    data-parallel ranks: tensor-parallel ranks route the same tokens), in place. Margins kept for a
-    live-range histogram are binned first, over their range across the ranks (a min and a max)."""
+    data-parallel ranks: tensor-parallel ranks route the same tokens), and across the replica
+    groups of this step (`replicas`), in place. Margins kept for a live-range histogram are binned
+    first, over their range across all of them (a min and a max)."""
+
+    def reduce_(t, op="sum"):
+        all_reduce_(t, op=op, group=group)
+        return t if replicas is None else replicas.all_reduce_(t, op)
+
     world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world *= 1 if replicas is None else replicas.participants
     for s in merged:
         if s.margins is not None:
             lo, hi = margin_range(s.margins)
-            bin_live(s, all_reduce_(lo, op="min", group=group), all_reduce_(hi, op="max", group=group))
+            bin_live(s, reduce_(lo, "min"), reduce_(hi, "max"))
     if world > 1:
         for s in merged:
             for t in (s.load, s.dropped, s.num_tokens):
-                all_reduce_(t, group=group)
-            all_reduce_(s.z_loss, group=group).div_(world)
+                reduce_(t)
+            reduce_(s.z_loss).div_(world)
             if s.beta is not None:
-                all_reduce_(s.beta, group=group).div_(world)
+                reduce_(s.beta).div_(world)
             if s.hist is not None:
-                all_reduce_(s.hist, group=group)
+                reduce_(s.hist)
     return merged
 
 
@@ -137,14 +146,24 @@ def train_step(
     world_size: int,
     group=None,
     router_group=None,
+    replicas=None,
 ) -> StepResult:
     """Forward/backward over the rank's micro-batches, then clip, guard and update.
 
     `world_size` counts the data-parallel ranks (each holding other rows), `group` is theirs (None:
-    every rank); tensor-parallel ranks hold the same rows and count once.
+    every rank); tensor-parallel ranks hold the same rows and count once. `replicas`: this step's
+    fault-tolerant replica groups (parallel/fault_tolerance.py), over which the token count, loss
+    sums, gradients and router statistics are reduced too, as HSDP's replicas would be; the update
+    is applied only if every group in the quorum commits.
     """
     local_loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
-    global_loss_tokens = int(all_reduce_(torch.tensor(float(local_loss_tokens)), group=group).item())
+    count = all_reduce_(torch.tensor(float(local_loss_tokens)), group=group)
+    groups = 1
+    if replicas is not None:
+        groups = replicas.participants
+        world_size *= groups  # FSDP2 averages inside a group, the groups average across
+        replicas.all_reduce_(count)
+    global_loss_tokens = int(count.item())
     kwargs = dict(device=device, precision=precision, global_tokens=global_loss_tokens, world_size=world_size)
     pipelined = isinstance(model, PipelinedModel)
     if pipelined:  # a pipeline runs its schedule
@@ -155,10 +174,15 @@ def train_step(
         sums, router_stats = forward_backward(model, batches, **kwargs)
     all_reduce_(sums, group=group)
     params = [p for p in model.parameters() if p.grad is not None]
+    if replicas is not None:
+        replicas.all_reduce_(sums)
+        replicas.average_gradients(params)
     grad_norm = total_norm([p.grad for p in params], model.pp_group if pipelined else None)  # stages hold other weights
     loss = sums[0].item() / max(global_loss_tokens, 1)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm.item()))
-    if not skipped:
+    stats = reduce_router_stats(router_stats, router_group or group, replicas) if router_stats else []
+    committed = replicas is None or replicas.should_commit()  # every step votes, a skipped one too
+    if not skipped and committed:
         if grad_clip is not None:
             coefficient = min(1.0, grad_clip / (grad_norm.item() + 1e-6))  # as torch's clip_grad_norm_
             if coefficient < 1.0:
@@ -171,8 +195,7 @@ def train_step(
                 raise OutOfMemoryInUpdate(str(e)) from e
             raise
     optimizer.zero_grad(set_to_none=True)
-    stats = reduce_router_stats(router_stats, router_group or group) if router_stats else []
-    if not skipped and stats:
+    if not skipped and committed and stats:
         # The QB beta of this step becomes the bias of the next (and lands in the next checkpoint).
         unwrap(model).update_router_biases(stats)
     tokens = sum(b["input_ids"].numel() for b in batches) * world_size
@@ -186,6 +209,8 @@ def train_step(
         skipped,
         stats,
         layers,
+        committed,
+        groups,
     )
 
 

@@ -13,7 +13,6 @@ import contextlib
 import math
 import shutil
 import signal
-import statistics
 import sys
 import time
 import warnings
@@ -37,9 +36,10 @@ from marinlm.train.activations import ActivationMonitor
 from marinlm.train.checkpoint import CheckpointManager, estimate_local_bytes
 from marinlm.train.config import TrainConfig
 from marinlm.train.data_source import TokenData, write_run_record
-from marinlm.train.metrics import MetricSinks, read_metrics
+from marinlm.train.metrics import MetricSinks
 from marinlm.train.model_part import FromScratch
 from marinlm.train.provenance import check_training_memory
+from marinlm.train.replicas import count_step, join_replica_groups
 from marinlm.train.reporting import Reporting
 from marinlm.train.resume import ResumeMixin
 from marinlm.train.signals import OutOfMemory, catch_stop_signals
@@ -51,7 +51,7 @@ from marinlm.train.step import (
     train_step,
 )
 from marinlm.utils.device import emulated_bf16, gemm_dtype, resolve_precision
-from marinlm.utils.io import lock_folder, unlock_folder, write_json_atomic, write_text_atomic
+from marinlm.utils.io import lock_folder, unlock_folder, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -88,6 +88,8 @@ class Trainer(Reporting, ResumeMixin):
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
+        if c.parallel.fault_tolerance.groups:  # each replica group keeps its own folder (train/replicas.py)
+            self.run_dir = self.run_dir / f"replica-{c.parallel.fault_tolerance.group}"
         if self.info.is_main:  # before it takes the folder; the other ranks would see its lock
             refuse_other_output(self.run_dir, "run")
         # The outermost folder this run makes (runs/ of runs/tiny, where neither exists): removed if it fails.
@@ -115,14 +117,16 @@ class Trainer(Reporting, ResumeMixin):
         if self.info.mesh is not None:
             self.info.use_layout(self.dims.build_mesh(self.device.type))
         # Batches are split over the data-parallel ranks; tensor-parallel ranks read the same rows.
+        # Replica groups each read their share, as data-parallel replicas would.
         self.data_rank, self.data_world = self.info.batch_rank, self.info.batch_world
-        micro = c.train.micro_batch or c.train.global_batch // self.data_world
-        if c.train.global_batch % (micro * self.data_world):
+        groups, group = max(c.parallel.fault_tolerance.groups, 1), c.parallel.fault_tolerance.group
+        micro = c.train.micro_batch or c.train.global_batch // (self.data_world * groups)
+        if c.train.global_batch % (micro * self.data_world * groups):
             raise ValueError(
-                f"train.global_batch={c.train.global_batch} must be a multiple of "
-                f"micro_batch x data-parallel ranks = {micro} x {self.data_world}"
+                f"train.global_batch={c.train.global_batch} must be a multiple of micro_batch x data-parallel "
+                f"ranks x replica groups = {micro} x {self.data_world} x {groups}"
             )
-        self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world)
+        self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world * groups)
 
         self.data.open(c, self.info)
         warmup = c.schedule.warmup_steps
@@ -148,9 +152,8 @@ class Trainer(Reporting, ResumeMixin):
         if c.parallel.offload == "optimizer":
             self._stepper = OffloadedOptimizer(self.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
-        self.loader = self.data.loader(
-            self.micro_batch * self.data_world, self.data_rank, self.data_world, self.run_dir
-        )
+        share = group * self.data_world + self.data_rank, groups * self.data_world
+        self.loader = self.data.loader(self.micro_batch * share[1], *share, self.run_dir)
         self.val_sources = self.data.val_sources()
         self.epochs_planned = self.data.planned_epochs(self.loader)
         self.checkpoints = CheckpointManager(
@@ -172,7 +175,12 @@ class Trainer(Reporting, ResumeMixin):
         self.peak_dtype = gemm_dtype(dtype, self.device)
         self.peak_flops = c.logging.peak_flops or matmul_peak_flops(self.peak_dtype, self.device.type)
         self.initialized_from: str | None = None
-        resumed_from = self._resume(resume)
+        self._committed_steps, self._quorum_seconds, self._open_failure = 0, 0.0, None
+        self.replicas = join_replica_groups(self) if c.parallel.fault_tolerance.groups else None
+        # A group that joins live peers takes their state in its first quorum, and no checkpoint.
+        resumed_from = None if self.replicas and self.replicas.join() else self._resume(resume)
+        if self.replicas and resumed_from:
+            self.replicas.resumed(self.step)
         if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
             raise ConfigError(
                 "train.steps",
@@ -193,7 +201,7 @@ class Trainer(Reporting, ResumeMixin):
                 c.logging.wandb,
                 c.logging.wandb_project,
                 c.logging.wandb_mode,
-                resume_step=self.step if resumed_from else -1,
+                resume_step=self.step if resumed_from or self.step else -1,  # self.step: a peer's
                 config=to_dict(c),
             )
         self.hooks: list[tuple[int, Callable]] = []
@@ -238,7 +246,7 @@ class Trainer(Reporting, ResumeMixin):
         c = self.config
         how = dict(device=self.device, precision=self.precision, grad_clip=c.train.grad_clip)
         how["world_size"] = self.data_world
-        groups = dict(group=self.info.batch_group, router_group=self.info.router_group)
+        groups = dict(group=self.info.batch_group, router_group=self.info.router_group, replicas=self.replicas)
         while True:
             batches = split_rows(micro, self._oom_pieces)
             try:
@@ -254,7 +262,7 @@ class Trainer(Reporting, ResumeMixin):
                     raise
                 self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go; weights were not touched
                 rows = batches[0]["input_ids"].shape[0]
-                if not c.train.oom_retry or rows == 1:
+                if not c.train.oom_retry or rows == 1 or self.replicas:  # the other groups would not redo it
                     retry = "" if c.train.oom_retry else "set train.oom_retry: true to retry it with fewer rows, or "
                     raise OutOfMemory(
                         f"out of memory in step {self.step + 1} at {rows} rows per forward "
@@ -316,6 +324,9 @@ class Trainer(Reporting, ResumeMixin):
 
     def close(self) -> None:
         """Give up the run folder (another job may write it now). Idempotent; also on collection."""
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.shutdown()
+            self.replicas = None
         if getattr(self, "_locked", False):
             self._locked = False
             unlock_folder(self.run_dir)
@@ -349,10 +360,14 @@ class Trainer(Reporting, ResumeMixin):
         try:
             while self.step < c.train.steps:
                 t0 = time.perf_counter()
+                if self.replicas and self.replicas.begin_step():  # behind the others: took a peer's state
+                    batches = iter(self.loader)
                 micro = [next(batches) for _ in range(self.accum)]
                 self._data_wait = time.perf_counter() - t0
                 with self.activations.watch(self.step + 1):
                     result = self._step_within_memory(micro)
+                if self.replicas and not count_step(self, result, t0):  # a group failed: its batch is skipped
+                    continue
                 if self.activations.due(self.step + 1):
                     scalars, samples = self.activations.report()  # every rank: a reduction
                     if self.sinks is not None:
@@ -440,31 +455,6 @@ class Trainer(Reporting, ResumeMixin):
             return False
         self._rollback()
         return True
-
-    def _summary(self, start_time: float, first_step: int, stopped_early: bool) -> dict:
-        """What fit() returns, also written to RUN/summary.json with the loss plot (main rank)."""
-        summary = {
-            "steps": self.step,
-            "first_step": first_step,  # where this call started: a resumed run's earlier steps were timed elsewhere
-            "stopped_early": stopped_early,
-            "signal": self._signal,
-            "seconds": time.perf_counter() - start_time,
-            "final_loss": self._last_result.loss if self._last_result else None,
-            "events": self.events,
-            "validation": self.last_validation,
-        }
-        if self.info.is_main:
-            records = read_metrics(self.run_dir)
-            rates = [r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r and r["step"] > first_step]
-            summary["median_tokens_per_s"] = statistics.median(rates) if rates else None
-            summary["peak_flops"] = self.peak_flops
-            summary["peak_source"] = "given" if self.config.logging.peak_flops else "measured"
-            summary["peak_dtype"] = "bf16" if self.peak_dtype == torch.bfloat16 else "fp32"
-            summary["median_mfu"] = self.mfu(summary["median_tokens_per_s"]) if rates else None
-            if records:
-                summary["loss_plot"] = str(self._plot_loss(records))
-            write_json_atomic(self.run_dir / "summary.json", summary)
-        return summary
 
     def _on_stop_signal(self, name: str) -> None:
         self._signal = name
