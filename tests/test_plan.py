@@ -221,3 +221,26 @@ def test_a_fine_tuning_plan_counts_gradients_and_optimizer_state_of_what_trains_
     assert embeddings.device["gradients"] > lora.device["gradients"] + 4 * model.vocab_size * model.d_model / 2 * 0.9
     with pytest.raises(ConfigError, match="train.global_batch: 8 rows do not divide among 64"):
         plan_layout(base, ParallelConfig(data_parallel_shard=64), 64, h100, eff)
+
+
+@pytest.mark.slow
+def test_fault_tolerant_groups_are_planned_as_hsdp_plus_what_torchft_adds():
+    """The hero's 11 racks as torchft replica groups: the same shards and all-reduce bytes as HSDP
+    11, the all-reduce not hidden behind backward, and a flat gradient copy on each rank."""
+    from marinlm.plan import parse_layout, world_of
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    train = load_config(TrainConfig, str(ROOT / "configs" / "train" / "marin-535b-a23b.yaml"), [])
+    hsdp = train.parallel
+    ft = parse_layout(f"dp_replicate=1,ft={hsdp.data_parallel_replicate}", hsdp)
+    assert world_of(ft) == world_of(hsdp) == 704
+    hardware, eff = load_hardware("gb200-nvl72"), Efficiency()
+    a, b = plan_layout(train, hsdp, 704, hardware, eff), plan_layout(train, ft, 704, hardware, eff)
+    assert b.traffic == a.traffic
+    assert b.step["ft_all_reduce"] == pytest.approx(a.step["hsdp_all_reduce"] / (1 - eff.overlap))
+    gradients = a.ranks[0].device["gradients"]
+    assert b.ranks[0].device["ft_gradient_buffer"] == gradients > 0
+    assert b.ranks[0].device_total == pytest.approx(a.ranks[0].device_total + gradients)
+    assert any("fault tolerance (11 replica groups)" in n for n in b.notes)

@@ -29,6 +29,7 @@ LAYOUT_KEYS = {
     "stages_per_rank": "stages_per_rank",
     "offload": "offload",
     "ac": "activation_checkpointing",
+    "ft": "fault_tolerance",  # replica groups on torchft, planned as HSDP's replicas plus what torchft adds
 }
 
 
@@ -41,6 +42,10 @@ def parse_layout(text: str, base):
             raise ConfigError("--layout", f"{item!r}: give key=value with keys {', '.join(LAYOUT_KEYS)}")
         field = LAYOUT_KEYS[key]
         changes[field] = value if field in ("pipeline_schedule", "offload", "activation_checkpointing") else int(value)
+    if "fault_tolerance" in changes:
+        from marinlm.parallel import FaultToleranceConfig
+
+        changes["fault_tolerance"] = FaultToleranceConfig(groups=changes["fault_tolerance"])
     return dataclasses.replace(base, **changes)
 
 
@@ -50,6 +55,7 @@ def world_of(parallel) -> int:
         raise ConfigError("--layout", "give dp_shard (the plan has no launched world to fill): e.g. dp_shard=64")
     return (
         parallel.data_parallel_replicate
+        * max(parallel.fault_tolerance.groups, 1)
         * parallel.data_parallel_shard
         * parallel.context_parallel
         * parallel.tensor_parallel

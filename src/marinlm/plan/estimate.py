@@ -26,12 +26,13 @@ bubble) under pipelining.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
 from marinlm.config import ConfigError
 from marinlm.model.summary import layer_flops, summarize
-from marinlm.parallel import ParallelConfig
+from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
 from marinlm.plan.finetune import Training, training
@@ -94,8 +95,14 @@ def plan_layout(
     train, parallel: ParallelConfig, world: int, hardware: Hardware, eff: Efficiency, shards_of=local_shards, inv=None
 ) -> LayoutPlan:
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
-    gives a rank's local shards (default: the real parallelize() under a fake process group)."""
+    gives a rank's local shards (default: the real parallelize() under a fake process group).
+    Fault-tolerant replica groups are planned as HSDP's replicas, plus what torchft adds."""
     model = train.model
+    fault_tolerant = parallel.fault_tolerance.groups > 1
+    if fault_tolerant:
+        parallel = dataclasses.replace(
+            parallel, data_parallel_replicate=parallel.fault_tolerance.groups, fault_tolerance=FaultToleranceConfig()
+        )
     dims = ParallelDims.resolve(parallel, world)
     if hasattr(train, "method"):  # a fine-tuning config: QLoRA runs in one process
         from marinlm.finetune.config import check_processes
@@ -186,7 +193,17 @@ def plan_layout(
         grads = ranks[0].device.get("gradients", 0.0)
         volume = 2 * grads * (dims.dp_replicate - 1) / dims.dp_replicate
         traffic["network"] += volume
-        step["hsdp_all_reduce"] = volume / (hardware.network_bandwidth * eff.collectives) * (1 - eff.overlap)
+        if fault_tolerant:  # torchft averages one flat copy of the shard after backward: not overlapped
+            step["ft_all_reduce"] = volume / (hardware.network_bandwidth * eff.collectives)
+            for r in ranks:
+                r.device["ft_gradient_buffer"] = r.device.get("gradients", 0.0)
+            notes.append(
+                f"fault tolerance ({dims.dp_replicate} replica groups): the groups' gradient all-reduce runs after "
+                "backward, not overlapped, and a flat copy of the gradient shard is held while it runs (both "
+                "counted); a quorum a step (milliseconds) and a recovering group's state transfer are not counted"
+            )
+        else:
+            step["hsdp_all_reduce"] = volume / (hardware.network_bandwidth * eff.collectives) * (1 - eff.overlap)
     if dims.tp > 1:
         volume = 8 * tokens_rank * model.d_model * act_bytes * (dims.tp - 1) / dims.tp * local_layers
         traffic["nvlink"] += volume
