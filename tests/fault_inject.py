@@ -31,18 +31,18 @@ def _saving(path) -> int | None:
 
 def install(point: str, step: int) -> None:
     from marinlm.train import checkpoint
-    from marinlm.train.trainer import Trainer
+    from marinlm.train.step import StepWithinMemory
 
     if point == "step":
-        original = Trainer._step_within_memory
+        original = StepWithinMemory.__call__
 
-        def step_then_die(self, micro):
-            result = original(self, micro)
-            if self.step + 1 == step:
+        def step_then_die(self, micro, number, on_retry):
+            result = original(self, micro, number, on_retry)
+            if number == step:
                 _die()
             return result
 
-        Trainer._step_within_memory = step_then_die
+        StepWithinMemory.__call__ = step_then_die
     elif point in ("save_start", "save_shards"):
         original_save = checkpoint.dcp.save
 

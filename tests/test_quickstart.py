@@ -161,7 +161,7 @@ def test_quickstart_smoke_run_stopped_and_resumed(tmp_path, capsys, monkeypatch)
 
     def sigterm_at_step_40(trainer, fn, every):  # a scheduler's preemption, or Ctrl-C, in the middle of training
         hooked(trainer, fn, every)
-        if every == trainer.config.logging.every_steps and fn == trainer._log_hook:
+        if every == trainer.config.logging.every_steps and fn == trainer.report.log:
 
             def stop(result):
                 if trainer.step == 40:

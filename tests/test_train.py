@@ -285,7 +285,7 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
 def test_a_key_newer_than_the_checkpoints_config_is_named_absent(token_data, tmp_path, capsys, monkeypatch):
     """The warning compared today's defaults for keys an older config.yaml lacks: a run from before
     data.shuffle_rows (rows drawn in sequence) read as `data.shuffle_rows: True -> False`."""
-    import marinlm.train.resume as resume_module  # where checkpoints are saved
+    import marinlm.train.checkpointing as resume_module  # where checkpoints are saved
     from marinlm.jobs import run_training
     from marinlm.train.trainer import Trainer
 

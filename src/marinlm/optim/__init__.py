@@ -230,3 +230,20 @@ def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
 
 def build_scheduler(optimizer, total_steps: int, config: ScheduleConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))
+
+
+def replan_schedule(scheduler, config: ScheduleConfig, total_steps: int, new_steps: int) -> None:
+    """Give a running schedule of `total_steps` a new length, in place (`config` too): the warmup
+    stays as it was and the rest spreads over `new_steps`. Past warmup, a linear schedule bends
+    where the run is (`ScheduleConfig.replan_step`): the next step keeps its learning rate, which
+    then decays to the floor at the new last step; other kinds jump to their value at the new length."""
+    if config.warmup_steps is None:  # keep the warmup a fraction of the old length gave
+        config.warmup_steps = config.warmup(total_steps)
+    at = scheduler.last_epoch  # the next step's 0-based index
+    if config.kind == "linear" and at > config.warmup(total_steps):
+        config.replan_lr_ratio = lr_multiplier(at, total_steps, config)
+        config.replan_step = at
+    groups = scheduler.optimizer.param_groups
+    scheduler.lr_lambdas = [lambda step: lr_multiplier(step, new_steps, config)] * len(groups)
+    for group, base in zip(groups, scheduler.base_lrs):  # the next step's, too
+        group["lr"] = base * lr_multiplier(at, new_steps, config)

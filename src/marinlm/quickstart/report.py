@@ -165,7 +165,7 @@ def write_report(
         rate_kind = "mean"
         trained = (steps - summary["first_step"]) * trainer.config.train.global_batch
         tokens_per_s = trained * trainer.config.data.seq_len / max(summary["seconds"], 1e-9)
-    mfu = trainer.mfu(tokens_per_s)  # against the higher of the peaks measured at the start and the end
+    mfu = trainer.report.mfu(tokens_per_s)  # against the higher of the peaks measured at the start and the end
     resumed = f", resumed at step {summary['first_step']}" if summary["first_step"] else ""
     source = trainer.loader.sources[0]
     epochs = trainer.loader.planned_epochs(steps * trainer.config.train.global_batch)[0]

@@ -8,6 +8,36 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from marinlm.kernels import apply_kernels
+from marinlm.model.summary import summarize
+from marinlm.model.transformer import MarinForCausalLM
+from marinlm.parallel import parallelize
+
+
+def build_model(config, device: torch.device, precision: str, info, part, data_world: int) -> torch.nn.Module:
+    """The run's model on `device`: built on meta, the kernels swapped in, `part` prepared and
+    parallelized (under pipeline parallel, this rank's stages: parallel/pipeline_parallel.py).
+    `train.init: full` initialises the whole model on every rank alike (same seed: as one
+    process), then shards it; `sharded` shards on meta and initialises each rank's shards."""
+    with torch.device("meta"):
+        model = MarinForCausalLM(config.model)
+    if precision == "fp64":
+        model.to(torch.float64)
+    apply_kernels(model, device, precision)
+    init = config.train.init
+    if init == "auto":
+        init = "full" if summarize(config.model).total < 2e9 else "sharded"
+    layout = dict(rows=config.train.global_batch // data_world, seq_len=config.data.seq_len)
+    if init == "full":
+        model.to_empty(device=device)
+        model.init_weights(seed=config.train.seed)
+        model = part.prepare(model, config, info)
+        return parallelize(model, config.parallel, info, **layout)
+    model = parallelize(model, config.parallel, info, **layout)
+    model.to_empty(device=device)
+    model.init_weights(seed=config.train.seed)
+    return model
+
 
 class FromScratch:
     state_dict_options = StateDictOptions()  # a checkpoint holds everything

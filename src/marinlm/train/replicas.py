@@ -32,11 +32,11 @@ def join_replica_groups(trainer) -> ReplicaGroups:
         load_local_state(trainer.model, trainer.optimizer, state)
         t = state["trainer"]
         trainer.step, trainer.bad_steps = t["step"], t["bad_steps"]
-        trainer._load_schedule_position(t["scheduler"])
+        trainer.checkpointing.load_schedule_position(t["scheduler"])
         trainer.loader.load_state_dict(t["loader"])
         if t["step"]:
             trainer.events.append({"step": t["step"], "event": "healed_from_peer"})
-            trainer._log_event(f"group {trainer.config.parallel.fault_tolerance.group} took a live peer's state")
+            trainer.report.event(f"group {trainer.config.parallel.fault_tolerance.group} took a live peer's state")
 
     info = trainer.info
     if info.mesh is None:
@@ -62,7 +62,7 @@ def count_step(trainer, result, started: float) -> bool:
     failure = {"step": trainer.step + 1, "event": "not_committed", "seconds": time.perf_counter() - started}
     trainer.events.append(failure)
     trainer._open_failure = failure
-    trainer._log_event(
+    trainer.report.event(
         f"step {trainer.step + 1} not committed by the replica groups (one failed): its batch is skipped"
     )
     return False

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from marinlm.model.router import RouterStats, bin_live, margin_range
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.pipeline_parallel import PipelinedModel
+from marinlm.train.signals import OutOfMemory
 from marinlm.utils.device import autocast_context
 
 
@@ -212,6 +213,47 @@ def train_step(
         committed,
         groups,
     )
+
+
+class StepWithinMemory:
+    """One optimizer step over a step's micro-batches (`train_step` with `how`); out of memory
+    before the update, the step is abandoned and, with `train.oom_retry`, redone with each
+    micro-batch cut in two, down to one row (`pieces` stays for the rest of the run); inside the
+    update (weights maybe half updated, and fewer rows would not help), the run stops. Replica
+    groups do not retry: the other groups would not redo the step."""
+
+    def __init__(self, model, stepper, optimizer, config, how: dict):
+        self.model, self.stepper, self.optimizer, self.config, self.how = model, stepper, optimizer, config, how
+        self.pieces = 1
+
+    def __call__(self, micro: list[dict], step: int, on_retry) -> StepResult:
+        """Step number `step` over `micro`; `on_retry(rows)` is told of each retry at fewer rows."""
+        c = self.config
+        while True:
+            batches = split_rows(micro, self.pieces)
+            try:
+                return train_step(self.model, self.stepper, batches, **self.how)
+            except BaseException as e:
+                if isinstance(e, OutOfMemoryInUpdate):
+                    raise OutOfMemory(
+                        f"out of memory in the optimizer update of step {step}: some weights may hold the new step, "
+                        "so it is not redone and nothing more is saved; resume (--resume auto) with "
+                        "parallel.offload: optimizer or more data_parallel_shard ranks to shard the optimizer state"
+                    ) from None
+                if not is_out_of_memory(e):
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go; weights were not touched
+                rows = batches[0]["input_ids"].shape[0]
+                if not c.train.oom_retry or rows == 1 or self.how.get("replicas"):
+                    retry = "" if c.train.oom_retry else "set train.oom_retry: true to retry it with fewer rows, or "
+                    raise OutOfMemory(
+                        f"out of memory in step {step} at {rows} rows per forward "
+                        f"(train.micro_batch {c.train.micro_batch or 'auto'}, parallel.activation_checkpointing "
+                        f"{c.parallel.activation_checkpointing}): {retry}lower train.micro_batch or set "
+                        "parallel.activation_checkpointing: full"
+                    ) from None
+                self.pieces *= 2
+                on_retry(rows, len(batches) * 2)
 
 
 def unwrap(model):

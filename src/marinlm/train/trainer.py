@@ -3,14 +3,18 @@
 Extras attach as hooks (`trainer.add_hook(fn, every=N)`): logging, validation, checkpoints,
 downstream evaluation. Everything a resume needs is explicit state: model and optimizer (DCP),
 scheduler, loader position, step, bad-step counter, every rank's RNG, and the router biases (a
-model buffer holding the QB beta of the previous step). Where a run starts (its own checkpoint,
-another run's weights, nothing) and the roll-back after bad steps are in train/resume.py.
+model buffer holding the QB beta of the previous step).
+
+The trainer is built from parts: the data it trains on (`data`, train/data_source.py), how its
+model is made and saved (`model_part`, train/model_part.py), its checkpoints, resume and
+rollbacks (`checkpointing`, train/checkpointing.py), what it reports (`report`,
+train/reporting.py), the step itself (train/step.py) and, with fault tolerance, its replica groups
+(`replicas`, train/replicas.py). Fine-tuning gives it other data and model parts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import shutil
 import signal
 import sys
@@ -23,35 +27,27 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from marinlm.config import ConfigError, dump_config, to_dict
-from marinlm.data.inputs import refuse_other_output
-from marinlm.kernels import apply_kernels
 from marinlm.model.summary import summarize
-from marinlm.model.transformer import MarinForCausalLM
-from marinlm.optim import build_optimizer, build_scheduler, lr_multiplier
-from marinlm.parallel import init_distributed, parallelize
+from marinlm.optim import build_optimizer, build_scheduler, replan_schedule
+from marinlm.parallel import init_distributed
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.parallel.offload import OffloadedOptimizer
 from marinlm.train.activations import ActivationMonitor
 from marinlm.train.checkpoint import CheckpointManager, estimate_local_bytes
+from marinlm.train.checkpointing import Checkpointing
 from marinlm.train.config import TrainConfig
 from marinlm.train.data_source import TokenData, write_run_record
 from marinlm.train.metrics import MetricSinks
-from marinlm.train.model_part import FromScratch
+from marinlm.train.model_part import FromScratch, build_model
 from marinlm.train.provenance import check_training_memory
 from marinlm.train.replicas import count_step, join_replica_groups
-from marinlm.train.reporting import Reporting
-from marinlm.train.resume import ResumeMixin
-from marinlm.train.signals import OutOfMemory, catch_stop_signals
-from marinlm.train.step import (
-    OutOfMemoryInUpdate,
-    StepResult,
-    is_out_of_memory,
-    split_rows,
-    train_step,
-)
-from marinlm.utils.device import emulated_bf16, gemm_dtype, resolve_precision
-from marinlm.utils.io import lock_folder, unlock_folder, write_text_atomic
+from marinlm.train.reporting import Reporter
+from marinlm.train.run_folder import claim_run_folder
+from marinlm.train.signals import catch_stop_signals
+from marinlm.train.step import StepResult, StepWithinMemory
+from marinlm.utils.device import gemm_dtype, resolve_precision
+from marinlm.utils.io import unlock_folder, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
 from marinlm.utils.progress import progress_bar
 
@@ -60,9 +56,11 @@ from marinlm.utils.progress import progress_bar
 REMEASURE_PEAK_AFTER_S = 60.0
 
 
-class Trainer(Reporting, ResumeMixin):
+class Trainer:
     def __init__(self, config: TrainConfig, resume: str = "auto", data=None, model_part=None):
         self.config = c = config
+        self.report = Reporter(self)  # what the run says: its events, metrics and summary
+        self.checkpointing = Checkpointing(self)  # saves, resumes, rolls back
         self.data = TokenData() if data is None else data  # what it trains on (train/data_source.py)
         self.model_part = FromScratch() if model_part is None else model_part  # train/model_part.py
         try:
@@ -77,28 +75,14 @@ class Trainer(Reporting, ResumeMixin):
             )
         tune_cpu_allocator()
         self.precision = resolve_precision(c.train.precision, self.device)
-        if self.precision == "bf16" and emulated_bf16(self.device) and self.info.is_main:
-            print(
-                "note: this CPU has no bf16 matrix unit (AVX512-BF16 or AMX), so bf16 autocast runs its products "
-                "as fp32 GEMMs with bf16 rounding (kernels/bf16.py): no faster than fp32, usually slower. "
-                "train.precision auto (fp32 on a CPU without bf16 units) is the faster choice here",
-                flush=True,
-            )
         torch.manual_seed(c.train.seed + self.info.rank)
         if c.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=self.device.type == "cuda")
         self.run_dir = Path(c.run_dir)
         if c.parallel.fault_tolerance.groups:  # each replica group keeps its own folder (train/replicas.py)
             self.run_dir = self.run_dir / f"replica-{c.parallel.fault_tolerance.group}"
-        if self.info.is_main:  # before it takes the folder; the other ranks would see its lock
-            refuse_other_output(self.run_dir, "run")
-        # The outermost folder this run makes (runs/ of runs/tiny, where neither exists): removed if it fails.
-        made = next((p for p in reversed([self.run_dir, *self.run_dir.parents]) if not p.exists()), None)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._locked = False
-        if self.info.is_main:  # one job at a time writes a run folder (a second `train` would interleave)
-            lock_folder(self.run_dir)
-            self._locked = True
+        made = claim_run_folder(self.run_dir, self.info.is_main)  # train/run_folder.py
+        self._locked = self.info.is_main
         try:
             self._set_up(resume)
         except BaseException:  # bad data, no memory, Ctrl-C: leave no half-made run folder behind
@@ -129,28 +113,18 @@ class Trainer(Reporting, ResumeMixin):
         self.micro_batch, self.accum = micro, c.train.global_batch // (micro * self.data_world * groups)
 
         self.data.open(c, self.info)
-        warmup = c.schedule.warmup_steps
-        if warmup is not None and warmup >= c.train.steps and self.info.is_main:
-            print(
-                f"note: schedule.warmup_steps {warmup:,} is not shorter than the run's {c.train.steps:,} steps "
-                f"(train.steps): the warmup is cut to {c.schedule.warmup(c.train.steps):,} steps, so the learning rate "
-                "rises all run, peaks at the last step and never decays; shorten the warmup or lengthen the run",
-                flush=True,
-            )
+        self.report.notes_before_training()  # an emulated bf16, a warmup as long as the run
         self.model_summary = summarize(c.model, c.data.seq_len)
         if c.train.memory_check:
             where = torch.device("cpu") if c.parallel.offload == "all" else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
-        self.model = self._build_model()
-        self._oom_pieces = 1  # each loaded micro-batch is cut into this many after running out of memory
-        self._good_steps = 0  # successful steps since the last rollback (train/resume.py)
-        self._recent_rollbacks = 0
+        self.model = build_model(c, self.device, self.precision, self.info, self.model_part, self.data_world)
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         # What steps: the optimizer, or it with its state kept in host memory between steps.
-        self._stepper = self.optimizer
+        stepper = self.optimizer
         if c.parallel.offload == "optimizer":
-            self._stepper = OffloadedOptimizer(self.optimizer, self.device)
+            stepper = OffloadedOptimizer(self.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, c.train.steps, c.schedule)
         share = group * self.data_world + self.data_rank, groups * self.data_world
         self.loader = self.data.loader(self.micro_batch * share[1], *share, self.run_dir)
@@ -178,9 +152,14 @@ class Trainer(Reporting, ResumeMixin):
         self._committed_steps, self._quorum_seconds, self._open_failure = 0, 0.0, None
         self.replicas = join_replica_groups(self) if c.parallel.fault_tolerance.groups else None
         # A group that joins live peers takes their state in its first quorum, and no checkpoint.
-        resumed_from = None if self.replicas and self.replicas.join() else self._resume(resume)
+        resumed_from = None if self.replicas and self.replicas.join() else self.checkpointing.resume(resume)
         if self.replicas and resumed_from:
             self.replicas.resumed(self.step)
+        how = dict(
+            device=self.device, precision=self.precision, grad_clip=c.train.grad_clip, world_size=self.data_world
+        )
+        how |= dict(group=self.info.batch_group, router_group=self.info.router_group, replicas=self.replicas)
+        self._run_step = StepWithinMemory(self.model, stepper, self.optimizer, c, how)  # train/step.py
         if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
             raise ConfigError(
                 "train.steps",
@@ -205,77 +184,23 @@ class Trainer(Reporting, ResumeMixin):
                 config=to_dict(c),
             )
         self.hooks: list[tuple[int, Callable]] = []
-        self.add_hook(self._log_hook, every=c.logging.every_steps)
+        self.add_hook(self.report.log, every=c.logging.every_steps)
         if c.validation.every_steps:
             self.add_hook(self.validate, every=c.validation.every_steps)
         if c.checkpoint.every_steps:
-            self.add_hook(lambda result: self.save_checkpoint(), every=c.checkpoint.every_steps)
-        self.add_hook(self._phase_hook, every=1)
+            self.add_hook(lambda result: self.checkpointing.save(), every=c.checkpoint.every_steps)
+        self.add_hook(self.report.phase, every=1)
         self._last_result: StepResult | None = None
         self._data_wait = 0.0
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    def _build_model(self) -> torch.nn.Module:
-        c = self.config
-        with torch.device("meta"):
-            model = MarinForCausalLM(c.model)
-        if self.precision == "fp64":
-            model.to(torch.float64)
-        apply_kernels(model, self.device, self.precision)
-        init = c.train.init
-        if init == "auto":
-            init = "full" if summarize(c.model).total < 2e9 else "sharded"
-        # A pipeline cuts the model into stages and returns this rank's (parallel/pipeline_parallel.py).
-        layout = dict(rows=c.train.global_batch // self.data_world, seq_len=c.data.seq_len)
-        if init == "full":  # identical on every rank (same seed), then sharded: matches 1-process init
-            model.to_empty(device=self.device)
-            model.init_weights(seed=c.train.seed)
-            model = self.model_part.prepare(model, c, self.info)
-            model = parallelize(model, c.parallel, self.info, **layout)
-        else:  # shard on meta first, then initialise each rank's shards
-            model = parallelize(model, c.parallel, self.info, **layout)
-            model.to_empty(device=self.device)
-            model.init_weights(seed=c.train.seed)
-        return model
-
-    def _step_within_memory(self, micro: list[dict]):
-        """One optimizer step over `micro`; out of memory before the update, the step is abandoned
-        and, with `train.oom_retry`, redone with each micro-batch cut in two, down to one row; inside
-        the update (weights maybe half updated, and fewer rows would not help), the run stops."""
-        c = self.config
-        how = dict(device=self.device, precision=self.precision, grad_clip=c.train.grad_clip)
-        how["world_size"] = self.data_world
-        groups = dict(group=self.info.batch_group, router_group=self.info.router_group, replicas=self.replicas)
-        while True:
-            batches = split_rows(micro, self._oom_pieces)
-            try:
-                return train_step(self.model, self._stepper, batches, **how, **groups)
-            except BaseException as e:
-                if isinstance(e, OutOfMemoryInUpdate):
-                    raise OutOfMemory(
-                        f"out of memory in the optimizer update of step {self.step + 1}: some weights may hold the "
-                        "new step, so it is not redone and nothing more is saved; resume (--resume auto) with "
-                        "parallel.offload: optimizer or more data_parallel_shard ranks to shard the optimizer state"
-                    ) from None
-                if not is_out_of_memory(e):
-                    raise
-                self.optimizer.zero_grad(set_to_none=True)  # the partial gradients go; weights were not touched
-                rows = batches[0]["input_ids"].shape[0]
-                if not c.train.oom_retry or rows == 1 or self.replicas:  # the other groups would not redo it
-                    retry = "" if c.train.oom_retry else "set train.oom_retry: true to retry it with fewer rows, or "
-                    raise OutOfMemory(
-                        f"out of memory in step {self.step + 1} at {rows} rows per forward "
-                        f"(train.micro_batch {c.train.micro_batch or 'auto'}, parallel.activation_checkpointing "
-                        f"{c.parallel.activation_checkpointing}): {retry}lower train.micro_batch or set "
-                        "parallel.activation_checkpointing: full"
-                    ) from None
-                self._oom_pieces *= 2
-                self.events.append({"step": self.step + 1, "event": "oom_retry", "rows": rows})
-                self._log_event(
-                    f"out of memory at {rows} rows per forward in step {self.step + 1}: retrying the step at "
-                    f"{max(1, rows // 2)} rows, accumulating over {len(batches) * 2} forwards"
-                )
+    def _retried_smaller(self, rows: int, forwards: int) -> None:
+        self.events.append({"step": self.step + 1, "event": "oom_retry", "rows": rows})
+        self.report.event(
+            f"out of memory at {rows} rows per forward in step {self.step + 1}: retrying the step at "
+            f"{max(1, rows // 2)} rows, accumulating over {forwards} forwards"
+        )
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -285,26 +210,13 @@ class Trainer(Reporting, ResumeMixin):
 
     def set_total_steps(self, steps: int) -> None:
         """Lengthen or shorten the run while it trains (the quickstart re-plans from the step time
-        it observes); every rank must call it alike. The warmup stays as it was and the rest of the
-        schedule spreads over the new length: called at the end of warmup, the learning rate
-        follows the schedule of a run planned at that length. Past warmup, a linear schedule bends
-        where the run is (`ScheduleConfig.replan_step`): the next step keeps the learning rate it
-        had, which then decays to the floor at the new last step; other kinds jump to their value
-        at the new length. The run's config.yaml, its later checkpoints and the progress bar follow."""
+        it observes); every rank must call it alike. The schedule spreads over the new length
+        (`optim.replan_schedule`); the run's config.yaml, later checkpoints and progress bar follow."""
         c = self.config
         if steps <= self.step:
             raise ValueError(f"train.steps: the run is at step {self.step}; a new length must be past it, got {steps}")
-        s = c.schedule
-        if s.warmup_steps is None:  # keep the warmup a fraction of the old length gave
-            s.warmup_steps = s.warmup(c.train.steps)
-        at = self.scheduler.last_epoch  # the next step's 0-based index
-        if s.kind == "linear" and at > s.warmup(c.train.steps):
-            s.replan_lr_ratio = lr_multiplier(at, c.train.steps, s)
-            s.replan_step = at
+        replan_schedule(self.scheduler, c.schedule, c.train.steps, steps)
         c.train.steps = steps
-        self.scheduler.lr_lambdas = [lambda step: lr_multiplier(step, steps, s)] * len(self.optimizer.param_groups)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next step's, too
-            group["lr"] = base * lr_multiplier(self.scheduler.last_epoch, steps, s)
         if self.info.is_main:
             write_text_atomic(self.run_dir / "config.yaml", dump_config(c))
         if self._bar is not None:
@@ -341,7 +253,7 @@ class Trainer(Reporting, ResumeMixin):
         self.model_part.before_fit(self)
         start_time, first_step = time.perf_counter(), self.step
         batches = iter(self.loader)
-        self._mark_data_position()
+        self.report.mark_data_position()
         bar = progress_bar(
             total=c.train.steps,
             initial=self.step,
@@ -350,10 +262,10 @@ class Trainer(Reporting, ResumeMixin):
             disable=not (self.info.is_main and c.logging.progress),
         )
         self._bar = bar
-        profiler = self._profiler()
+        profiler = self.report.profiler()
         stopped_early = False
         if self.info.is_main and c.logging.progress:
-            print(self._header(), flush=True)
+            print(self.report.header(), flush=True)
         self._signal = None
         self._last_checkpoint_time = start_time
         handlers = catch_stop_signals(self._on_stop_signal)
@@ -365,7 +277,7 @@ class Trainer(Reporting, ResumeMixin):
                 micro = [next(batches) for _ in range(self.accum)]
                 self._data_wait = time.perf_counter() - t0
                 with self.activations.watch(self.step + 1):
-                    result = self._step_within_memory(micro)
+                    result = self._run_step(micro, self.step + 1, self._retried_smaller)
                 if self.replicas and not count_step(self, result, t0):  # a group failed: its batch is skipped
                     continue
                 if self.activations.due(self.step + 1):
@@ -382,7 +294,7 @@ class Trainer(Reporting, ResumeMixin):
                 self.step += 1
                 self._step_time = time.perf_counter() - t0
                 self._last_result = result
-                if self._count_bad_step(result):  # rolled back to the last checkpoint
+                if self.checkpointing.count_bad_step(result):  # rolled back to the last checkpoint
                     bar.n = self.step
                     continue
                 for every, fn in self.hooks:
@@ -405,12 +317,12 @@ class Trainer(Reporting, ResumeMixin):
                 reason, save_due = self._agree_after_step(over_budget, save_due)
                 if reason:
                     stopped_early = True
-                    self._log_event(f"{reason}: stopping at step {self.step} with a checkpoint")
+                    self.report.event(f"{reason}: stopping at step {self.step} with a checkpoint")
                     break
                 if save_due and self.step < c.train.steps:  # the last step's save follows the loop
-                    self.save_checkpoint()
+                    self.checkpointing.save()
             if self._last_checkpoint_step != self.step:
-                self.save_checkpoint()
+                self.checkpointing.save()
             self.checkpoints.finalize()
             if self._last_validation_step != self.step and not self._signal:  # a preempted job has seconds left
                 self.validate()
@@ -435,26 +347,7 @@ class Trainer(Reporting, ResumeMixin):
                 self.sinks.close(quiet=sys.exc_info()[1] is not None)  # a failing run's own error is the one to see
         if not (self._signal or c.logging.peak_flops) and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
             self.peak_flops = max(self.peak_flops, matmul_peak_flops(self.peak_dtype, self.device.type))
-        return self.model_part.after_fit(self, self._summary(start_time, first_step, stopped_early))
-
-    def _count_bad_step(self, result: StepResult) -> bool:
-        """Count a skipped (non-finite) step or reset the streak; True when the streak reached
-        `train.max_consecutive_bad_steps` and the run rolled back to its last checkpoint."""
-        if not result.skipped:
-            self.bad_steps = 0
-            self._good_steps += 1
-            return False
-        self.bad_steps += 1
-        self.events.append({"step": self.step, "event": "nan_skip", "loss": result.loss})
-        what = "loss" if not math.isfinite(result.loss) else "gradient"
-        self._log_event(
-            f"non-finite {what} (loss={result.loss:.6g}, grad norm={result.grad_norm:.6g}); update "
-            f"skipped ({self.bad_steps} in a row)"
-        )
-        if self.bad_steps < self.config.train.max_consecutive_bad_steps:
-            return False
-        self._rollback()
-        return True
+        return self.model_part.after_fit(self, self.report.summary(start_time, first_step, stopped_early))
 
     def _on_stop_signal(self, name: str) -> None:
         self._signal = name
