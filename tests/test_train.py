@@ -454,7 +454,7 @@ def test_a_run_that_fails_again_after_each_rollback_stops_as_diverged(token_data
         r".*: --resume .*step-00000004$",
     ):
         trainer.fit()
-    assert [e["event"] for e in trainer.events].count("rollback") == 2
+    assert [e["event"] for e in trainer.state.events].count("rollback") == 2
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000004"]
     trainer.close()
     # Failing before the first checkpoint: the same error (it was a RuntimeError, a traceback in the CLI).
@@ -1564,7 +1564,7 @@ def test_a_step_out_of_memory_is_retried_with_fewer_rows_and_trains_as_before(to
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
-    assert [(e["step"], e["rows"]) for e in trainer.events if e["event"] == "oom_retry"] == [(3, 4), (3, 2)]
+    assert [(e["step"], e["rows"]) for e in trainer.state.events if e["event"] == "oom_retry"] == [(3, 4), (3, 2)]
     trainer = Trainer(train_config(token_data, tmp_path / "stop", model=model, train={"steps": 5}), resume="none")
     oom_from_step_3(trainer)
     with pytest.raises(OutOfMemory, match=r"out of memory in step 3 at 4 rows per forward \(train.micro_batch auto, "):
@@ -1597,4 +1597,4 @@ def test_out_of_memory_inside_the_optimizer_update_stops_without_a_save(token_da
     trainer.close()
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
     assert sorted(losses(tmp_path / "run")) == [1, 2]
-    assert not any(e["event"] == "oom_retry" for e in trainer.events)
+    assert not any(e["event"] == "oom_retry" for e in trainer.state.events)

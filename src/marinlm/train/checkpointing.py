@@ -121,8 +121,8 @@ class Checkpointing:
         for group, own in zip(t.optimizer.param_groups, settings, strict=True):
             group.update(own)
         self.load_schedule_position(state["scheduler"])
-        t.step, t.bad_steps = state["step"], state["bad_steps"]
-        t._last_checkpoint_step = t.step
+        t.step, t.state.bad_steps = state["step"], state["bad_steps"]
+        t.state.last_checkpoint_step = t.step
         return folder, state
 
     def load_schedule_position(self, saved: dict) -> None:
@@ -182,7 +182,7 @@ class Checkpointing:
                 hint += f"; to train the checkpoint's own model, add --model={folder / 'config.yaml'}"
             raise CheckpointMismatch(folder, f"checkpoint.init_from: {e.detail}{hint}") from None
         set_model_state_dict(t.model, tensors["model"])
-        t.initialized_from = str(folder)
+        t.state.initialized_from = str(folder)
         if t.info.is_main:
             print(f"model initialised from {folder}; optimizer, schedule and data start fresh", flush=True)
         return None
@@ -254,8 +254,8 @@ class Checkpointing:
             return
         for record in records:
             if record["step"] == step and any(k.startswith("val/") for k in record):
-                t._last_validation_step = step
-                t.last_validation = {k: v for k, v in record.items() if k.startswith("val/")}
+                t.state.last_validation_step = step
+                t.state.last_validation = {k: v for k, v in record.items() if k.startswith("val/")}
 
     def state_tensors(self) -> dict:
         t = self.trainer
@@ -266,7 +266,7 @@ class Checkpointing:
         t = self.trainer
         return {
             "step": t.step,
-            "bad_steps": t.bad_steps,
+            "bad_steps": t.state.bad_steps,
             "scheduler": t.scheduler.state_dict(),
             "loader": t.loader.state_dict(),
             "tokenizer_hash": t.data.tokenizer_hash,
@@ -282,7 +282,7 @@ class Checkpointing:
         """Save this step, unless it is in a streak of skipped steps or its weights are not finite:
         a rollback must land before the trouble, not on a checkpoint written during it."""
         t = self.trainer
-        if t.bad_steps or not self.weights_finite():
+        if t.state.bad_steps or not self.weights_finite():
             return None
         path = t.checkpoints.save(
             t.step,
@@ -291,8 +291,8 @@ class Checkpointing:
             dump_config(t.config),
             tokenizer=t.run_dir / "tokenizer",
         )
-        t._last_checkpoint_step, t._last_checkpoint_time = t.step, time.perf_counter()
-        t.events.append({"step": t.step, "event": "checkpoint", "path": str(path)})
+        t.state.last_checkpoint_step, t.state.last_checkpoint_time = t.step, time.perf_counter()
+        t.state.events.append({"step": t.step, "event": "checkpoint", "path": str(path)})
         return path
 
     def weights_finite(self) -> bool:
@@ -307,17 +307,17 @@ class Checkpointing:
         `train.max_consecutive_bad_steps` and the run rolled back to its last checkpoint."""
         t = self.trainer
         if not result.skipped:
-            t.bad_steps = 0
+            t.state.bad_steps = 0
             self.good_steps += 1
             return False
-        t.bad_steps += 1
-        t.events.append({"step": t.step, "event": "nan_skip", "loss": result.loss})
+        t.state.bad_steps += 1
+        t.state.events.append({"step": t.step, "event": "nan_skip", "loss": result.loss})
         what = "loss" if not math.isfinite(result.loss) else "gradient"
         t.report.event(
             f"non-finite {what} (loss={result.loss:.6g}, grad norm={result.grad_norm:.6g}); update "
-            f"skipped ({t.bad_steps} in a row)"
+            f"skipped ({t.state.bad_steps} in a row)"
         )
-        if t.bad_steps < t.config.train.max_consecutive_bad_steps:
+        if t.state.bad_steps < t.config.train.max_consecutive_bad_steps:
             return False
         self.rollback()
         return True
@@ -326,7 +326,7 @@ class Checkpointing:
         """Too many bad steps in a row: reload the last checkpoint, keep the loader where it is."""
         t = self.trainer
         position = t.loader.state_dict()
-        bad_from, bad_count = t.step, t.bad_steps
+        bad_from, bad_count = t.step, t.state.bad_steps
         t.checkpoints.finalize()  # an asynchronous save still in flight is the newest checkpoint
         loaded = self.load()
         lr = getattr(t.config.optim, "lr", None)
@@ -355,9 +355,9 @@ class Checkpointing:
                 f"from the last good checkpoint: --resume {folder}"
             )
         t.loader.load_state_dict(position)  # skip the offending batches
-        t.bad_steps, self.good_steps = 0, 0
+        t.state.bad_steps, self.good_steps = 0, 0
         self.recent_rollbacks += 1
-        t.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
+        t.state.events.append({"step": bad_from, "event": "rollback", "to": str(folder)})
         if getattr(t, "sinks", None) is not None:
             t.sinks.rolled_back(t.step)
         t.report.event(f"rolled back from step {bad_from} to {folder.name}; skipping the batches in between")

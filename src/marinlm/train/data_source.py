@@ -108,7 +108,7 @@ def write_run_record(trainer, resumed_from) -> None:
         "data": data.record(trainer.loader, trainer.epochs_planned),
         "command": sys.argv,
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "initialized_from": trainer.initialized_from,
+        "initialized_from": trainer.state.initialized_from,
         "peak_flops_measured": trainer.peak_flops,
     }
     write_json_atomic(trainer.run_dir / "run_info.json", record)

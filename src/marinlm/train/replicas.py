@@ -22,7 +22,7 @@ def join_replica_groups(trainer) -> ReplicaGroups:
         return local_state(trainer.model, trainer.optimizer) | {
             "trainer": {
                 "step": trainer.step,
-                "bad_steps": trainer.bad_steps,
+                "bad_steps": trainer.state.bad_steps,
                 "scheduler": trainer.scheduler.state_dict(),
                 "loader": trainer.loader.state_dict(),
             }
@@ -31,11 +31,11 @@ def join_replica_groups(trainer) -> ReplicaGroups:
     def load(state: dict) -> None:
         load_local_state(trainer.model, trainer.optimizer, state)
         t = state["trainer"]
-        trainer.step, trainer.bad_steps = t["step"], t["bad_steps"]
+        trainer.step, trainer.state.bad_steps = t["step"], t["bad_steps"]
         trainer.checkpointing.load_schedule_position(t["scheduler"])
         trainer.loader.load_state_dict(t["loader"])
         if t["step"]:
-            trainer.events.append({"step": t["step"], "event": "healed_from_peer"})
+            trainer.state.events.append({"step": t["step"], "event": "healed_from_peer"})
             trainer.report.event(f"group {trainer.config.parallel.fault_tolerance.group} took a live peer's state")
 
     info = trainer.info
@@ -60,7 +60,7 @@ def count_step(trainer, result, started: float) -> bool:
         trainer._committed_steps += 1
         return True
     failure = {"step": trainer.step + 1, "event": "not_committed", "seconds": time.perf_counter() - started}
-    trainer.events.append(failure)
+    trainer.state.events.append(failure)
     trainer._open_failure = failure
     trainer.report.event(
         f"step {trainer.step + 1} not committed by the replica groups (one failed): its batch is skipped"
@@ -83,7 +83,7 @@ def replica_scalars(trainer, result) -> dict[str, float]:
 def replica_summary(trainer, seconds: float) -> dict:
     """The run's goodput (committed steps per wall-clock hour), each failure's step and the
     seconds it cost this group, the steps at which it was healed, and its time in quorums."""
-    events = trainer.events
+    events = trainer.state.events
     return {
         "goodput_steps_per_hour": trainer._committed_steps / max(seconds, 1e-9) * 3600,
         "committed_steps": trainer._committed_steps,

@@ -130,7 +130,9 @@ class Reporter:
             shares = ", ".join(f"{n} {w:.0%}" for n, w in zip(source_names(t.config.data), weights, strict=True))
             which = f"data.mixture_phases[{phase - 1}]" if phase else "data.sources' weights"
             self.event(f"data: the mixture of {which} from here on: {shares}")
-            t.events.append({"step": t.step, "event": "mixture_phase", "phase": phase, "weights": weights.tolist()})
+            t.state.events.append(
+                {"step": t.step, "event": "mixture_phase", "phase": phase, "weights": weights.tolist()}
+            )
         self._phase_said = phase
 
     def summary(self, start_time: float, first_step: int, stopped_early: bool) -> dict:
@@ -143,8 +145,8 @@ class Reporter:
             "signal": t._signal,
             "seconds": time.perf_counter() - start_time,
             "final_loss": t._last_result.loss if t._last_result else None,
-            "events": t.events,
-            "validation": t.last_validation,
+            "events": t.state.events,
+            "validation": t.state.last_validation,
         }
         if t.replicas:
             summary["fault_tolerance"] = replica_summary(t, summary["seconds"])

@@ -5,11 +5,12 @@ downstream evaluation. Everything a resume needs is explicit state: model and op
 scheduler, loader position, step, bad-step counter, every rank's RNG, and the router biases (a
 model buffer holding the QB beta of the previous step).
 
-The trainer is built from parts: the data it trains on (`data`, train/data_source.py), how its
-model is made and saved (`model_part`, train/model_part.py), its checkpoints, resume and
-rollbacks (`checkpointing`, train/checkpointing.py), what it reports (`report`,
-train/reporting.py), the step itself (train/step.py) and, with fault tolerance, its replica groups
-(`replicas`, train/replicas.py). Fine-tuning gives it other data and model parts.
+The trainer is built from parts: where the run stands (`state`, train/run_state.py), the data it
+trains on (`data`, train/data_source.py), how its model is made and saved (`model_part`,
+train/model_part.py), its checkpoints, resume and rollbacks (`checkpointing`,
+train/checkpointing.py), what it reports (`report`, train/reporting.py), the step itself
+(train/step.py) and, with fault tolerance, its replica groups (`replicas`, train/replicas.py).
+Fine-tuning gives it other data and model parts.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from marinlm.train.provenance import check_training_memory
 from marinlm.train.replicas import count_step, join_replica_groups
 from marinlm.train.reporting import Reporter
 from marinlm.train.run_folder import claim_run_folder
+from marinlm.train.run_state import RunState
 from marinlm.train.signals import catch_stop_signals
 from marinlm.train.step import StepResult, StepWithinMemory
 from marinlm.utils.device import gemm_dtype, resolve_precision
@@ -59,6 +61,7 @@ REMEASURE_PEAK_AFTER_S = 60.0
 class Trainer:
     def __init__(self, config: TrainConfig, resume: str = "auto", data=None, model_part=None):
         self.config = c = config
+        self.state = RunState()  # where the run stands (train/run_state.py)
         self.report = Reporter(self)  # what the run says: its events, metrics and summary
         self.checkpointing = Checkpointing(self)  # saves, resumes, rolls back
         self.data = TokenData() if data is None else data  # what it trains on (train/data_source.py)
@@ -139,16 +142,12 @@ class Trainer:
             c.checkpoint.space_check,
             c.checkpoint.keep_every_steps,
         )
-        self.step, self.bad_steps, self.events = 0, 0, []
-        self._last_checkpoint_step = self._last_validation_step = None
         self._bar = None  # fit()'s progress bar, while it runs
-        self.last_validation: dict[str, float] | None = None
         self.flops_per_token = self.model_summary.flops_per_token
         # Where bf16 GEMMs are emulated, the bf16 products run as fp32 GEMMs (kernels/bf16.py).
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_dtype = gemm_dtype(dtype, self.device)
         self.peak_flops = c.logging.peak_flops or matmul_peak_flops(self.peak_dtype, self.device.type)
-        self.initialized_from: str | None = None
         self._committed_steps, self._quorum_seconds, self._open_failure = 0, 0.0, None
         self.replicas = join_replica_groups(self) if c.parallel.fault_tolerance.groups else None
         # A group that joins live peers takes their state in its first quorum, and no checkpoint.
@@ -196,13 +195,22 @@ class Trainer:
     # --- set-up ---------------------------------------------------------------------------------
 
     def _retried_smaller(self, rows: int, forwards: int) -> None:
-        self.events.append({"step": self.step + 1, "event": "oom_retry", "rows": rows})
+        self.state.events.append({"step": self.step + 1, "event": "oom_retry", "rows": rows})
         self.report.event(
             f"out of memory at {rows} rows per forward in step {self.step + 1}: retrying the step at "
             f"{max(1, rows // 2)} rows, accumulating over {forwards} forwards"
         )
 
     # --- hooks ----------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The run's step (its RunState's)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
     def add_hook(self, fn: Callable[[StepResult], None], every: int) -> None:
         """Call `fn(step_result)` after every `every`-th step (and after the last step)."""
@@ -229,7 +237,7 @@ class Trainer:
         metrics = self.data.validate(self.model, self.val_sources, self.data_rank, self.data_world, **where)
         if metrics is None:
             return None
-        self._last_validation_step, self.last_validation = self.step, metrics
+        self.state.last_validation_step, self.state.last_validation = self.step, metrics
         if self.sinks is not None:
             self.sinks.log(self.step, metrics)
         return metrics
@@ -267,7 +275,7 @@ class Trainer:
         if self.info.is_main and c.logging.progress:
             print(self.report.header(), flush=True)
         self._signal = None
-        self._last_checkpoint_time = start_time
+        self.state.last_checkpoint_time = start_time
         handlers = catch_stop_signals(self._on_stop_signal)
         try:
             while self.step < c.train.steps:
@@ -311,8 +319,8 @@ class Trainer:
                 over_budget = bool(c.train.max_minutes) and now - start_time > 60 * c.train.max_minutes
                 save_due = (
                     bool(c.checkpoint.every_minutes)
-                    and self._last_checkpoint_step != self.step
-                    and now - self._last_checkpoint_time >= 60 * c.checkpoint.every_minutes
+                    and self.state.last_checkpoint_step != self.step
+                    and now - self.state.last_checkpoint_time >= 60 * c.checkpoint.every_minutes
                 )
                 reason, save_due = self._agree_after_step(over_budget, save_due)
                 if reason:
@@ -321,10 +329,10 @@ class Trainer:
                     break
                 if save_due and self.step < c.train.steps:  # the last step's save follows the loop
                     self.checkpointing.save()
-            if self._last_checkpoint_step != self.step:
+            if self.state.last_checkpoint_step != self.step:
                 self.checkpointing.save()
             self.checkpoints.finalize()
-            if self._last_validation_step != self.step and not self._signal:  # a preempted job has seconds left
+            if self.state.last_validation_step != self.step and not self._signal:  # a preempted job has seconds left
                 self.validate()
         except BaseException:
             # A failing run still completes an asynchronous save that was written in full: the newest
