@@ -200,3 +200,12 @@ class Reporter:
         )
         profiler.start()
         return profiler
+
+    def stop_profiler(self, profiler) -> None:
+        """Stop `profiler` (None: none ran) and say where its trace is."""
+        if profiler is None:
+            return
+        profiler.stop()
+        traces = sorted((self.trainer.run_dir / "profile").glob("*.pt.trace.json"), key=lambda f: f.stat().st_mtime)
+        if traces:
+            print(f"profile: {traces[-1]} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)

@@ -31,7 +31,6 @@ from marinlm.config import ConfigError, dump_config, to_dict
 from marinlm.model.summary import summarize
 from marinlm.optim import build_optimizer, build_scheduler, replan_schedule
 from marinlm.parallel import init_distributed
-from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.parallel.offload import OffloadedOptimizer
 from marinlm.train.activations import ActivationMonitor
@@ -48,6 +47,7 @@ from marinlm.train.run_folder import claim_run_folder
 from marinlm.train.run_state import RunState
 from marinlm.train.signals import catch_stop_signals
 from marinlm.train.step import StepResult, StepWithinMemory
+from marinlm.train.stopping import agree_to_stop
 from marinlm.utils.device import gemm_dtype, resolve_precision
 from marinlm.utils.io import unlock_folder, write_text_atomic
 from marinlm.utils.perf import matmul_peak_flops, tune_cpu_allocator
@@ -322,8 +322,12 @@ class Trainer:
                     and self.state.last_checkpoint_step != self.step
                     and now - self.state.last_checkpoint_time >= 60 * c.checkpoint.every_minutes
                 )
-                reason, save_due = self._agree_after_step(over_budget, save_due)
-                if reason:
+                # Agreed by every rank: ranks stopping or saving at different steps would hang.
+                self._signal, over_budget, save_due = agree_to_stop(
+                    self._signal, over_budget, save_due, self.world, self.device
+                )
+                if self._signal or over_budget:
+                    reason = self._signal or f"time budget of {c.train.max_minutes:.3g} min reached"
                     stopped_early = True
                     self.report.event(f"{reason}: stopping at step {self.step} with a checkpoint")
                     break
@@ -346,11 +350,7 @@ class Trainer:
                 signal.signal(signum, handler)
             bar.close()
             self._bar = None
-            if profiler is not None:
-                profiler.stop()
-                traces = sorted((self.run_dir / "profile").glob("*.pt.trace.json"), key=lambda f: f.stat().st_mtime)
-                if traces:
-                    print(f"profile: {traces[-1]} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+            self.report.stop_profiler(profiler)
             if self.sinks is not None:
                 self.sinks.close(quiet=sys.exc_info()[1] is not None)  # a failing run's own error is the one to see
         if not (self._signal or c.logging.peak_flops) and time.perf_counter() - start_time >= REMEASURE_PEAK_AFTER_S:
@@ -359,20 +359,6 @@ class Trainer:
 
     def _on_stop_signal(self, name: str) -> None:
         self._signal = name
-
-    def _agree_after_step(self, over_budget: bool, save_due: bool) -> tuple[str | None, bool]:
-        """Why to stop after this step, and whether a timed checkpoint is due, agreed by every rank
-        in one collective: ranks that stopped or saved at different steps would hang in mismatched
-        collectives (the checkpoint's against the next step's). Each rank's clock differs a little;
-        the first one to call a save due decides for all."""
-        code = 2 if self._signal else int(over_budget)
-        if self.world > 1:
-            flags = torch.tensor([code, int(save_due)], dtype=torch.int32, device=self.device)
-            code, save_due = (int(v) for v in all_reduce_(flags, op="max").tolist())
-            if code == 2 and self._signal is None:
-                self._signal = "SIGTERM"  # another rank's; torchrun sends every worker the same
-        reason = {0: None, 1: f"time budget of {self.config.train.max_minutes:.3g} min reached", 2: self._signal}[code]
-        return reason, bool(save_due)
 
 
 __all__ = ["Trainer"]
