@@ -74,6 +74,16 @@ def _launch(config: Path, procs: int, port: int, log: Path, *extra) -> subproces
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
 
 
+def _lighthouse(port: int) -> subprocess.Popen:
+    """torchft's lighthouse on `port`: a dead group is dropped after 2 s without heartbeats."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas=1", "--join_timeout_ms=10000"]
+        + ["--heartbeat_timeout_ms=2000", f"--bind=[::]:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def _done(proc: subprocess.Popen, log: Path) -> None:
     assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
 
@@ -134,12 +144,7 @@ def test_two_groups_train_as_hsdp_and_a_killed_group_rejoins_from_its_peer(token
         token_data, tmp_path / "ft", parallel={"fault_tolerance": ft}, train=train | {"steps": steps}, **common
     )
     save_config(groups, tmp_path / "ft.yaml")
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas=1", "--join_timeout_ms=10000"]
-        + ["--heartbeat_timeout_ms=2000", "--bind=[::]:29519"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    lighthouse = _lighthouse(29519)
     try:
         logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
         procs = [
@@ -210,20 +215,12 @@ def test_a_lost_lighthouse_stops_the_groups_and_they_resume_exactly(token_data, 
     )
     save_config(config, tmp_path / "ft.yaml")
 
-    def lighthouse():
-        return subprocess.Popen(
-            [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas=1", "--join_timeout_ms=10000"]
-            + ["--heartbeat_timeout_ms=2000", "--bind=[::]:29516"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
     def groups(port: int, *extra):
         logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
         group = "--parallel.fault_tolerance.group="
         return [_launch(tmp_path / "ft.yaml", 1, port + g, logs[g], f"{group}{g}", *extra) for g in (0, 1)], logs
 
-    first = lighthouse()
+    first = _lighthouse(29516)
     procs, logs = groups(29512)
     while max(_logged(tmp_path / "ft" / "replica-0"), default=0) < 5:
         assert procs[0].poll() is None, logs[0].read_text()[-3000:]
@@ -236,7 +233,7 @@ def test_a_lost_lighthouse_stops_the_groups_and_they_resume_exactly(token_data, 
     saved = sorted(p.name for p in (tmp_path / "ft" / "replica-0" / "checkpoints").glob("step-*"))
     assert saved and not list((tmp_path / "ft" / "replica-0" / "checkpoints").glob("*.tmp"))
     last = int(saved[-1].split("-")[1])
-    second = lighthouse()
+    second = _lighthouse(29516)
     try:
         procs, logs = groups(29514, f"--train.steps={last + 3}")
         for proc, log in zip(procs, logs):

@@ -114,6 +114,9 @@ class ReplicaGroups:
             )
         self.lighthouse = lighthouse
         self.quorum_s = 0.0  # time in quorum and recovery, this step
+        self.quorum_total_s = 0.0  # and over the run
+        self.committed_steps = 0  # steps this group committed
+        self.failure: dict | None = None  # the last step not committed, until the next quorum's time is added
         self._pending_heal = False
         self._taken = False
 
@@ -171,6 +174,7 @@ class ReplicaGroups:
                 "checkpoint resumes exactly with --resume auto once a lighthouse is up"
             ) from None
         self.quorum_s = time.perf_counter() - t0
+        self.quorum_total_s += self.quorum_s
         healed, self._pending_heal = self._pending_heal, False
         return healed
 
@@ -195,7 +199,9 @@ class ReplicaGroups:
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def should_commit(self) -> bool:
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        self.committed_steps += committed
+        return committed
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

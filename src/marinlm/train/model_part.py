@@ -14,9 +14,10 @@ from marinlm.model.transformer import MarinForCausalLM
 from marinlm.parallel import parallelize
 
 
-def build_model(config, device: torch.device, precision: str, info, part, data_world: int) -> torch.nn.Module:
+def build_model(config, device: torch.device, precision: str, info, part, rows: int) -> torch.nn.Module:
     """The run's model on `device`: built on meta, the kernels swapped in, `part` prepared and
-    parallelized (under pipeline parallel, this rank's stages: parallel/pipeline_parallel.py).
+    parallelized (under pipeline parallel, this rank's stages: parallel/pipeline_parallel.py, cut
+    for `rows`, a data-parallel rank's rows a step).
     `train.init: full` initialises the whole model on every rank alike (same seed: as one
     process), then shards it; `sharded` shards on meta and initialises each rank's shards."""
     with torch.device("meta"):
@@ -27,7 +28,7 @@ def build_model(config, device: torch.device, precision: str, info, part, data_w
     init = config.train.init
     if init == "auto":
         init = "full" if summarize(config.model).total < 2e9 else "sharded"
-    layout = dict(rows=config.train.global_batch // data_world, seq_len=config.data.seq_len)
+    layout = dict(rows=rows, seq_len=config.data.seq_len)
     if init == "full":
         model.to_empty(device=device)
         model.init_weights(seed=config.train.seed)

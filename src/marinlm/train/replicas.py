@@ -51,17 +51,15 @@ def count_step(trainer, result, started: float) -> bool:
     """Count a step the replica groups ran (from `started`); False when it was not committed (a
     group failed in it: nothing applied, its batch skipped). A failure costs its own step's time
     and the next quorum's, in which the groups regroup without the lost one."""
-    quorum = trainer.replicas.quorum_s
-    trainer._quorum_seconds += quorum
-    if trainer._open_failure is not None:
-        trainer._open_failure["seconds"] += quorum
-        trainer._open_failure = None
+    replicas = trainer.replicas
+    if replicas.failure is not None:
+        replicas.failure["seconds"] += replicas.quorum_s
+        replicas.failure = None
     if result.committed:
-        trainer._committed_steps += 1
         return True
     failure = {"step": trainer.step + 1, "event": "not_committed", "seconds": time.perf_counter() - started}
     trainer.state.events.append(failure)
-    trainer._open_failure = failure
+    replicas.failure = failure
     trainer.report.event(
         f"step {trainer.step + 1} not committed by the replica groups (one failed): its batch is skipped"
     )
@@ -85,11 +83,11 @@ def replica_summary(trainer, seconds: float) -> dict:
     seconds it cost this group, the steps at which it was healed, and its time in quorums."""
     events = trainer.state.events
     return {
-        "goodput_steps_per_hour": trainer._committed_steps / max(seconds, 1e-9) * 3600,
-        "committed_steps": trainer._committed_steps,
+        "goodput_steps_per_hour": trainer.replicas.committed_steps / max(seconds, 1e-9) * 3600,
+        "committed_steps": trainer.replicas.committed_steps,
         "failures": [{"step": e["step"], "seconds": e["seconds"]} for e in events if e["event"] == "not_committed"],
         "healed_at_steps": [e["step"] for e in events if e["event"] == "healed_from_peer"],
-        "quorum_seconds": trainer._quorum_seconds,
+        "quorum_seconds": trainer.replicas.quorum_total_s,
     }
 
 

@@ -121,7 +121,8 @@ class Trainer:
         if c.train.memory_check:
             where = torch.device("cpu") if c.parallel.offload == "all" else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
-        self.model = build_model(c, self.device, self.precision, self.info, self.model_part, self.data_world)
+        rows = self.micro_batch * self.accum  # a data-parallel rank's rows a step (its group's share)
+        self.model = build_model(c, self.device, self.precision, self.info, self.model_part, rows)
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         # What steps: the optimizer, or it with its state kept in host memory between steps.
@@ -148,7 +149,6 @@ class Trainer:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak_dtype = gemm_dtype(dtype, self.device)
         self.peak_flops = c.logging.peak_flops or matmul_peak_flops(self.peak_dtype, self.device.type)
-        self._committed_steps, self._quorum_seconds, self._open_failure = 0, 0.0, None
         self.replicas = join_replica_groups(self) if c.parallel.fault_tolerance.groups else None
         # A group that joins live peers takes their state in its first quorum, and no checkpoint.
         resumed_from = None if self.replicas and self.replicas.join() else self.checkpointing.resume(resume)
