@@ -207,7 +207,9 @@ def resolve_impl(impl: str, device: torch.device, dims: tuple[int, ...], dtype: 
         )
     if impl != "auto":
         return impl
-    if device.type == "cpu" and dtype == torch.bfloat16 and not emulated_bf16(device):
+    # The padded kernels plan their chunks on the host: under torch.compile, a graph break.
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and not emulated_bf16(device)
+    if cpu_bf16 and not torch.compiler.is_compiling():
         return "chunked"
     return "grouped_mm" if aligned and dtype != torch.float64 else "bmm"  # no float64 grouped GEMM
 

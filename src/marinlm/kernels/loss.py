@@ -156,11 +156,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z):
         dh_ND, dw_VD = ctx.saved_tensors
-        if grad_loss.device.type == "cpu" and bool(grad_loss == 1):
-            # loss.backward() on the loss itself: the gradients as computed, without a pass over
-            # dW. Autograd clones a returned tensor that is still referenced (retain_graph) before
-            # it becomes .grad or is added to in place.
-            return dh_ND, dw_VD, None, None, None, None
+        # Scaled even where grad_loss is 1: testing for 1 would read it back to the host.
         return dh_ND * grad_loss.to(dh_ND.dtype), dw_VD * grad_loss.to(dw_VD.dtype), None, None, None, None
 
 

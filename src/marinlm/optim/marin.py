@@ -311,24 +311,36 @@ class MarinOptimizer(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            steps.append(state["step"])
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             grads.append(_local(p.grad))
+            # The step count lives beside the moments it corrects (a checkpoint loaded by torch's
+            # load_state_dict brings it to the host), so that no step reads a value back.
+            step = state.get("step", torch.zeros((), dtype=torch.float64))
+            if step.device != exp_avgs[-1].device or step.dtype != torch.float64:
+                step = step.to(exp_avgs[-1].device, torch.float64)
+            state["step"] = step
+            steps.append(step)
         torch._foreach_add_(steps, 1.0)
-        counts = [t.item() for t in steps]
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        denominators = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in counts])
+        denominators = torch._foreach_div(exp_avg_sqs, _bias_corrections(beta2, steps))
         torch._foreach_sqrt_(denominators)
         torch._foreach_add_(denominators, group["eps"])
-        directions = torch._foreach_div(exp_avgs, [1 - beta1**t for t in counts])
+        directions = torch._foreach_div(exp_avgs, _bias_corrections(beta1, steps))
         torch._foreach_div_(directions, denominators)
         return directions
+
+
+def _bias_corrections(beta: float, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1 - beta^t for each step count t, computed where the counts live."""
+    powers = torch._foreach_pow(beta, steps)
+    torch._foreach_neg_(powers)
+    torch._foreach_add_(powers, 1.0)
+    return powers
 
 
 def marin_param_kinds(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
