@@ -15,6 +15,10 @@ all on an H100/H200:
   SDPA per row, for each block size (the data `band_block` needs to choose blocks on GPUs).
 - torchrun: the trainer under torchrun + NCCL + FSDP2 for 20 steps with checkpoints, then resumed
   to 30 steps with FSDP2 CPU offload (the paths CPU CI cannot run).
+- flex: FlexAttention against the reference attention on the GPU, values and gradients, fp32 and
+  bf16, packed documents, global layers and windows shorter and longer than a document.
+- mfu: bench/mfu.py, the MFU table: the ~1B hero-shaped and Qwen3-shaped models eager, compiled,
+  compiled + CUDA graphs and FP8, and torchtitan's Qwen3 MoE on the same GPU (torchtitan installed).
 - plan: `marinlm plan`'s activation estimate against a real bf16 forward of a ~1B hero-shaped model.
 - offload: optimizer-only offload's device-memory saving in MuonH steps, and its losses.
 - finetune: LoRA SFT on the GPU (grouped expert adapters on its grouped GEMM; QLoRA too where
@@ -256,6 +260,71 @@ def part_loss(device: str, dry: bool) -> None:
 def part_attention(device: str, dry: bool) -> None:
     args = ["--repeats", "1", "--shapes", "1"] if dry else ["--device", "cuda", "--repeats", "10"]
     run_bench("attention.py", args, lambda line: "torch / ours" in line or " ms" in line or "window" in line)
+
+
+def part_flex(device: str, dry: bool) -> None:
+    """FlexAttention (compiled) against the reference attention, values and gradients, fp32 and
+    bf16: global layers and windows shorter and longer than the packed documents."""
+    import copy
+
+    from marinlm.kernels.flex_attention import FlexAttention
+    from marinlm.model.attention import Attention
+    from marinlm.model.config import AttentionConfig
+    from marinlm.model.context import ForwardContext
+    from marinlm.model.layers import doc_ids_and_positions
+
+    if dry:
+        summary(
+            "flex: skipped on CPU (torch has no FlexAttention backward there; tests/test_compile.py checks the forward)"
+        )
+        return
+    B, T, D = 2, 1000, 256
+    g = torch.Generator().manual_seed(0)
+    seg = torch.cumsum(torch.rand(B, T, generator=g) < 1 / 48, dim=1).to(device)
+    doc, pos = doc_ids_and_positions(seg)
+    for precision in ("fp32", "bf16"):
+        for window, is_global in ((None, True), (16, False), (256, False)):
+            config = AttentionConfig(
+                num_heads=8,
+                num_kv_heads=2,
+                head_dim=32,
+                sliding_window=window or 256,
+                qk_norm=True,
+                xsa=True,
+                head_gate=True,
+            )
+            torch.manual_seed(0)
+            attn = Attention(config, D, is_global=is_global, sconv_sites=["k", "v"], sconv_kernel=4, init_std=0.05)
+            attn.reset_parameters()
+            with torch.no_grad():
+                attn.gate.weight.normal_(0, 0.3)
+                for conv in (attn.sconv_k, attn.sconv_v):
+                    conv.weight.normal_(0, 0.5)
+            attn.to(device)
+            flex = copy.deepcopy(attn)
+            flex.__class__ = FlexAttention
+            x = torch.randn(B, T, D, device=device)
+            results = []
+            for module in (attn, torch.compile(flex, fullgraph=True)):
+                xi = x.clone().requires_grad_()
+                ctx = ForwardContext(doc, pos, packed=True, decoding=False, derived=True, window=config.sliding_window)
+                with torch.autocast(device, torch.bfloat16, enabled=precision == "bf16"):
+                    y = module(xi, ctx)
+                y.float().square().mean().backward()
+                results.append([y.float(), xi.grad, *(p.grad.clone() for p in module.parameters())])
+                module.zero_grad()
+            worst = max(
+                ((b - a).abs().max() / a.abs().max().clamp_min(1e-6)).item() for a, b in zip(*results, strict=True)
+            )
+            limit = 1e-4 if precision == "fp32" else 3e-2
+            verdict = "ok" if worst <= limit else "MISMATCH"
+            kind = "global" if is_global else f"window {window}"
+            summary(f"flex {precision} {kind}: values and gradients within {worst:.1e} of the reference ({verdict})")
+
+
+def part_mfu(device: str, dry: bool) -> None:
+    args = ["--device", "cpu"] if dry else ["--steps", "5"]
+    run_bench("mfu.py", args, lambda line: "MFU" in line or "marinlm" in line or "torchtitan" in line or "peak" in line)
 
 
 def part_torchrun(device: str, dry: bool) -> None:
@@ -532,6 +601,8 @@ PARTS = {
     "hf": part_hf,
     "loss": part_loss,
     "attention": part_attention,
+    "flex": part_flex,
+    "mfu": part_mfu,
     "torchrun": part_torchrun,
     "plan": part_plan,
     "offload": part_offload,

@@ -876,15 +876,43 @@ def test_a_run_shortened_mid_run_ends_its_schedule_at_the_new_length(token_data,
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train(token_data, tmp_path):
-    run_training(train_config(token_data, tmp_path / "eager", train={"steps": 2}), resume="none")
-    run_training(
-        train_config(token_data, tmp_path / "compiled", train={"steps": 2}, parallel={"compile": True}), resume="none"
+def test_compiled_blocks_train_20_steps_without_recompiling(token_data, tmp_path):
+    """`parallel.compile` for 20 bf16 steps of `tiny` (all four layers) on packed rows whose
+    documents differ from step to step: no graph is compiled after step 2 (the metric counts
+    torch._dynamo's compiled graphs), and the losses are eager's within bf16 tolerance: the first
+    step's to 1%, and the run no farther from eager's than bf16 rounding moves a run (eager fp32
+    against eager bf16; 20 steps at lr 0.02 amplify any rounding difference to several percent)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    common = dict(
+        model=to_dict(tiny_config(max_seq_len=64, attention={"sliding_window": 16})),
+        checkpoint={"every_steps": 0},
+        validation={"every_steps": 0},
     )
-    assert losses(tmp_path / "eager") == pytest.approx(losses(tmp_path / "compiled"), rel=1e-3)
-    # Validation runs the compiled blocks again, recompiled without grad (local and global layers).
+    for name, precision, compile in (("fp32", "fp32", False), ("eager", "bf16", False), ("compiled", "bf16", True)):
+        config = train_config(
+            token_data,
+            tmp_path / name,
+            train={"steps": 20, "precision": precision},
+            parallel={"compile": compile},
+            **common,
+        )
+        run_training(config, resume="none")
+    graphs = {r["step"]: r["compile/graphs"] for r in read_metrics(tmp_path / "compiled") if "compile/graphs" in r}
+    assert sorted(graphs) == list(range(1, 21)) and graphs[1] > 0
+    assert graphs[20] == graphs[2], graphs
+    fp32, eager, compiled = (losses(tmp_path / name) for name in ("fp32", "eager", "compiled"))
+    assert sorted(compiled) == sorted(eager) == list(range(1, 21))
+
+    def farthest(run):
+        return max(abs(run[s] - eager[s]) / eager[s] for s in eager)
+
+    assert compiled[1] == pytest.approx(eager[1], rel=1e-2)
+    assert farthest(compiled) <= farthest(fp32), (compiled, eager, fp32)
+    # Validation at the end runs the compiled blocks without grad (new graphs) and agrees too.
     val = [[r["val/loss"] for r in read_metrics(tmp_path / run) if "val/loss" in r] for run in ("eager", "compiled")]
-    assert len(val[0]) == 1 and val[1] == pytest.approx(val[0], rel=1e-3)
+    assert len(val[0]) == 1 and val[1] == pytest.approx(val[0], rel=0.1)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from torch import nn
 from marinlm.kernels.attention import FusedAttention
 from marinlm.kernels.bf16 import EmulatedBf16Linear
 from marinlm.kernels.experts import FusedRoutedExperts
+from marinlm.kernels.flex_attention import FlexAttention
 from marinlm.kernels.layers import FusedRMSNorm, FusedSConv
 from marinlm.kernels.loss import FusedNextTokenLoss
 from marinlm.model.attention import Attention
@@ -33,18 +34,20 @@ KERNELS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
-def apply_kernels(model: nn.Module, device: torch.device | str, precision: str) -> nn.Module:
+def apply_kernels(model: nn.Module, device: torch.device | str, precision: str, *, compiled: bool = False) -> nn.Module:
     """Swap the kernels into `model` in place, unless its config says `kernels: reference`.
 
     `precision` is the one the model will run in (fp32, bf16, fp64): in bf16 on a CPU without bf16
     GEMMs the linear layers also become `EmulatedBf16Linear` (bf16 products through fp32 GEMMs).
-    Returns the model.
+    `compiled`: the blocks will run under torch.compile; on a GPU attention then goes through
+    FlexAttention (kernels/flex_attention.py), which is fast only compiled. Returns the model.
     """
     if model.config.kernels == "reference":
         return model
     emulated = precision == "bf16" and emulated_bf16(device)
+    flex = compiled and torch.device(device).type == "cuda" and precision != "fp64"
     for module in model.modules():
-        kernel = KERNELS.get(type(module))
+        kernel = FlexAttention if flex and type(module) is Attention else KERNELS.get(type(module))
         if kernel is None and emulated and type(module) is nn.Linear:
             kernel = EmulatedBf16Linear
         if kernel is not None:

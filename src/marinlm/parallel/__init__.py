@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from marinlm.config import check
-from marinlm.model.transformer import named_blocks
 from marinlm.parallel.distributed import DistributedInfo, init_distributed, shutdown_distributed
 from marinlm.parallel.offload import OFFLOADS
 
@@ -59,7 +58,9 @@ class ParallelConfig:
     offload: str = "none"
     activation_checkpointing: str = "none"  # none | full (every block) | every_n
     checkpoint_every_n: int = 2
-    compile: bool = False  # torch.compile each block (regional compilation)
+    compile: bool = False  # torch.compile each block (regional compilation, parallel/compile.py)
+    # With compile on a GPU: each compiled block's forward and backward captured as CUDA graphs.
+    cuda_graphs: bool = False
     # Pipeline parallel (parallel/pipeline_parallel.py): the schedule, stages a rank for looped
     # schedules, microbatches a step (0: one row each), and a fixed split (else balanced by FLOPs).
     pipeline_schedule: str = "1F1B"
@@ -92,6 +93,7 @@ class ParallelConfig:
         check(self.offload in OFFLOADS, "offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         check(self.microbatches >= 0, "microbatches", f"must be >= 0 (0: one row each), got {self.microbatches}")
         check(self.stages_per_rank >= 1, "stages_per_rank", f"must be >= 1, got {self.stages_per_rank}")
+        check(not self.cuda_graphs or self.compile, "cuda_graphs", "needs compile: true (it captures compiled blocks)")
         check(
             not (self.fault_tolerance.groups and self.data_parallel_replicate > 1),
             "data_parallel_replicate",
@@ -127,6 +129,7 @@ def parallelize(
 
 def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.compile import apply_compile
     from marinlm.parallel.context_parallel import apply_context_parallel
     from marinlm.parallel.expert_parallel import apply_data_parallel_rows, apply_expert_parallel
     from marinlm.parallel.fsdp import apply_fsdp
@@ -145,8 +148,9 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
         apply_data_parallel_rows(model, info.batch_group, info.batch_rank, info.batch_world)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
-        for _, block in named_blocks(model):
-            block.compile()
+        # Our own exchanges (expert, tensor and context parallel) may split a block's graph.
+        whole = tp == 1 and info.expert_mesh is None and not (info.dims is not None and info.dims.cp_enabled)
+        apply_compile(model, fullgraph=whole, cuda_graphs=config.cuda_graphs)
     if info.mesh is not None:  # launched by torchrun (any number of ranks)
         layout = info.dims is not None  # the layout's named mesh, or (loading a model to evaluate) a 1-D one
         mesh = info.fsdp_mesh if layout else info.mesh

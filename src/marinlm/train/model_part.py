@@ -24,7 +24,7 @@ def build_model(config, device: torch.device, precision: str, info, part, rows: 
         model = MarinForCausalLM(config.model)
     if precision == "fp64":
         model.to(torch.float64)
-    apply_kernels(model, device, precision)
+    apply_kernels(model, device, precision, compiled=config.parallel.compile)
     init = config.train.init
     if init == "auto":
         init = "full" if summarize(config.model).total < 2e9 else "sharded"
