@@ -106,10 +106,12 @@ def main() -> None:
             )
         rows_per_rank = {"EP 2 x FSDP 2": 2, "EP 4": 2}  # 8 rows over 4 data-parallel ranks
         latent, k, moe_layers = tiny.moe.latent_dim, tiny.moe.top_k, tiny.num_moe_layers
-        print("\nexpert all-to-all, bytes a step (all ranks, dispatch and combine) against the minimum:")
+        print(
+            "\nexpert all-to-all, bytes a step (all ranks; dispatch, combine, forward, backward) against the minimum:"
+        )
         for name, ep in (("EP 2 x FSDP 2", 2), ("EP 4", 4)):
             tokens_rank = rows_per_rank[name] * 256
-            minimum = 4 * tokens_rank * k * latent * 4 * (ep - 1) / ep * 2 * moe_layers  # 4 ranks, fp32, 2 ways
+            minimum = 4 * tokens_rank * k * latent * 4 * (ep - 1) / ep * 4 * moe_layers  # 4 ranks, fp32, 4 passes
             print(
                 f"  {name}: {results[name]['a2a_bytes'] / 1e6:.2f} MB, minimum {minimum / 1e6:.2f} MB, "
                 f"ratio {results[name]['a2a_bytes'] / minimum:.3f}"

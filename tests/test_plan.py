@@ -133,8 +133,8 @@ def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
 
 
 def test_activation_checkpointing_repeats_the_expert_all_to_alls():
-    """A checkpointed block's recomputed forward dispatches and combines again: a real EP 2 run
-    logged 16 all-to-all calls a step instead of 8, where the plan counted 4 passes a layer."""
+    """A checkpointed block's recomputed forward exchanges the counts, dispatches and combines
+    again: 5 all-to-alls a MoE layer and forward without, 8 with, and the rows' bytes 6/4."""
     from dataclasses import replace
 
     from marinlm.plan.estimate import plan_layout
@@ -142,13 +142,57 @@ def test_activation_checkpointing_repeats_the_expert_all_to_alls():
     from marinlm.train.config import TrainConfig
 
     train = load_config(TrainConfig, str(ROOT / "configs" / "train" / "marin-535b-a23b.yaml"), [])
-    a2a = {}
+    plans = {}
     for ac in ("none", "full", "every_n"):  # every_n: every 2nd block
         parallel = replace(train.parallel, activation_checkpointing=ac, checkpoint_every_n=2)
-        plan = plan_layout(train, parallel, 704, load_hardware("gb200-nvl72"), Efficiency())
-        a2a[ac] = plan.step["expert_all_to_all"]
-    assert a2a["full"] == pytest.approx(a2a["none"] * 6 / 4)
-    assert a2a["every_n"] == pytest.approx(a2a["none"] * 5 / 4)
+        plans[ac] = plan_layout(train, parallel, 704, load_hardware("gb200-nvl72"), Efficiency())
+    forwards = 48 * train.train.global_batch // (11 * 64) // (train.train.micro_batch or 1)  # layers x micro-batches
+    calls = {ac: plan.all_to_all_calls / forwards for ac, plan in plans.items()}
+    assert calls == {"none": 5, "full": 8, "every_n": 6.5}
+    a2a = {ac: plan.step["expert_all_to_all"] for ac, plan in plans.items()}
+    assert a2a["full"] == pytest.approx(a2a["none"] * 6 / 4, rel=1e-4)  # the counts' bytes are tiny
+    assert a2a["every_n"] == pytest.approx(a2a["none"] * 5 / 4, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_the_planned_expert_all_to_alls_are_those_a_real_run_makes(token_data, tmp_path, ac):
+    """EP 2 on 2 gloo ranks, 3 steps: the all-to-all calls a step the plan counts equal those the
+    run makes (counted where they run, the gradients' in the backward), and its bytes equal the
+    run's given the run's routing (the share of assignments whose expert sits on the other rank);
+    at the plan's default share ((ep - 1) / ep, every rank routing alike) within 10%."""
+    from dataclasses import replace
+
+    from marinlm.config import save_config
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.metrics import read_metrics
+    from test_train import torchrun_train
+
+    from conftest import train_config
+
+    config = train_config(
+        token_data,
+        tmp_path / "run",
+        train={"steps": 3},
+        parallel={"expert_parallel": 2, "activation_checkpointing": ac},
+        checkpoint={"every_steps": 0},
+        validation={"every_steps": 0},
+    )
+    save_config(config, tmp_path / "run.yaml")
+    torchrun_train(tmp_path / "run.yaml", port=29541 + (ac == "full"))
+    logged = [r for r in read_metrics(tmp_path / "run") if "ep/a2a_bytes" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    hardware, parallel = load_hardware("cpu"), replace(config.parallel, data_parallel_shard=2)
+    balanced = plan_layout(config, parallel, 2, hardware, Efficiency())
+    layers = config.model.num_layers
+    assert balanced.all_to_all_calls == (8 if ac == "full" else 5) * layers
+    for r in logged:
+        planned = plan_layout(config, parallel, 2, hardware, Efficiency(), remote_share=r["ep/remote_share"])
+        assert r["ep/a2a_calls"] == planned.all_to_all_calls
+        assert r["ep/a2a_bytes"] == pytest.approx(2 * planned.all_to_all_bytes, rel=1e-12)
+        assert r["ep/a2a_bytes"] == pytest.approx(2 * balanced.all_to_all_bytes, rel=0.1)
 
 
 def test_layout_overrides_and_errors_name_the_key():

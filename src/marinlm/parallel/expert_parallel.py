@@ -122,15 +122,40 @@ class ExpertParallelExperts(RoutedExperts):
         x_KD, plan = dispatch(x_ND.to(dtype), experts_NK, self.num_experts, group, priority_N, factor, keep_NK)
         y_KD = self.run_experts(x_KD, plan.counts_El, self.resolve_impl(dtype))
         y_AD = combine(y_KD, plan, group)
-        # Rows leaving this rank for others, both ways: dispatch sends its rows, combine the results.
-        me = self.ep_mesh.get_local_rank()
-        remote = sum(plan.send_P) - plan.send_P[me] + plan.num_received - plan.recv_P[me]
-        row_bytes = x_KD.shape[1] * x_KD.element_size()
         if self.training:  # the steps' traffic: validation and evaluation between them are not steps
-            self.traffic += torch.tensor([sum(plan.send_P), plan.num_received, remote * row_bytes], dtype=torch.float64)
+            y_AD = self._count_traffic(y_AD, plan, x_KD.shape[1] * x_KD.element_size(), group)
         y_AD = y_AD * weights_NK.reshape(-1)[plan.slot_A].unsqueeze(-1).to(y_AD.dtype)
         y_SD = y_AD.new_zeros(N * k, y_AD.shape[-1]).index_copy(0, plan.slot_A, y_AD)
         return y_SD.view(N, k, y_SD.shape[-1]).sum(1, dtype=compute_dtype(y_SD)).to(dtype), plan.dropped
+
+    def _count_traffic(self, y_AD: torch.Tensor, plan: Dispatch, row_bytes: int, group) -> torch.Tensor:
+        """Add this forward's all-to-alls to `self.traffic`: the counts' exchange, dispatch and
+        combine now (a checkpointed block's recomputed forward counts again), and the two
+        exchanges of their gradients when the backward passes through `y_AD` (returned)."""
+        P, me = dist.get_world_size(group), self.ep_mesh.get_local_rank()
+        sent_away = sum(plan.send_P) - plan.send_P[me]
+        # Rows leaving this rank for others, both ways: dispatch sends its rows, combine the results.
+        remote = (sent_away + plan.num_received - plan.recv_P[me]) * row_bytes
+        header = (P - 1) * (self.num_experts // P + 1) * 8  # int64 counts, to each other rank
+        count = [sum(plan.send_P), plan.num_received, sent_away, remote + header, 3]
+        self.traffic += torch.tensor(count, dtype=torch.float64)
+        if not y_AD.requires_grad:
+            return y_AD
+        return _CountBackward.apply(y_AD, self.traffic, torch.tensor([0, 0, 0, remote, 2], dtype=torch.float64))
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity; its backward adds `count` to `traffic` (the gradients' all-to-alls)."""
+
+    @staticmethod
+    def forward(ctx, x, traffic, count):
+        ctx.traffic, ctx.count = traffic, count
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.traffic += ctx.count
+        return grad, None, None
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -160,7 +185,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -
             module.__class__ = expert_parallel_class(type(module))
             module.ep_mesh = ep_mesh
             module.capacity_factor = model.config.moe.capacity_factor
-            module.traffic = torch.zeros(3, dtype=torch.float64)  # rows sent, received; bytes to other ranks
+            # Rows sent, received and sent to other ranks, bytes to other ranks, all-to-all calls
+            # (`_count_traffic`).
+            module.traffic = torch.zeros(5, dtype=torch.float64)
             # An expert's gradient sums its whole group's tokens, where a dense weight's holds one
             # data rank's (summed over its tp ranks), and FSDP2 then averages each over its own data
             # ranks: tp/ep puts them level.
@@ -187,9 +214,11 @@ def apply_data_parallel_rows(model: nn.Module, group, rank: int, world: int) -> 
 
 
 def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:
-    """This rank's MoE traffic in training forwards since the last call, reduced over `group`: the bytes all ranks sent
-    to other ranks (dispatch and combine), and the load imbalance (the busiest rank's received rows
-    over the mean). Empty without expert parallelism."""
+    """MoE traffic of the training steps since the last call, reduced over `group`: the bytes all
+    ranks sent to other ranks in all-to-alls (dispatch, combine and the expert counts, forward,
+    recomputed forward and backward), this rank's all-to-all calls, the share of assignments sent
+    to another rank, and the load imbalance (the busiest rank's received rows over the mean).
+    Empty without expert parallelism."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     if not layers or not dist.is_initialized():
         return {}
@@ -202,7 +231,11 @@ def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=group)
     world = dist.get_world_size(group)
     return {
-        "ep/a2a_bytes": float(total[2]),
+        "ep/a2a_bytes": float(total[3]),
+        "ep/a2a_calls": float(mine[4]),
+        # Of the assignments sent, the share whose expert sits on another rank: the routing's part
+        # in the bytes (marinlm plan's `remote_share`).
+        "ep/remote_share": float(total[2] / total[0].clamp_min(1)),
         "ep/rows_received_max_over_mean": float(busiest * world / total[1].clamp_min(1)),
     }
 

@@ -14,9 +14,9 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   all-to-all's send and receive rows; tensor parallel's gathered activations; pipeline sends;
 - temporaries: one block's activations again (their gradients in backward).
 
-Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (4
-passes a layer: dispatch and combine, forward and backward; 2 more in a checkpointed block's
-recomputed forward) over NVLink when its group fits in an
+Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (5
+calls a layer: the counts, dispatch and combine forward, and the two gradients' exchanges; 3 more
+in a checkpointed block's recomputed forward; `expert_exchanges`) over NVLink when its group fits in an
 NVLink domain, else the network, not overlapped; context parallel's exchanges of keys, values and
 SConv halos (forward, their gradients back, and again in a recomputed forward), not overlapped
 (the exchange waits before attention); FSDP/HSDP traffic of which `overlap` is hidden;
@@ -75,6 +75,9 @@ class LayoutPlan:
     host_per_node_bytes: float
     host_fits: bool
     notes: list[str] = field(default_factory=list)
+    # Expert all-to-alls a step per rank, and the bytes they send to other ranks (in `traffic` too).
+    all_to_all_calls: float = 0.0
+    all_to_all_bytes: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -92,11 +95,20 @@ def _state_copies(name: str, optim_type: str) -> int:
 
 
 def plan_layout(
-    train, parallel: ParallelConfig, world: int, hardware: Hardware, eff: Efficiency, shards_of=local_shards, inv=None
+    train,
+    parallel: ParallelConfig,
+    world: int,
+    hardware: Hardware,
+    eff: Efficiency,
+    shards_of=local_shards,
+    inv=None,
+    remote_share: float | None = None,
 ) -> LayoutPlan:
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
     gives a rank's local shards (default: the real parallelize() under a fake process group).
-    Fault-tolerant replica groups are planned as HSDP's replicas, plus what torchft adds."""
+    `remote_share`: the routing's share of assignments sent to another expert-parallel rank
+    (`expert_exchanges`). Fault-tolerant replica groups are planned as HSDP's replicas, plus what
+    torchft adds."""
     model = train.model
     fault_tolerant = parallel.fault_tolerance.groups > 1
     if fault_tolerant:
@@ -160,18 +172,24 @@ def plan_layout(
     frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
     local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
-    latent = model.moe.latent_dim or model.d_model
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
     traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     step = {"compute": compute}
+    a2a_bytes = a2a_calls = 0.0
     if dims.ep > 1:
-        # Dispatch and combine in forward and backward; a checkpointed block's forward runs again in
-        # backward, all-to-alls included.
-        passes = 4 + 2 * recompute
-        volume = passes * tokens_rank * model.moe.top_k * latent * act_bytes * (dims.ep - 1) / dims.ep * moe_layers
+        a2a_bytes, a2a_calls = expert_exchanges(
+            model,
+            dims,
+            tokens_rank,
+            accumulation_of(rows, micro_rows, dims, microbatches),
+            act_bytes,
+            recompute,
+            moe_layers,
+            remote_share,
+        )
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
-        traffic[link] += volume
-        step["expert_all_to_all"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
+        traffic[link] += a2a_bytes
+        step["expert_all_to_all"] = a2a_bytes / (_bandwidth(hardware, link) * eff.all_to_all)
     if dims.cp > 1:
         volume = rows * context_exchange_bytes(model, seq, dims.cp, act_bytes) * (2 + recompute) * local_layers
         volume /= model.num_layers * dims.tp  # the bytes above are the whole model's; tp ranks hold a share of heads
@@ -181,7 +199,7 @@ def plan_layout(
     fsdp_bytes = sum(r.device.get("fsdp_gathered_block", 0.0) for r in ranks[:1]) / 2  # one block, fp32
     fsdp = dims.dp_shard * dims.cp  # FSDP2 shards over the cp ranks too
     shard_group = fsdp * dims.tp
-    accumulation = rows // micro_rows if dims.pp == 1 else microbatches  # forwards a step
+    accumulation = accumulation_of(rows, micro_rows, dims, microbatches)
     if fsdp > 1:
         # Gathered for every forward and (resharded after forward) every backward; gradients once.
         passes = accumulation * (2 if parallel.reshard_after_forward else 1) + 1
@@ -240,12 +258,39 @@ def plan_layout(
         mfu=mfu,
         flops_per_step=flops_step,
         traffic=traffic,
+        all_to_all_calls=a2a_calls,
+        all_to_all_bytes=a2a_bytes,
         fits=headroom >= 0,
         headroom_bytes=headroom,
         host_per_node_bytes=host_node,
         host_fits=host_node <= hardware.host_memory_bytes,
         notes=notes,
     )
+
+
+def accumulation_of(rows: int, micro_rows: int, dims, microbatches: int) -> int:
+    """Forwards a rank runs a step: its micro-batches, or a pipeline's microbatches."""
+    return rows // micro_rows if dims.pp == 1 else microbatches
+
+
+def expert_exchanges(
+    model, dims, tokens: int, forwards: int, act_bytes: int, recompute: float, moe_layers: float, remote_share=None
+) -> tuple[float, float]:
+    """(bytes a rank sends to other ranks, all-to-all calls) a step under expert parallel, as
+    parallel/expert_parallel.py runs them: per MoE layer and forward, the experts' counts (int64,
+    E/ep + 1 to each other rank), the rows to the experts and the results back (latent width,
+    `act_bytes`), and in backward the two gradients' exchanges; a checkpointed block's
+    recomputed forward exchanges all three again. Each assignment travels once each way;
+    `remote_share` is the share of them whose expert sits on another rank: (ep - 1) / ep where
+    every rank routes alike (whatever the skew across experts), or a run's measured share."""
+    share = (dims.ep - 1) / dims.ep if remote_share is None else remote_share
+    latent = model.moe.latent_dim or model.d_model
+    rows = tokens * model.moe.top_k * share / forwards  # remote assignments of one forward
+    header = (dims.ep - 1) * (model.moe.num_experts // dims.ep + 1) * 8
+    forward = 2 * rows * latent * act_bytes + header
+    per_forward = forward * (1 + recompute) + 2 * rows * latent * act_bytes
+    calls = 3 * (1 + recompute) + 2
+    return per_forward * forwards * moe_layers, calls * forwards * moe_layers
 
 
 def context_exchange_bytes(model, seq_len: int, cp: int, act_bytes: int) -> float:

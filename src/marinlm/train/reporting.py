@@ -45,8 +45,9 @@ class Reporter:
         self._traffic_from_step = t.step
         if t.sinks is None:
             return
-        if "ep/a2a_bytes" in traffic:
-            traffic["ep/a2a_bytes"] /= max(steps, 1)  # per step
+        for key in ("ep/a2a_bytes", "ep/a2a_calls"):
+            if key in traffic:
+                traffic[key] /= max(steps, 1)  # per step
         r = result
         elapsed = t._step_time
         tokens_per_s = r.tokens / max(elapsed, 1e-9)
