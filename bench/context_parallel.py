@@ -37,8 +37,6 @@ DOCUMENT = 1000  # tokens a packed document
 def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=None, pos=None):
     """Causal attention of this rank's chunks over the whole row, with the K/V blocks passed round;
     with `doc` and `pos` (the row's document ids and positions), within documents only."""
-    from marinlm.model.context import attention_mask
-
     attend = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     c = layout.chunk
     mine = layout.chunks(rank)
@@ -65,11 +63,9 @@ def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=Non
                 if doc is None:
                     o, s = attend(q, k, v, is_causal=a == b)[:2]
                 else:  # a block's mask from the ids; a query may see none of its keys
-                    qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                    allowed = attention_mask(doc[:, qs], pos[:, qs], doc[:, ks], pos[:, ks], None)
-                    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, -torch.inf)
+                    bias = _block_bias(doc, pos, a, b, c)
                     o, s = attend(q, k, v, attn_mask=bias)[:2]
-                    seen = allowed.any(-1, keepdim=True)  # [B, 1, T, 1]
+                    seen = (bias == 0).any(-1, keepdim=True)  # [B, 1, T, 1]
                     o, s = o.masked_fill(~seen, 0.0), s.masked_fill(~seen[..., 0], -torch.inf)
                 s = s.unsqueeze(-1)
                 if out is None:
@@ -84,7 +80,78 @@ def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=Non
             request.wait()
         if step < size - 1:
             kv = incoming
-    return out
+    return out, lse[..., 0]
+
+
+def _block_bias(doc, pos, a: int, b: int, c: int):
+    """Chunk a's queries against chunk b's keys: the additive mask and which queries see a key."""
+    from marinlm.model.context import attention_mask
+
+    qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+    allowed = attention_mask(doc[:, qs], pos[:, qs], doc[:, ks], pos[:, ks], None)
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, -torch.inf)
+
+
+def ring_attention_backward(dout, q_BHTD, k_BKTD, v_BKTD, out, lse, layout, rank: int, size: int, doc=None, pos=None):
+    """The gradients of `ring_attention` for this rank's chunks: the K/V blocks go round again, each
+    with the gradient accumulated for it so far, which reaches the block's owner after the last
+    step (Liu et al.'s ring backward). Each block pair's gradients come from torch's flash backward
+    given the row's final output and log-sum-exp, so the partial softmaxes need no merging."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    c, G = layout.chunk, HEADS // KV_HEADS
+    mine = layout.chunks(rank)
+    dq = torch.zeros_like(q_BHTD)
+    kv = torch.stack([k_BKTD, v_BKTD]).contiguous()
+    dkv = torch.zeros_like(kv)
+    for step in range(size):
+        owner = (rank - step) % size
+        pending = []
+        if step < size - 1:  # the next block travels while this one computes
+            incoming = torch.empty_like(kv)
+            pending = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, kv, (rank + 1) % size), dist.P2POp(dist.irecv, incoming, (rank - 1) % size)]
+            )
+        for qi, a in enumerate(mine):
+            part = slice(qi * c, (qi + 1) * c)
+            for ki, b in enumerate(layout.chunks(owner)):
+                if b > a:
+                    continue
+                block = slice(ki * c, (ki + 1) * c)
+                k = kv[0][:, :, block].repeat_interleave(G, 1)
+                v = kv[1][:, :, block].repeat_interleave(G, 1)
+                mask = None if doc is None else _block_bias(doc, pos, a, b, c)
+                gq, gk, gv = backward(
+                    dout[:, :, part].contiguous(),
+                    q_BHTD[:, :, part].contiguous(),
+                    k,
+                    v,
+                    out[:, :, part].contiguous(),
+                    lse[:, :, part].contiguous(),
+                    0.0,
+                    doc is None and a == b,
+                    attn_mask=mask,
+                )
+                dq[:, :, part] += gq
+                B, _, T, D = gk.shape
+                dkv[0][:, :, block] += gk.view(B, KV_HEADS, G, T, D).sum(2)
+                dkv[1][:, :, block] += gv.view(B, KV_HEADS, G, T, D).sum(2)
+        for request in pending:
+            request.wait()
+        # The block's gradient so far follows the block: to the next rank, or home after the last step.
+        arriving = torch.empty_like(dkv)
+        for request in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, dkv, (rank + 1) % size), dist.P2POp(dist.irecv, arriving, (rank - 1) % size)]
+        ):
+            request.wait()
+        dkv = arriving
+        if step < size - 1:
+            kv = incoming
+    return dq, dkv[0], dkv[1]
+
+
+def ring_forward_backward(q, k, v, layout, rank: int, size: int, doc=None, pos=None):
+    out, lse = ring_attention(q, k, v, layout, rank, size, doc, pos)
+    return ring_attention_backward(torch.ones_like(out), q, k, v, out, lse, layout, rank, size, doc, pos)
 
 
 def _rank(rank: int, size: int, seq: int, rounds: int, store: str, results) -> None:
@@ -118,19 +185,25 @@ def _rank(rank: int, size: int, seq: int, rounds: int, store: str, results) -> N
         y = Global().attend(qq, kk, vv, ctx, None)
         if backward:
             y.sum().backward()
+            return qq.grad, kk.grad, vv.grad
         return y
 
     contenders = {
         "ours, forward": lambda: ours(False, one),
         "ring, forward": lambda: ring_attention(q, k, v, layout, rank, size),
         "ours, forward + backward": lambda: ours(True, one),
+        "ring, forward + backward": lambda: ring_forward_backward(q, k, v, layout, rank, size),
         "ours, forward, packed": lambda: ours(False, packed),
         "ring, forward, packed": lambda: ring_attention(q, k, v, layout, rank, size, *packed),
         "ours, forward + backward, packed": lambda: ours(True, packed),
+        "ring, forward + backward, packed": lambda: ring_forward_backward(q, k, v, layout, rank, size, *packed),
     }
     with torch.no_grad():
-        torch.testing.assert_close(contenders["ring, forward"](), ours(False, one), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(contenders["ring, forward, packed"](), ours(False, packed), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(contenders["ring, forward"]()[0], ours(False, one), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(contenders["ring, forward, packed"]()[0], ours(False, packed), rtol=1e-4, atol=1e-4)
+    for tail, rows in (("", one), (", packed", packed)):  # the ring's gradients are ours
+        for a, b in zip(contenders["ring, forward + backward" + tail](), ours(True, rows), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     times = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
@@ -156,13 +229,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             mp.spawn(_rank, args=(size, args.seq, args.rounds, f"{work}/store", results), nprocs=size)
     print(f"global attention of one row of {args.seq:,} tokens, cut over N gloo ranks (median of {args.rounds})")
-    print(f"{'N':>3} {'rows':>22} {'ours fwd':>10} {'ring fwd':>10} {'ring / ours':>12} {'ours fwd+bwd':>13}")
+    head = f"{'N':>3} {'rows':>22} {'ours fwd':>10} {'ring fwd':>10} {'ring / ours':>12}"
+    print(head + f" {'ours fwd+bwd':>13} {'ring fwd+bwd':>13} {'ring / ours':>12}")
     for size in args.ranks:
         r = results[size]
         for rows, tail in (("one document", ""), (f"documents of {DOCUMENT:,}", ", packed")):
             ours, ring = r["ours, forward" + tail], r["ring, forward" + tail]
-            both = f"{r['ours, forward + backward' + tail] * 1e3:>11.1f}ms"
-            print(f"{size:>3} {rows:>22} {ours * 1e3:>8.1f}ms {ring * 1e3:>8.1f}ms {ring / ours:>11.2f}x {both}")
+            ours2, ring2 = r["ours, forward + backward" + tail], r["ring, forward + backward" + tail]
+            line = f"{size:>3} {rows:>22} {ours * 1e3:>8.1f}ms {ring * 1e3:>8.1f}ms {ring / ours:>11.2f}x"
+            print(line + f" {ours2 * 1e3:>11.1f}ms {ring2 * 1e3:>11.1f}ms {ring2 / ours2:>11.2f}x")
 
 
 if __name__ == "__main__":

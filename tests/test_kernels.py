@@ -269,3 +269,25 @@ def test_activation_statistics_are_those_of_the_blocks_outputs():
     assert scalars["act/layer_0/residual_rms"] == pytest.approx(y.square().mean().sqrt().item(), rel=1e-5)
     assert scalars["act/layer_0/residual_max_abs"] == pytest.approx(y.abs().max().item(), rel=1e-6)
     assert len(scalars) == 6 * config.num_layers and samples["act/layer_0/mlp"].size > 0
+
+
+@PRECISIONS
+@pytest.mark.parametrize("T, S", [(24, 24), (24, 80), (64, 200)])
+def test_causal_tail_attention(precision, T, S):
+    """A chunk's queries against the keys up to the chunk's end, one document (context parallel's
+    global layers): torch's flash kernel on the unmasked prefix and the causal tail, merged by
+    log-sum-exp, against the reference's one masked SDPA; grouped KV heads."""
+    config = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16)
+    attn = Attention(config, 64, is_global=True, sconv_sites=[], sconv_kernel=4, init_std=0.1).requires_grad_(False)
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = (
+        torch.randn(2, 4, T, 16, generator=g),
+        torch.randn(2, 2, S, 16, generator=g),
+        torch.randn(2, 2, S, 16, generator=g),
+    )
+
+    def call(m, q, k, v):
+        cast = (lambda t: t.bfloat16()) if precision == "bf16" else (lambda t: t)
+        return m.attend_causal_tail(cast(q), cast(k), cast(v))
+
+    assert_same(run(attn, [q, k, v], precision, call), run(kernel_of(attn), [q, k, v], precision, call), precision)

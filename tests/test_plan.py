@@ -126,8 +126,21 @@ def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
     assert chosen["world"] == 704 and chosen["ranks"][0]["local_experts"] == 6
     assert chosen["ranks"][0]["host"]["optimizer_state"] > 0 and "optimizer_state" not in chosen["ranks"][0]["device"]
     assert 0 < chosen["mfu"] < 1 and chosen["step"]["total"] > 0
+    # A rank holds 1/64 of every weight (dense ones by FSDP over dp_shard, experts by ep), fp32.
+    with torch.device("meta"):
+        from marinlm.model import MarinForCausalLM
+
+        total = sum(p.numel() for p in MarinForCausalLM(train.model).parameters())
+    rank0 = chosen["ranks"][0]
+    assert rank0["local_parameters"] == pytest.approx(total / 64, rel=1e-3)
+    assert rank0["device"]["weights"] == rank0["device"]["gradients"] == 4 * rank0["local_parameters"]
+    assert rank0["host"]["optimizer_state"] >= rank0["device"]["weights"]  # MuonH 1 copy, Adam 2
+    # The verdict is the number behind it: the fullest rank's bytes against the GPU's.
+    fullest = max(sum(r["device"].values()) for r in chosen["ranks"])
+    assert chosen["fits"] == (fullest <= 186e9) and chosen["headroom_bytes"] == pytest.approx(186e9 - fullest, rel=1e-3)
     out = capsys.readouterr().out
-    assert "fits:" in out or "does not fit:" in out
+    verdict = "fits" if chosen["fits"] else "does not fit"
+    assert f"{verdict}: {fullest / 2**30:,.1f} " in out
     for name in ("plan.md", "plan.json", "plan.png"):
         assert (tmp_path / name).stat().st_size > 0
 

@@ -199,6 +199,52 @@ def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.T
     return y_XHQD.view(B, blocks, H, block, Dh).transpose(1, 2).reshape(B, H, blocks * block, Dh)[:, :, :T]
 
 
+class _CausalTail(torch.autograd.Function):
+    """`Attention.attend_causal_tail` on CPU from torch's flash kernel: the S - T keys every query
+    sees without a mask, the last T causally, and the two merged by their log-sum-exp; the backward
+    runs the flash backward on each part against the merged output and log-sum-exp. One masked
+    attention over all S keys instead falls to torch's path that builds the T x S bias (the flash
+    kernel takes a causal flag, not a shifted causal mask). Heads repeated for grouped KV heads."""
+
+    @staticmethod
+    def forward(ctx, q_BHTD, k_BHSD, v_BHSD):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        P = k_BHSD.shape[2] - q_BHTD.shape[2]
+        y_BHTD, lse_BHT = flash(q_BHTD, k_BHSD[:, :, P:].contiguous(), v_BHSD[:, :, P:].contiguous(), 0.0, True)[:2]
+        if P:
+            y0_BHTD, lse0_BHT = flash(q_BHTD, k_BHSD[:, :, :P].contiguous(), v_BHSD[:, :, :P].contiguous(), 0.0, False)[
+                :2
+            ]
+            lse = torch.logaddexp(lse0_BHT, lse_BHT)
+            y = y0_BHTD.float() * (lse0_BHT - lse).exp().unsqueeze(-1) + y_BHTD.float() * (
+                lse_BHT - lse
+            ).exp().unsqueeze(-1)
+            y_BHTD, lse_BHT = y.to(q_BHTD.dtype), lse
+        ctx.save_for_backward(q_BHTD, k_BHSD, v_BHSD, y_BHTD, lse_BHT)
+        return y_BHTD
+
+    @staticmethod
+    def backward(ctx, dy_BHTD):
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, y, lse = ctx.saved_tensors
+        P = k.shape[2] - q.shape[2]
+        dy = dy_BHTD.contiguous()
+        dq, dk, dv = backward(dy, q, k[:, :, P:].contiguous(), v[:, :, P:].contiguous(), y, lse, 0.0, True)
+        if P:
+            dq0, dk0, dv0 = backward(dy, q, k[:, :, :P].contiguous(), v[:, :, :P].contiguous(), y, lse, 0.0, False)
+            dq, dk, dv = dq + dq0, torch.cat([dk0, dk], 2), torch.cat([dv0, dv], 2)
+        return dq, dk, dv
+
+
+def causal_tail_attention(q_BHTD, k_BKSD, v_BKSD) -> torch.Tensor:
+    """`Attention.attend_causal_tail` through `_CausalTail` (CPU, no autocast inside)."""
+    H, K = q_BHTD.shape[1], k_BKSD.shape[1]
+    dtype = q_BHTD.dtype
+    k, v = (t.to(dtype).repeat_interleave(H // K, 1) if H != K else t.to(dtype) for t in (k_BKSD, v_BKSD))
+    with torch.autocast("cpu", enabled=False):
+        return _CausalTail.apply(q_BHTD.contiguous(), k, v)
+
+
 def fused_qk_transform(
     x_BTHD, *, normalize: bool, gain=None, cos_BTR=None, sin_BTR=None, mult=1.0, eps=1e-6, interleaved=False
 ):
@@ -229,6 +275,11 @@ class FusedAttention(Attention):
                     ("banded", self.window, block), lambda: banded_mask(ctx.doc_BT, ctx.pos_BT, self.window, block)
                 )
         return super().layer_mask(ctx)
+
+    def attend_causal_tail(self, q_BHTD, k_BKSD, v_BKSD) -> torch.Tensor:
+        if q_BHTD.device.type != "cpu":
+            return super().attend_causal_tail(q_BHTD, k_BKSD, v_BKSD)
+        return causal_tail_attention(q_BHTD, k_BKSD, v_BKSD)
 
     def attend(self, q_BHTD, k_BKSD, v_BKSD, ctx: ForwardContext, mask) -> torch.Tensor:
         memo = None

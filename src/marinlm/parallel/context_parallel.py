@@ -28,9 +28,9 @@ every rank reports the row's mean; FSDP2 averages gradients over dp_shard × cp.
 Gather, not ring: the keys and values are small beside the queries (grouped-query attention), so
 one exchange moves as many bytes as a ring's N − 1 steps, in one collective, and needs no
 online-softmax merge of partial results: each chunk differentiates through the attention's own
-backward. A ring overlaps its passing and runs a one-document row's blocks without a mask, which
-`bench/context_parallel.py` measures faster on a CPU (docs/distributed.md, "Context parallel",
-weighs the two, also at the hero's 262,144 tokens).
+backward, with one mask a chunk for documents and windows. `bench/context_parallel.py` times a
+ring with its own backward against it (docs/distributed.md, "Context parallel", weighs the two,
+also at the hero's 262,144 tokens).
 torch's `context_parallel` wraps SDPA alone; the hero's document masks, windows, XSA and SConv are
 outside what it knows, so this is our own.
 """
@@ -201,6 +201,11 @@ class ContextParallelAttention:
         doc_BS, pos_BS = ctx.seen_ids(plan)
         outs = []
         for j, (queries, keys) in enumerate(plan.spans):  # each chunk against the keys it reaches
+            T, S = queries.stop - queries.start, keys.stop - keys.start
+            if not ctx.packed and self.window is None and int(plan.own[queries.start]) - keys.start == S - T:
+                # One document, every key up to the chunk's end: no mask to build or apply.
+                outs.append(self.attend_causal_tail(q_BHTD[:, :, queries], k_BKSD[:, :, keys], v_BKSD[:, :, keys]))
+                continue
             allowed = ctx.memo(  # one mask a chunk for all the layers of a kind
                 ("cp_mask", self.window, j),
                 lambda q=queries, k=keys: (
