@@ -10,7 +10,7 @@ import torch
 
 from marinlm.utils.cpu_math import VML_FUNCTIONS
 
-# A fresh process: importing marinlm.model warms the kernels up; then the RoPE tables' first cos,
+# A fresh process: importing marinlm (here through marinlm.model) warms the kernels up; then the RoPE tables' first cos,
 # on both intra-op threads, against the second.
 FIRST_CALL = """
 import torch

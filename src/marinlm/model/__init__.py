@@ -16,11 +16,6 @@ from marinlm.model.generate import SamplingConfig, generate, stream_generate
 from marinlm.model.loss import IGNORE_INDEX
 from marinlm.model.router import RouterStats
 from marinlm.model.transformer import CausalLMOutput, MarinForCausalLM
-from marinlm.utils.cpu_math import warm_up_vml
-
-# Before any parallel call of torch's math kernels: otherwise the first one may run a low-accuracy
-# kernel on one thread (utils/cpu_math.py).
-warm_up_vml()
 
 __all__ = [
     "IGNORE_INDEX",
