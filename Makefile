@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "pip==26.3"
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench,ray,eval,finetune,ft]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,bench,ray,eval,finetune,ft,fp8]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,6 +20,8 @@ class LoopConfig:
     # fp32; bf16 (autocast, fp32 master weights); fp64 (weights and compute in float64: for parity
     # tests between layouts and kernels, where rounding must not flip routing)
     precision: str = "auto"
+    # FP8 GEMMs (torchao, dynamic per-tensor scaling) in the dense projections (kernels/fp8.py).
+    fp8: bool = False
     grad_clip: float | None = 1.0  # global-norm clipping; null = off (the hero run used none)
     seed: int = 0
     deterministic: bool = True  # torch.use_deterministic_algorithms: bitwise-exact resume on CPU

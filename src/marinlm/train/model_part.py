@@ -9,6 +9,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from marinlm.kernels import apply_kernels
+from marinlm.kernels.fp8 import apply_fp8
 from marinlm.model.summary import summarize
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.parallel import parallelize
@@ -25,6 +26,8 @@ def build_model(config, device: torch.device, precision: str, info, part, rows: 
     if precision == "fp64":
         model.to(torch.float64)
     apply_kernels(model, device, precision, compiled=config.parallel.compile)
+    if config.train.fp8:
+        apply_fp8(model, device, precision, config.parallel.tensor_parallel)
     init = config.train.init
     if init == "auto":
         init = "full" if summarize(config.model).total < 2e9 else "sharded"
