@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from marinlm.config import load_config
 from marinlm.kernels import apply_kernels
+from marinlm.kernels.fp8 import apply_fp8
 from marinlm.model import MarinConfig, MarinForCausalLM
 from marinlm.model.summary import summarize
 from marinlm.optim import MarinOptimizerConfig, build_optimizer
@@ -128,14 +129,10 @@ def marinlm_step(config: MarinConfig, mode: str, device: str, ids, segments):
     with torch.device("meta"):
         model = MarinForCausalLM(config)
     apply_kernels(model, device, "bf16", compiled=compiled)
+    if mode == "fp8":  # as train.fp8 does: the dense projections (routed experts stay bf16)
+        apply_fp8(model, torch.device(device), "bf16")
     model.to_empty(device=device)
     model.init_weights(seed=0)
-    if mode == "fp8":
-        from torchao.float8 import convert_to_float8_training
-
-        # The dense projections (attention, shared experts, router, LM head excluded); the routed
-        # experts' grouped GEMMs stay bf16.
-        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "lm_head" not in fqn and "router" not in fqn)
     if compiled:
         apply_compile(model, fullgraph=True, cuda_graphs=mode == "cudagraph")
     optimizer = build_optimizer(model, MarinOptimizerConfig(), device)
