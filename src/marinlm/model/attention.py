@@ -144,14 +144,9 @@ class Attention(nn.Module):
         )
 
     def attend_causal_tail(self, q_BHTD, k_BKSD, v_BKSD) -> torch.Tensor:
-        """Attention of T queries that are the last T of the S keys' positions, in one document:
-        every query sees the S - T keys before them and, causally, the T keys at their own
-        positions (a chunk of a row against the keys up to its end, as context parallel runs it)."""
-        T, S = q_BHTD.shape[2], k_BKSD.shape[2]
-        allowed_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device).tril(S - T)
-        return F.scaled_dot_product_attention(
-            q_BHTD, k_BKSD, v_BKSD, attn_mask=allowed_TS, enable_gqa=q_BHTD.shape[1] != k_BKSD.shape[1]
-        )
+        """`attend`, one document, the T queries at the S keys' last T positions (a context-parallel chunk)."""
+        allowed_TS = torch.ones(q_BHTD.shape[2], k_BKSD.shape[2], dtype=torch.bool, device=q_BHTD.device)
+        return Attention.attend(self, q_BHTD, k_BKSD, v_BKSD, None, allowed_TS.tril(k_BKSD.shape[2] - q_BHTD.shape[2]))
 
     def forward(self, a_BTD: torch.Tensor, ctx: ForwardContext, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = a_BTD.shape
