@@ -545,11 +545,12 @@ def test_the_reference_model_reads_in_one_sitting():
 def test_the_reference_model_compiles_in_fp32():
     """`moe.impl: auto` picks grouped_mm for fp32 in eager on a CPU, but torch.compile's grouped_mm
     takes bf16 only: compiled blocks of the reference model in fp32 failed at trace time (also LoRA
-    fine-tuning with `parallel.compile`). Compiled, they give eager's loss and gradients."""
+    fine-tuning with `parallel.compile`). Compiled, they give eager's loss and gradients. The
+    failure was in tracing, which AOTAutograd does as inductor does, without building kernels."""
     config = tiny_config(num_layers=2, kernels="reference")
     eager, compiled = build(config, seed=0), build(config, seed=0)
     for block in compiled.layers:
-        block.compile()
+        block.compile(backend="aot_eager")
     ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     losses = []
     for model in (eager, compiled):
