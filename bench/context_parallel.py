@@ -34,6 +34,19 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 1, 32
 DOCUMENT = 1000  # tokens a packed document
 
 
+def pass_on(block: torch.Tensor, rank: int, size: int):
+    """Send `block` to the next rank and receive the previous rank's: (the buffer, the requests)."""
+    incoming = torch.empty_like(block)
+    ops = [dist.P2POp(dist.isend, block, (rank + 1) % size), dist.P2POp(dist.irecv, incoming, (rank - 1) % size)]
+    return incoming, dist.batch_isend_irecv(ops)
+
+
+def wait(incoming: torch.Tensor, requests) -> torch.Tensor:
+    for request in requests:
+        request.wait()
+    return incoming
+
+
 def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=None, pos=None):
     """Causal attention of this rank's chunks over the whole row, with the K/V blocks passed round;
     with `doc` and `pos` (the row's document ids and positions), within documents only."""
@@ -44,15 +57,8 @@ def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=Non
     kv = torch.stack([k_BKTD, v_BKTD]).contiguous()
     for step in range(size):
         owner = (rank - step) % size
-        pending = []
         if step < size - 1:  # pass the block on while this one computes
-            incoming = torch.empty_like(kv)
-            pending = dist.batch_isend_irecv(
-                [
-                    dist.P2POp(dist.isend, kv, (rank + 1) % size),
-                    dist.P2POp(dist.irecv, incoming, (rank - 1) % size),
-                ]
-            )
+            incoming, pending = pass_on(kv, rank, size)
         for qi, a in enumerate(mine):
             for ki, b in enumerate(layout.chunks(owner)):
                 if b > a:
@@ -76,10 +82,8 @@ def ring_attention(q_BHTD, k_BKTD, v_BKTD, layout, rank: int, size: int, doc=Non
                 keep = torch.nan_to_num(torch.exp(lse[:, :, part] - new))  # -inf - -inf: nothing seen yet
                 out[:, :, part] = out[:, :, part] * keep + o * torch.nan_to_num(torch.exp(s - new))
                 lse[:, :, part] = new
-        for request in pending:
-            request.wait()
         if step < size - 1:
-            kv = incoming
+            kv = wait(incoming, pending)
     return out, lse[..., 0]
 
 
@@ -105,12 +109,8 @@ def ring_attention_backward(dout, q_BHTD, k_BKTD, v_BKTD, out, lse, layout, rank
     dkv = torch.zeros_like(kv)
     for step in range(size):
         owner = (rank - step) % size
-        pending = []
         if step < size - 1:  # the next block travels while this one computes
-            incoming = torch.empty_like(kv)
-            pending = dist.batch_isend_irecv(
-                [dist.P2POp(dist.isend, kv, (rank + 1) % size), dist.P2POp(dist.irecv, incoming, (rank - 1) % size)]
-            )
+            incoming, pending = pass_on(kv, rank, size)
         for qi, a in enumerate(mine):
             part = slice(qi * c, (qi + 1) * c)
             for ki, b in enumerate(layout.chunks(owner)):
@@ -135,17 +135,10 @@ def ring_attention_backward(dout, q_BHTD, k_BKTD, v_BKTD, out, lse, layout, rank
                 B, _, T, D = gk.shape
                 dkv[0][:, :, block] += gk.view(B, KV_HEADS, G, T, D).sum(2)
                 dkv[1][:, :, block] += gv.view(B, KV_HEADS, G, T, D).sum(2)
-        for request in pending:
-            request.wait()
-        # The block's gradient so far follows the block: to the next rank, or home after the last step.
-        arriving = torch.empty_like(dkv)
-        for request in dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, dkv, (rank + 1) % size), dist.P2POp(dist.irecv, arriving, (rank - 1) % size)]
-        ):
-            request.wait()
-        dkv = arriving
         if step < size - 1:
-            kv = incoming
+            kv = wait(incoming, pending)
+        # The block's gradient so far follows the block: to the next rank, or home after the last step.
+        dkv = wait(*pass_on(dkv, rank, size))
     return dq, dkv[0], dkv[1]
 
 

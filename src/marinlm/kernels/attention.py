@@ -199,6 +199,11 @@ def banded_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.T
     return y_XHQD.view(B, blocks, H, block, Dh).transpose(1, 2).reshape(B, H, blocks * block, Dh)[:, :, :T]
 
 
+def _split_keys(t_BHSD: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first P keys (or values) and the rest, each contiguous for torch's flash kernel."""
+    return t_BHSD[:, :, :P].contiguous(), t_BHSD[:, :, P:].contiguous()
+
+
 class _CausalTail(torch.autograd.Function):
     """`Attention.attend_causal_tail` on CPU from torch's flash kernel: the S - T keys every query
     sees without a mask, the last T causally, and the two merged by their log-sum-exp; the backward
@@ -210,15 +215,13 @@ class _CausalTail(torch.autograd.Function):
     def forward(ctx, q_BHTD, k_BHSD, v_BHSD):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         P = k_BHSD.shape[2] - q_BHTD.shape[2]
-        y_BHTD, lse_BHT = flash(q_BHTD, k_BHSD[:, :, P:].contiguous(), v_BHSD[:, :, P:].contiguous(), 0.0, True)[:2]
+        (k0, k1), (v0, v1) = _split_keys(k_BHSD, P), _split_keys(v_BHSD, P)
+        y_BHTD, lse_BHT = flash(q_BHTD, k1, v1, 0.0, True)[:2]
         if P:
-            y0_BHTD, lse0_BHT = flash(q_BHTD, k_BHSD[:, :, :P].contiguous(), v_BHSD[:, :, :P].contiguous(), 0.0, False)[
-                :2
-            ]
+            y0_BHTD, lse0_BHT = flash(q_BHTD, k0, v0, 0.0, False)[:2]
             lse = torch.logaddexp(lse0_BHT, lse_BHT)
-            y = y0_BHTD.float() * (lse0_BHT - lse).exp().unsqueeze(-1) + y_BHTD.float() * (
-                lse_BHT - lse
-            ).exp().unsqueeze(-1)
+            w0, w1 = (lse0_BHT - lse).exp().unsqueeze(-1), (lse_BHT - lse).exp().unsqueeze(-1)
+            y = y0_BHTD.float() * w0 + y_BHTD.float() * w1
             y_BHTD, lse_BHT = y.to(q_BHTD.dtype), lse
         ctx.save_for_backward(q_BHTD, k_BHSD, v_BHSD, y_BHTD, lse_BHT)
         return y_BHTD
@@ -228,10 +231,11 @@ class _CausalTail(torch.autograd.Function):
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         q, k, v, y, lse = ctx.saved_tensors
         P = k.shape[2] - q.shape[2]
+        (k0, k1), (v0, v1) = _split_keys(k, P), _split_keys(v, P)
         dy = dy_BHTD.contiguous()
-        dq, dk, dv = backward(dy, q, k[:, :, P:].contiguous(), v[:, :, P:].contiguous(), y, lse, 0.0, True)
+        dq, dk, dv = backward(dy, q, k1, v1, y, lse, 0.0, True)
         if P:
-            dq0, dk0, dv0 = backward(dy, q, k[:, :, :P].contiguous(), v[:, :, :P].contiguous(), y, lse, 0.0, False)
+            dq0, dk0, dv0 = backward(dy, q, k0, v0, y, lse, 0.0, False)
             dq, dk, dv = dq + dq0, torch.cat([dk0, dk], 2), torch.cat([dv0, dv], 2)
         return dq, dk, dv
 

@@ -13,7 +13,7 @@ One block mask is built per forward for the global layers and one for the local 
 
 FlexAttention is a template torch.compile fills in: it is fast only inside a compiled block. torch
 2.13 runs its forward on CPU under torch.compile and has no CPU backward, so `apply_kernels` takes
-it for compiled blocks on GPUs only; on CPU `tests/test_kernels.py` checks its forward against the
+it for compiled blocks on GPUs only; on CPU `tests/test_compile.py` checks its forward against the
 reference, and `bench/gpu_check.py` its gradients on a GPU. Decoding with a KV cache keeps SDPA.
 """
 

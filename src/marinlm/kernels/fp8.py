@@ -58,6 +58,5 @@ def apply_fp8(model: nn.Module, device: torch.device, precision: str, tensor_par
         from torchao.float8 import convert_to_float8_training
     except ImportError:
         raise ConfigError("train.fp8", "needs torchao: pip install 'marinlm[fp8]'") from None
-    names = [name for name, module in model.named_modules() if takes_fp8(module, name)]
     convert_to_float8_training(model, module_filter_fn=takes_fp8)
-    return len(names)
+    return sum(type(module).__name__ == "Float8Linear" for module in model.modules())

@@ -175,17 +175,11 @@ def plan_layout(
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
     traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     step = {"compute": compute}
+    accumulation = rows // micro_rows if dims.pp == 1 else microbatches  # forwards a step
     a2a_bytes = a2a_calls = 0.0
     if dims.ep > 1:
         a2a_bytes, a2a_calls = expert_exchanges(
-            model,
-            dims,
-            tokens_rank,
-            accumulation_of(rows, micro_rows, dims, microbatches),
-            act_bytes,
-            recompute,
-            moe_layers,
-            remote_share,
+            model, dims, tokens_rank, accumulation, act_bytes, recompute, moe_layers, remote_share
         )
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += a2a_bytes
@@ -199,7 +193,6 @@ def plan_layout(
     fsdp_bytes = sum(r.device.get("fsdp_gathered_block", 0.0) for r in ranks[:1]) / 2  # one block, fp32
     fsdp = dims.dp_shard * dims.cp  # FSDP2 shards over the cp ranks too
     shard_group = fsdp * dims.tp
-    accumulation = accumulation_of(rows, micro_rows, dims, microbatches)
     if fsdp > 1:
         # Gathered for every forward and (resharded after forward) every backward; gradients once.
         passes = accumulation * (2 if parallel.reshard_after_forward else 1) + 1
@@ -266,11 +259,6 @@ def plan_layout(
         host_fits=host_node <= hardware.host_memory_bytes,
         notes=notes,
     )
-
-
-def accumulation_of(rows: int, micro_rows: int, dims, microbatches: int) -> int:
-    """Forwards a rank runs a step: its micro-batches, or a pipeline's microbatches."""
-    return rows // micro_rows if dims.pp == 1 else microbatches
 
 
 def expert_exchanges(
