@@ -336,19 +336,17 @@ def test_each_rank_holds_its_share_of_the_weights_and_optimizer_state(layout, sh
 
     from marinlm.model import MarinForCausalLM
     from marinlm.parallel import parallelize
-    from marinlm.parallel.distributed import DistributedInfo
 
     rank = 1
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
     try:
         config = layout_model("fp64")
         layout_dims = dims(4, **layout)
-        info = DistributedInfo(rank, 4, rank, torch.device("cpu"))
-        info.use_layout(layout_dims.build_mesh("cpu"))
+        built = layout_dims.build_mesh("cpu")
         with torch.device("meta"):
             model = MarinForCausalLM(config)
         full = {name: list(p.shape) for name, p in model.named_parameters()}
-        parallelize(model, ParallelConfig(**layout), info)
+        parallelize(model, ParallelConfig(**layout), built)
         model.to_empty(device="cpu")
         shard_rank = (rank // tp) % shard  # the rank's place on the dp_shard axis (tp is the last axis)
         split = 0

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 
 from marinlm.config import load_config
 from marinlm.model import MarinConfig, MarinForCausalLM
-from marinlm.parallel import DistributedInfo
 from marinlm.parallel.fsdp import apply_fsdp
 
 from conftest import ROOT
@@ -20,7 +19,7 @@ from conftest import ROOT
 def single_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield DistributedInfo(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
 
@@ -38,7 +37,7 @@ def test_root_unit_stays_gathered_from_forward_to_backward(single_rank_group):
         model = MarinForCausalLM(config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    apply_fsdp(model, single_rank_group.mesh, reshard_after_forward=True)
+    apply_fsdp(model, single_rank_group, reshard_after_forward=True)
     ids = torch.randint(0, config.vocab_size, (2, 32))
     out = model(ids, labels=ids, return_logits=False)
     assert not isinstance(model.lm_head.weight, DTensor)

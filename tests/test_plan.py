@@ -39,18 +39,16 @@ def _real_shards(rank: int, store: str, results) -> None:
 
     from marinlm.model import MarinForCausalLM
     from marinlm.parallel import parallelize
-    from marinlm.parallel.distributed import DistributedInfo
     from marinlm.parallel.mesh import ParallelDims
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     try:
         for name, layout in LAYOUTS.items():
             parallel = ParallelConfig(**layout)
-            info = DistributedInfo(rank, 4, rank, torch.device("cpu"))
-            info.use_layout(ParallelDims.resolve(parallel, 4).build_mesh("cpu"))
+            dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
             with torch.device("meta"):
                 model = MarinForCausalLM(plan_model())
-            model = parallelize(model, parallel, info, rows=4, seq_len=64)
+            model = parallelize(model, parallel, dims, rows=4, seq_len=64)
             results[(name, rank)] = {
                 n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in model.named_parameters()
             }

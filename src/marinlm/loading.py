@@ -18,6 +18,7 @@ from marinlm.kernels import apply_kernels
 from marinlm.model import MarinForCausalLM, SamplingConfig, stream_generate
 from marinlm.parallel.distributed import init_distributed
 from marinlm.parallel.fsdp import apply_fsdp
+from marinlm.parallel.mesh import ParallelDims
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import CheckpointError, checkpoint_tokenizer, load_tensors, resolve_checkpoint
 from marinlm.train.config import TrainConfig
@@ -42,10 +43,13 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
+    dims = ParallelDims.data_parallel(info.world_size)  # every rank holds a shard of the model
+    if info.launched:
+        dims = dims.build_mesh(info.device.type)
     if is_finetune_config(folder / "config.yaml"):  # base weights + trained tensors, merged
         model, config = finetuned_model(folder, info.device, kernels=kernels)
-        if info.mesh is not None:
-            apply_fsdp(model, info.mesh)
+        if dims.launched:
+            apply_fsdp(model, dims.fsdp_mesh)
     else:
         config = load_config(TrainConfig, folder / "config.yaml")
         with torch.device("meta"):
@@ -53,8 +57,8 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
         # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
         if kernels:
             apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
-        if info.mesh is not None:
-            apply_fsdp(model, info.mesh)
+        if dims.launched:
+            apply_fsdp(model, dims.fsdp_mesh)
         model.to_empty(device=info.device)
         model.init_weights(seed=0)  # every tensor is overwritten by the load below
         state = {"model": get_model_state_dict(model)}

@@ -28,6 +28,7 @@ from marinlm.finetune.config import FinetuneConfig, check_processes
 from marinlm.finetune.data import SFTLoader, load_sft
 from marinlm.finetune.loading import base_fingerprint, load_base_weights, training_base
 from marinlm.model.loss import IGNORE_INDEX
+from marinlm.parallel.distributed import rank_and_world
 from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.tokenizer import MarinTokenizer
 from marinlm.train.checkpoint import checkpoint_tokenizer
@@ -187,15 +188,15 @@ class Finetuning(FromScratch):
         self.base_folder = base_folder
         self.base_sha256 = base_fingerprint(base_folder)
 
-    def prepare(self, model: torch.nn.Module, config: FinetuneConfig, info) -> torch.nn.Module:
+    def prepare(self, model: torch.nn.Module, config: FinetuneConfig, dims) -> torch.nn.Module:
         self.config = config
-        check_processes(config, info.world_size)
+        check_processes(config, dims.world)
         load_base_weights(model, self.base_folder)
         total = sum(p.numel() for p in model.parameters())  # the base's, before 4-bit packing halves numel()
         self.adapt_info = apply_method(model, config)
         freeze_router_biases(model)
         self.trainable_parameters = trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if info.is_main:
+        if rank_and_world()[0] == 0:
             print(
                 f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%), "
                 f"method {config.method}",

@@ -11,13 +11,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from marinlm.config import check
 from marinlm.parallel.distributed import DistributedInfo, init_distributed, shutdown_distributed
+from marinlm.parallel.mesh import ParallelDims
 from marinlm.parallel.offload import OFFLOADS
 
-__all__ = ["DistributedInfo", "ParallelConfig", "init_distributed", "parallelize", "shutdown_distributed"]
+__all__ = [
+    "DistributedInfo",
+    "ParallelConfig",
+    "ParallelDims",
+    "init_distributed",
+    "parallelize",
+    "shutdown_distributed",
+]
 
 
 @dataclass(kw_only=True)
@@ -102,32 +111,39 @@ class ParallelConfig:
 
 
 def parallelize(
-    model: nn.Module, config: ParallelConfig, info: DistributedInfo, *, rows: int = 0, seq_len: int = 0
+    model: nn.Module,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    *,
+    device: torch.device | None = None,
+    rows: int = 0,
+    seq_len: int = 0,
 ) -> nn.Module:
     """Cut a model on `meta` or initialised into pipeline stages (under pipeline parallel), then
     apply to each stage, in order: context parallel, tensor parallel, expert parallel, activation
     checkpointing, compile and (under torchrun) FSDP2 or HSDP.
 
-    Under torchrun `info.mesh` is the layout's mesh (`mesh.ParallelDims.build_mesh`) or a 1-D one.
+    `dims` is the layout, with its meshes built under torchrun (`mesh.ParallelDims.build_mesh`).
     With pipeline parallelism (`rows`: a step's rows on this data-parallel rank; `seq_len`: their
-    length) the model is cut into stages, each parallelized alike, and the `PipelinedModel` holding
-    this rank's stages is returned; otherwise `model`, changed in place.
+    length; `device`: where the stages run) the model is cut into stages, each parallelized alike,
+    and the `PipelinedModel` holding this rank's stages is returned; otherwise `model`, changed in place.
     """
     from marinlm.parallel.pipeline_parallel import ZERO_BUBBLE, build_pipeline
 
-    if info.dims is not None and info.dims.pp_enabled:
+    if dims.pp_enabled:
         stage_config = config
         if config.pipeline_schedule in ZERO_BUBBLE:
             # Zero-bubble schedules compute weight gradients in a pass of their own after the input
             # gradients; FSDP2 units resharded after forward then lose them (wrong weight gradients
             # for whole stages, which the layout tests catch), so the blocks keep their gathered weights.
             stage_config = dataclasses.replace(config, reshard_after_forward=False)
-        stage = lambda s: _parallelize(s, stage_config, info)  # noqa: E731 - the other techniques, stage by stage
-        return build_pipeline(model, config, info, rows=rows, seq_len=seq_len, parallelize_stage=stage)
-    return _parallelize(model, config, info)
+        stage = lambda s: _parallelize(s, stage_config, dims)  # noqa: E731 - the other techniques, stage by stage
+        where = device if device is not None else torch.device("cpu")
+        return build_pipeline(model, config, dims, where, rows=rows, seq_len=seq_len, parallelize_stage=stage)
+    return _parallelize(model, config, dims)
 
 
-def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo) -> nn.Module:
+def _parallelize(model: nn.Module, config: ParallelConfig, dims: ParallelDims) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
     from marinlm.parallel.compile import apply_compile
     from marinlm.parallel.context_parallel import apply_context_parallel
@@ -135,31 +151,28 @@ def _parallelize(model: nn.Module, config: ParallelConfig, info: DistributedInfo
     from marinlm.parallel.fsdp import apply_fsdp
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
 
-    tp = info.dims.tp if info.dims is not None else 1
-    if info.dims is not None and info.dims.cp_enabled:
+    if dims.cp_enabled:
         from marinlm.parallel.pipeline_parallel import StageModel
 
-        apply_context_parallel(model, info.mesh["cp"], stage=isinstance(model, StageModel))
-    if tp > 1:
-        apply_tensor_parallel(model, info.mesh["tp"], expert_parallel=info.expert_mesh is not None)
-    if info.expert_mesh is not None:
-        apply_expert_parallel(model, info.expert_mesh["ep"], tensor_parallel=tp)
-    if info.batch_world > 1:  # pooled capacity counts a forward's rows over all data ranks
-        apply_data_parallel_rows(model, info.batch_group, info.batch_rank, info.batch_world)
+        apply_context_parallel(model, dims.dense_mesh["cp"], stage=isinstance(model, StageModel))
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, dims.dense_mesh["tp"], expert_parallel=dims.ep_enabled)
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.expert_mesh["ep"], tensor_parallel=dims.tp)
+    if dims.batch_world > 1:  # pooled capacity counts a forward's rows over all data ranks
+        apply_data_parallel_rows(model, dims.batch_group, dims.batch_rank, dims.batch_world)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every_n)
     if config.compile:
         # Our own exchanges (expert, tensor and context parallel) may split a block's graph.
-        whole = tp == 1 and info.expert_mesh is None and not (info.dims is not None and info.dims.cp_enabled)
+        whole = not (dims.tp_enabled or dims.ep_enabled or dims.cp_enabled)
         apply_compile(model, fullgraph=whole, cuda_graphs=config.cuda_graphs)
-    if info.mesh is not None:  # launched by torchrun (any number of ranks)
-        layout = info.dims is not None  # the layout's named mesh, or (loading a model to evaluate) a 1-D one
-        mesh = info.fsdp_mesh if layout else info.mesh
+    if dims.launched:  # under torchrun (any number of ranks)
         experts = None
-        if info.expert_mesh is not None:  # experts shard over the data ranks left beside ep
-            experts = info.expert_mesh["dp_replicate", "efsdp"]
+        if dims.ep_enabled:  # experts shard over the data ranks left beside ep
+            experts = dims.expert_mesh["dp_replicate", "efsdp"]
         apply_fsdp(
             model,
-            mesh,
+            dims.fsdp_mesh,
             reshard_after_forward=config.reshard_after_forward,
             cpu_offload=config.offload == "all",
             experts=experts,

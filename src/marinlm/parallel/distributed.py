@@ -18,36 +18,18 @@ from marinlm.utils.device import resolve_device
 
 @dataclass
 class DistributedInfo:
+    """This process: its rank, the world, its device. The layout's meshes and groups belong to
+    `mesh.ParallelDims`, built from this once the layout is known."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: object = None  # 1-D DeviceMesh over all ranks when world_size > 1, then the layout's (`use_layout`)
-    # The data-parallel ranks, which hold different rows of a batch (tensor-parallel ranks share rows):
-    batch_rank: int = 0
-    batch_world: int = 1
-    batch_group: object = None  # their process group; None where they are all the ranks
-    router_group: object = None  # the ranks whose MoE layers route different tokens; None: as batch_group
-
-    def __post_init__(self):
-        self.batch_rank, self.batch_world = self.rank, self.world_size
+    launched: bool = False  # a process group exists (torchrun, even with one rank)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    expert_mesh: object = None  # the layout's expert mesh, with expert parallelism
-    fsdp_mesh: object = None  # where FSDP2 shards and replicates: [dp_replicate, dp_shard(_cp)]
-    dims: object = None  # the layout's ParallelDims, once adopted (`use_layout`); None before, and in one process
-
-    def use_layout(self, meshes) -> None:
-        """Adopt the layout's meshes (`mesh.ParallelDims.build_mesh`): batches split over its data-parallel ranks."""
-        self.mesh, self.expert_mesh, batch, self.dims = meshes.dense, meshes.experts, meshes.batch, meshes.dims
-        self.fsdp_mesh = meshes.fsdp
-        # The ranks whose MoE layers see different tokens (`Meshes.router`), where more than the data ranks.
-        self.router_group = meshes.router.get_group() if meshes.router is not None else None
-        self.batch_rank, self.batch_world = batch.get_local_rank(), batch.size()
-        self.batch_group = None if batch.size() == self.world_size else batch.get_group()
 
 
 def init_distributed(device: str = "auto") -> DistributedInfo:
@@ -67,10 +49,7 @@ def init_distributed(device: str = "auto") -> DistributedInfo:
         return DistributedInfo(0, 1, 0, dev)  # gets a process group, so its FSDP/NCCL paths run
     if not dist.is_initialized():
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
-    return DistributedInfo(rank, world, local_rank, dev, mesh)
+    return DistributedInfo(rank, world, local_rank, dev, launched=True)
 
 
 def shutdown_distributed() -> None:

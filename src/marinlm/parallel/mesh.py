@@ -18,7 +18,8 @@ The expert mesh `[pp, dp_replicate, efsdp, ep]` holds the routed experts: split 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from marinlm.config import ConfigError
 
@@ -28,12 +29,30 @@ EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The layout's degrees and, once built (`build_mesh`, under torchrun), every mesh and process
+    group of it: the one owner that parallelize, the step and the checkpointer are given. In one
+    process (no process group) nothing is built and every degree is 1."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int
     pp: int
     cp: int = 1
+    meshes: Meshes | None = field(default=None, compare=False, repr=False, kw_only=True)
+
+    @staticmethod
+    def one_process() -> ParallelDims:
+        return ParallelDims(1, 1, 1, 1, 1)
+
+    @staticmethod
+    def data_parallel(world: int) -> ParallelDims:
+        """Every rank one FSDP2 shard (loading a model to evaluate or generate under torchrun)."""
+        return ParallelDims(1, world, 1, 1, 1)
+
+    def degrees(self) -> dict[str, int]:
+        """The six degrees, as a checkpoint records them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "meshes"}
 
     @property
     def world(self) -> int:
@@ -46,6 +65,54 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def launched(self) -> bool:
+        """Meshes built: a process group exists (torchrun, even with one rank) and FSDP2 applies."""
+        return self.meshes is not None
+
+    @property
+    def dense_mesh(self):
+        """`[pp, dp_replicate, dp_shard, cp, tp]`; None in one process."""
+        return self.meshes.dense if self.meshes else None
+
+    @property
+    def fsdp_mesh(self):
+        return self.meshes.fsdp if self.meshes else None
+
+    @property
+    def expert_mesh(self):
+        """`[pp, dp_replicate, efsdp, ep]` under expert parallel; None otherwise."""
+        return self.meshes.experts if self.meshes else None
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (which hold different rows of a batch)."""
+        return self.meshes.batch.get_local_rank() if self.meshes else 0
+
+    @property
+    def batch_world(self) -> int:
+        return self.meshes.batch.size() if self.meshes else 1
+
+    @property
+    def batch_group(self):
+        """The data-parallel ranks' process group; None where they are all the ranks (or one process)."""
+        if self.meshes is None or self.meshes.batch.size() == self.world:
+            return None
+        return self.meshes.batch.get_group()
+
+    @property
+    def router_group(self):
+        """The ranks whose MoE layers route different tokens, where more than the data ranks; else None."""
+        return self.meshes.router.get_group() if self.meshes and self.meshes.router is not None else None
 
     @property
     def dp(self) -> int:
@@ -154,11 +221,13 @@ class ParallelDims:
         """The data ranks left in each expert-parallel group's FSDP axis: dp_shard x cp x tp / ep."""
         return self.dp_shard * self.cp * self.tp // self.ep
 
-    def build_mesh(self, device_type: str) -> Meshes:
-        """The layout's meshes, all cut from one flat mesh of the world (FSDP2 needs them to share
-        it to combine the experts' sharding with the rest)."""
+    def build_mesh(self, device_type: str) -> ParallelDims:
+        """These degrees with the layout's meshes, all cut once from one flat mesh of the world
+        (FSDP2 needs them to share it to combine the experts' sharding with the rest)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.meshes is not None:
+            raise RuntimeError(f"the meshes of {self.describe()} are built already: build them once")
         world = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
         dense = world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp), AXES)
         batch = dense["dp_replicate", "dp_shard"]._flatten("dp")
@@ -174,7 +243,7 @@ class ParallelDims:
         # and with expert parallel the tp ranks (each routes its own share of the sequence).
         routing = ["dp_replicate", "dp_shard"] + ["cp"] * (self.cp > 1) + ["tp"] * (self.ep > 1 and self.tp > 1)
         router = dense[tuple(routing)]._flatten("routing") if len(routing) > 2 else None
-        return Meshes(dense, batch, fsdp, experts, router, self)
+        return dataclasses.replace(self, meshes=Meshes(dense, batch, fsdp, experts, router))
 
 
 @dataclass(frozen=True)
@@ -189,7 +258,6 @@ class Meshes:
     fsdp: object
     experts: object = None
     router: object = None  # the ranks routing different tokens, when more than the data ranks
-    dims: ParallelDims | None = None  # the degrees they were cut for
 
 
 def _divisors(n: int) -> list[int]:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from marinlm.config import ConfigError
@@ -344,23 +345,25 @@ class PipelinedModel(nn.Module):
             stage.init_weights(seed)
 
 
-def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len: int, parallelize_stage):
+def build_pipeline(model: MarinForCausalLM, config, dims, device, *, rows: int, seq_len: int, parallelize_stage):
     """Cut `model` into this rank's stages, apply `parallelize_stage` (the other techniques) to each,
-    and wrap them with the schedule. `rows`: rows of a step on this data-parallel rank.
+    and wrap them with the schedule. `dims`: the layout (a built `ParallelDims`); `device`: where
+    the stages run; `rows`: rows of a step on this data-parallel rank.
 
     Returns the `PipelinedModel` the trainer trains.
     """
     from torch.distributed.pipelining import PipelineStage
 
-    pp_mesh = info.mesh["pp"]
+    mesh = dims.dense_mesh
+    pp_mesh = mesh["pp"]
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     layout = pipeline_layout(model.config, config, pp, rows, seq_len)
     ids = stage_ids(rank, pp, layout.schedule, layout.per_rank)
     last = pp * layout.per_rank - 1
     stages = [parallelize_stage(build_stage(model, layout.stages[s], s == 0, s == last)) for s in ids]
     group = pp_mesh.get_group()
-    pipeline_stages = [PipelineStage(st, s, last + 1, info.device, group=group) for st, s in zip(stages, ids)]
-    if info.is_main:
+    pipeline_stages = [PipelineStage(st, s, last + 1, device, group=group) for st, s in zip(stages, ids)]
+    if dist.get_rank() == 0:
         bubble = bubble_fraction(layout.schedule, pp, layout.microbatches, layout.per_rank)
         print(
             f"pipeline: {layout.schedule}, {pp} ranks x {layout.per_rank} stage(s), layers a stage "
@@ -371,8 +374,8 @@ def build_pipeline(model: MarinForCausalLM, config, info, *, rows: int, seq_len:
     holder = PipelinedModel(model.config, stages, pipeline_stages, None, layout, group)
     holder.stage_indices = ids
     # Under tensor and context parallel the stages pass T/(tp x cp) tokens of each row.
-    holder.sequence_split = info.mesh["tp"].size() * info.mesh["cp"].size()
-    holder.cp_mesh = info.mesh["cp"] if info.dims.cp_enabled else None
+    holder.sequence_split = dims.tp * dims.cp
+    holder.cp_mesh = mesh["cp"] if dims.cp_enabled else None
     holder.stage_owner = {s: r for r in range(pp) for s in stage_ids(r, pp, layout.schedule, layout.per_rank)}
     cls = schedule_class(layout.schedule)
     holder.schedule = cls(

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 from marinlm.model.config import MarinConfig
 from marinlm.model.transformer import MarinForCausalLM
 from marinlm.parallel import ParallelConfig, _parallelize
-from marinlm.parallel.distributed import DistributedInfo
 from marinlm.parallel.mesh import ParallelDims
 
 
@@ -48,8 +47,7 @@ def local_shards(
     dims = ParallelDims.resolve(parallel, world)
     dims.check_model(model_config, seq_len)
     with fake_world(world, rank):
-        info = DistributedInfo(rank, world, 0, torch.device("cpu"))
-        info.use_layout(dims.build_mesh("cpu"))
+        built = dims.build_mesh("cpu")
         with torch.device("meta"):
             model = MarinForCausalLM(model_config)
         parts = [model]
@@ -62,7 +60,7 @@ def local_shards(
             parts = [build_stage(model, layout.stages[s], s == 0, s == last) for s in ids]
         shards = {}
         for part in parts:
-            _parallelize(part, parallel, info)
+            _parallelize(part, parallel, built)
             for name, p in part.named_parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 shards[name] = {

@@ -271,7 +271,7 @@ class Checkpointing:
             "loader": t.loader.state_dict(),
             "tokenizer_hash": t.data.tokenizer_hash,
             "world_size": t.world,
-            "layout": dataclasses.asdict(t.dims),
+            "layout": t.dims.degrees(),
             "micro_batch": t.micro_batch,
             "forward_rows": self.forward_rows,
             "precision": t.precision,

@@ -15,10 +15,10 @@ from marinlm.model.transformer import MarinForCausalLM
 from marinlm.parallel import parallelize
 
 
-def build_model(config, device: torch.device, precision: str, info, part, rows: int) -> torch.nn.Module:
+def build_model(config, device: torch.device, precision: str, dims, part, rows: int) -> torch.nn.Module:
     """The run's model on `device`: built on meta, the kernels swapped in, `part` prepared and
-    parallelized (under pipeline parallel, this rank's stages: parallel/pipeline_parallel.py, cut
-    for `rows`, a data-parallel rank's rows a step).
+    parallelized on `dims`, the layout (under pipeline parallel, this rank's stages:
+    parallel/pipeline_parallel.py, cut for `rows`, a data-parallel rank's rows a step).
     `train.init: full` initialises the whole model on every rank alike (same seed: as one
     process), then shards it; `sharded` shards on meta and initialises each rank's shards."""
     with torch.device("meta"):
@@ -31,13 +31,13 @@ def build_model(config, device: torch.device, precision: str, info, part, rows: 
     init = config.train.init
     if init == "auto":
         init = "full" if summarize(config.model).total < 2e9 else "sharded"
-    layout = dict(rows=rows, seq_len=config.data.seq_len)
+    layout = dict(device=device, rows=rows, seq_len=config.data.seq_len)
     if init == "full":
         model.to_empty(device=device)
         model.init_weights(seed=config.train.seed)
-        model = part.prepare(model, config, info)
-        return parallelize(model, config.parallel, info, **layout)
-    model = parallelize(model, config.parallel, info, **layout)
+        model = part.prepare(model, config, dims)
+        return parallelize(model, config.parallel, dims, **layout)
+    model = parallelize(model, config.parallel, dims, **layout)
     model.to_empty(device=device)
     model.init_weights(seed=config.train.seed)
     return model
@@ -46,7 +46,7 @@ def build_model(config, device: torch.device, precision: str, info, part, rows: 
 class FromScratch:
     state_dict_options = StateDictOptions()  # a checkpoint holds everything
 
-    def prepare(self, model: torch.nn.Module, config, info) -> torch.nn.Module:
+    def prepare(self, model: torch.nn.Module, config, dims) -> torch.nn.Module:
         """The whole, initialised model before it is sharded."""
         return model
 

@@ -39,7 +39,7 @@ def join_replica_groups(trainer) -> ReplicaGroups:
             trainer.report.event(f"group {trainer.config.parallel.fault_tolerance.group} took a live peer's state")
 
     info = trainer.info
-    if info.mesh is None:
+    if not info.launched:
         raise ValueError(
             "parallel.fault_tolerance: a replica group runs under torchrun (even with one rank), whose store "
             "the groups' manager uses; launch each group with torchrun (docs/distributed.md)"

@@ -222,8 +222,10 @@ class StepWithinMemory:
     update (weights maybe half updated, and fewer rows would not help), the run stops. Replica
     groups do not retry: the other groups would not redo the step."""
 
-    def __init__(self, model, stepper, optimizer, config, how: dict):
-        self.model, self.stepper, self.optimizer, self.config, self.how = model, stepper, optimizer, config, how
+    def __init__(self, model, stepper, optimizer, config, dims, how: dict):
+        """`dims`: the layout (mesh.ParallelDims), whose data-parallel ranks reduce the step."""
+        self.model, self.stepper, self.optimizer, self.config = model, stepper, optimizer, config
+        self.how = how | dict(world_size=dims.batch_world, group=dims.batch_group, router_group=dims.router_group)
         self.pieces = 1
 
     def __call__(self, micro: list[dict], step: int, on_retry) -> StepResult:

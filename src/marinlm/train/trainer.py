@@ -98,14 +98,14 @@ class Trainer:
         c = self.config
         self.world = self.info.world_size
         # The layout first: a degree that does not fit the ranks or the model fails before anything is built.
-        self.dims = ParallelDims.resolve(c.parallel, self.world)
-        self.dims.check_model(c.model, c.data.seq_len)
-        self.dims.check_capacity(c.model)
-        if self.info.mesh is not None:
-            self.info.use_layout(self.dims.build_mesh(self.device.type))
+        dims = ParallelDims.resolve(c.parallel, self.world)
+        dims.check_model(c.model, c.data.seq_len)
+        dims.check_capacity(c.model)
+        # The layout owns every mesh and group, built once (one process builds none).
+        self.dims = dims.build_mesh(self.device.type) if self.info.launched else dims
         # Batches are split over the data-parallel ranks; tensor-parallel ranks read the same rows.
         # Replica groups each read their share, as data-parallel replicas would.
-        self.data_rank, self.data_world = self.info.batch_rank, self.info.batch_world
+        self.data_rank, self.data_world = self.dims.batch_rank, self.dims.batch_world
         groups, group = max(c.parallel.fault_tolerance.groups, 1), c.parallel.fault_tolerance.group
         micro = c.train.micro_batch or c.train.global_batch // (self.data_world * groups)
         if c.train.global_batch % (micro * self.data_world * groups):
@@ -122,7 +122,7 @@ class Trainer:
             where = torch.device("cpu") if c.parallel.offload == "all" else self.device  # offload: state on the host
             check_training_memory(self.model_summary.total, c.optim.type_name, self.world, where)
         rows = self.micro_batch * self.accum  # a data-parallel rank's rows a step (its group's share)
-        self.model = build_model(c, self.device, self.precision, self.info, self.model_part, rows)
+        self.model = build_model(c, self.device, self.precision, self.dims, self.model_part, rows)
         self.activations = ActivationMonitor(self.model, c.logging.activations_every, self.world)
         self.optimizer = build_optimizer(self.model, c.optim, self.device.type)
         # What steps: the optimizer, or it with its state kept in host memory between steps.
@@ -154,11 +154,8 @@ class Trainer:
         resumed_from = None if self.replicas and self.replicas.join() else self.checkpointing.resume(resume)
         if self.replicas and resumed_from:
             self.replicas.resumed(self.step)
-        how = dict(
-            device=self.device, precision=self.precision, grad_clip=c.train.grad_clip, world_size=self.data_world
-        )
-        how |= dict(group=self.info.batch_group, router_group=self.info.router_group, replicas=self.replicas)
-        self._run_step = StepWithinMemory(self.model, stepper, self.optimizer, c, how)  # train/step.py
+        how = dict(device=self.device, precision=self.precision, grad_clip=c.train.grad_clip, replicas=self.replicas)
+        self._run_step = StepWithinMemory(self.model, stepper, self.optimizer, c, self.dims, how)  # train/step.py
         if resumed_from and c.train.steps < self.step:  # before anything is written (config.yaml would say it)
             raise ConfigError(
                 "train.steps",
@@ -233,7 +230,7 @@ class Trainer:
 
     def validate(self, result: StepResult | None = None) -> dict[str, float] | None:
         """The data's held-out scores (also a hook); logged at the current step."""
-        where = dict(device=self.device, precision=self.precision, group=self.info.batch_group)
+        where = dict(device=self.device, precision=self.precision, group=self.dims.batch_group)
         metrics = self.data.validate(self.model, self.val_sources, self.data_rank, self.data_world, **where)
         if metrics is None:
             return None
