@@ -63,7 +63,6 @@ class Trainer:
         self.config = c = config
         self.state = RunState()  # where the run stands (train/run_state.py)
         self.report = Reporter(self)  # what the run says: its events, metrics and summary
-        self.checkpointing = Checkpointing(self)  # saves, resumes, rolls back
         self.data = TokenData() if data is None else data  # what it trains on (train/data_source.py)
         self.model_part = FromScratch() if model_part is None else model_part  # train/model_part.py
         try:
@@ -142,6 +141,22 @@ class Trainer:
             c.checkpoint.async_save,
             c.checkpoint.space_check,
             c.checkpoint.keep_every_steps,
+        )
+        self.checkpointing = Checkpointing(  # saves, resumes, rolls back (train/checkpointing.py)
+            self.checkpoints,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            loader=self.loader,
+            state=self.state,
+            config=c,
+            dims=self.dims,
+            info=self.info,
+            data=self.data,
+            model_part=self.model_part,
+            precision=self.precision,
+            micro_batch=self.micro_batch,
+            event=self.report.event,
         )
         self._bar = None  # fit()'s progress bar, while it runs
         self.flops_per_token = self.model_summary.flops_per_token
@@ -300,6 +315,8 @@ class Trainer:
                 self._step_time = time.perf_counter() - t0
                 self._last_result = result
                 if self.checkpointing.count_bad_step(result):  # rolled back to the last checkpoint
+                    if self.sinks is not None:
+                        self.sinks.rolled_back(self.step)  # drop the records of the steps it redoes
                     bar.n = self.step
                     continue
                 for every, fn in self.hooks:
