@@ -215,7 +215,7 @@ def part_packed(device: str, dry: bool) -> None:
         (f"{device} bf16", device, torch.bfloat16, False),
     ):
         model = copy.deepcopy(reference).to(where)
-        if kernels:  # model.kernels: auto, as training runs it
+        if kernels:  # kernels.modules: auto, as training runs it
             apply_kernels(model, where, "fp32")
         with torch.autocast(where, dtype=dtype, enabled=dtype != torch.float32):
             out = model(ids.to(where), segments.to(where), labels.to(where), return_logits=False)

@@ -2,8 +2,8 @@
 
 Peer: `F.linear` followed by `F.cross_entropy` (plus `torch.logsumexp` for the z-loss), which
 materialises the [tokens, vocab] fp32 logits, as HF transformers does. Ours are the fused kernel
-`marinlm.kernels.loss` (training with `model.kernels: auto` and `loss_chunk_tokens > 0`) and the
-reference model's checkpointed chunks (`marinlm.model.loss.NextTokenLoss`, `kernels: reference`).
+`marinlm.kernels.loss` (training with `kernels.modules: auto` and `kernels.loss_chunk_tokens > 0`) and the
+reference model's checkpointed chunks (`marinlm.model.loss.NextTokenLoss`, `kernels.modules: reference`).
 Each contender runs in a fresh process so its peak RSS is its own; the allocator is tuned in all
 (utils/perf.py).
 

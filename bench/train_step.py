@@ -4,8 +4,8 @@ Peer: `transformers.Qwen3MoeForCausalLM` with the dimensions of configs/model/qw
 loaded with the same weights (the two compute the same function; tests/test_hf_parity.py). HF is
 timed with each of its expert implementations; the ratio is taken against its fastest. The
 hero-shaped `small` preset is timed too, to show what the Marin extras cost. Ours is timed twice:
-as training runs it (`model.kernels: auto`, the fast paths of marinlm.kernels) and as the plain
-reference model (`kernels: reference`), so the price of the fast paths is visible. MFU is against the
+as training runs it (`kernels.modules: auto`, the fast paths of marinlm.kernels) and as the plain
+reference model (`kernels.modules: reference`), so the price of the fast paths is visible. MFU is against the
 fp32/bf16 matmul peak measured in this run: up front, and between the interleaved steps, whichever is higher.
 
 On a CPU without a bf16 GEMM (no AVX512 or AMX) torch's bf16 matmuls are reference loops (~1 GFLOP/s
@@ -210,7 +210,7 @@ def print_breakdown(steps: dict, best: dict[str, float], config: MarinConfig, pe
 
 
 def build_ours(config: MarinConfig, device: str = "cpu", kernels: bool = True) -> MarinForCausalLM:
-    """Ours as training builds it: `model.kernels: auto` (the fast paths of marinlm.kernels), or
+    """Ours as training builds it: `kernels.modules: auto` (the fast paths of marinlm.kernels), or
     the plain reference model with `kernels=False`."""
     with torch.device("meta"):
         model = MarinForCausalLM(config)
@@ -336,7 +336,7 @@ def main() -> None:
         ref_best = {k: min(t) for k, t in ref_times.items()}
         ref_rounds = sorted(h / o for h, o in zip(ref_times[hf_best], ref_times["marinlm reference"], strict=True))
         print(
-            f"  marinlm reference (model.kernels: reference), in rounds of its own: step "
+            f"  marinlm reference (kernels.modules: reference), in rounds of its own: step "
             f"{ref_best['marinlm reference'] * 1e3:.1f} ms; / {hf_best}: "
             f"{ref_best[hf_best] / ref_best['marinlm reference']:.2f}x best against best, within a round median "
             f"{statistics.median(ref_rounds):.2f}x; the kernels make ours "

@@ -34,12 +34,14 @@ def tiny_config(**overrides) -> MarinConfig:
     return config
 
 
-def build(config: MarinConfig, seed: int = 0, kernels: bool = False) -> MarinForCausalLM:
+def build(config: MarinConfig, seed: int = 0, kernels: bool = False, loss_chunk_tokens: int = 1024) -> MarinForCausalLM:
     """The reference model on CPU; with `kernels`, the fast paths swapped in (`apply_kernels`)."""
+    from marinlm.kernels.config import KernelConfig
+
     with torch.device("meta"):
         model = MarinForCausalLM(config)
-    if kernels:
-        apply_kernels(model, "cpu", "bf16")
+    chosen = KernelConfig(modules="auto" if kernels else "reference", loss_chunk_tokens=loss_chunk_tokens)
+    apply_kernels(model, "cpu", "bf16", chosen)
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model

@@ -61,7 +61,6 @@ def test_parse_overrides_shapes():
         (["--moe.router.type=nope"], "moe.router.type", "must be one of"),
         (["--sconv.sites=[q]"], "sconv.sites", "unknown site"),
         (["--attention.rope_fraction=0.3"], "attention.rope_fraction", "must be even"),
-        (["--moe.impl=cuda"], "moe.impl", "must be one of"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key, fragment):
@@ -69,6 +68,40 @@ def test_bad_values_name_the_key(overrides, key, fragment):
         load_config(MarinConfig, CONFIGS / "model" / "tiny.yaml", overrides)
     assert info.value.key == key
     assert fragment in str(info.value)
+
+
+def test_a_bad_kernel_choice_names_the_key():
+    from marinlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--kernels.experts=cuda"])
+    assert info.value.key == "kernels.experts" and "must be one of" in str(info.value)
+    with pytest.raises(ConfigError, match="is a kernel; with modules: reference"):
+        load_config(
+            TrainConfig, CONFIGS / "train" / "tiny.yaml", ["--kernels.modules=reference", "--kernels.experts=bmm"]
+        )
+
+
+def test_a_run_folder_written_before_kernels_left_the_model_still_loads(tmp_path):
+    """Run folders and checkpoints written before `kernels:` kept its keys under `model:`: they load
+    with the keys moved (a value under `kernels:` wins), and the model section no longer knows them."""
+    from marinlm.train.config import TrainConfig
+
+    data = to_dict(load_config(TrainConfig, CONFIGS / "train" / "tiny.yaml"))
+    del data["kernels"]
+    data["model"] |= {"kernels": "reference", "loss_chunk_tokens": 64}
+    data["model"]["moe"]["impl"] = "loop"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    config = load_config(TrainConfig, tmp_path / "config.yaml")
+    assert (config.kernels.modules, config.kernels.experts, config.kernels.loss_chunk_tokens) == (
+        "reference",
+        "loop",
+        64,
+    )
+    config = load_config(TrainConfig, tmp_path / "config.yaml", ["--kernels.loss_chunk_tokens=0"])
+    assert config.kernels.loss_chunk_tokens == 0
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(MarinConfig, CONFIGS / "model" / "tiny.yaml", ["--loss_chunk_tokens=64"])
 
 
 def test_bad_yaml_file_names_the_file(tmp_path):
@@ -286,7 +319,7 @@ def test_yaml_words_and_numbers_given_for_strings_are_read_as_written(tmp_path):
         ("--train.steps=1.5e3x", "expected an integer, got '1.5e3x'"),
         ("--train.steps=[1", "not a YAML value"),
         # The word as written, not False:
-        ("--model.moe.impl=no", "must be one of ['auto', 'grouped_mm', 'chunked', 'bmm', 'loop'], got 'no'"),
+        ("--kernels.experts=no", "must be one of ['auto', 'grouped_mm', 'chunked', 'bmm', 'loop'], got 'no'"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             load_config(TrainConfig, train, [override])

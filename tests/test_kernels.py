@@ -10,6 +10,7 @@ import torch
 
 from marinlm.kernels import KERNELS, apply_kernels
 from marinlm.kernels.bf16 import EmulatedBf16Linear
+from marinlm.kernels.config import KernelConfig
 from marinlm.model import MarinForCausalLM
 from marinlm.model.attention import Attention
 from marinlm.model.config import AttentionConfig
@@ -239,8 +240,8 @@ def test_apply_kernels_keeps_every_tensor_and_follows_the_switch():
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
     swapped = {type(m) for m in model.modules()}
     assert set(KERNELS.values()) <= swapped and not set(KERNELS) & swapped
-    reference = MarinForCausalLM(tiny_config(kernels="reference"))
-    apply_kernels(reference, "cpu", "bf16")
+    reference = MarinForCausalLM(tiny_config())
+    apply_kernels(reference, "cpu", "bf16", KernelConfig(modules="reference"))
     assert not set(KERNELS.values()) & {type(m) for m in reference.modules()}
 
 

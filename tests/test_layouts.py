@@ -190,7 +190,6 @@ def layout_model(precision: str, num_layers: int = 2, capacity: bool = True):
             "rope_pairs": "interleaved",  # the hero's
         },
         moe=moe if capacity else {"capacity_factor": None},
-        kernels="reference" if precision == "fp64" else "auto",
     )
 
 
@@ -220,6 +219,7 @@ def layout_run(
         token_data,
         folder / name,
         model=to_dict(layout_model(precision, num_layers, capacity)),
+        kernels={"modules": "reference" if precision == "fp64" else "auto"},
         optim=optim,
         parallel=parallel or {},
         train={"steps": steps, "global_batch": 8, "micro_batch": micro, "precision": precision, "init": "full"},

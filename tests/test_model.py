@@ -340,13 +340,13 @@ def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, kernel
     shorter), so that labels fall in every block."""
     if vocab_rows is not None:
         monkeypatch.setattr("marinlm.kernels.loss.vocab_block_rows", lambda vocab, tokens, device: vocab_rows)
-    config = tiny_config(tie_embeddings=tied, z_loss_weight=1e-2, loss_chunk_tokens=7)
+    config = tiny_config(tie_embeddings=tied, z_loss_weight=1e-2)
     ids = torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(-1, 1)
     labels[0, 5:9] = labels[2, -1] = -100
     results = []
     for return_logits in (True, False):
-        model = build(config, kernels=kernels)
+        model = build(config, kernels=kernels, loss_chunk_tokens=7)
         out = model(ids, labels=labels, return_logits=return_logits)
         assert (out.logits is None) != return_logits
         out.loss.backward()
@@ -360,7 +360,7 @@ def test_fused_chunked_loss_matches_materialised_logits(tied, vocab_rows, kernel
     for name, grad in ref_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():  # evaluation: chunked loss alone, no gradient work
-        plain = build(config, kernels=kernels)(ids, labels=labels, return_logits=False)
+        plain = build(config, kernels=kernels, loss_chunk_tokens=7)(ids, labels=labels, return_logits=False)
     torch.testing.assert_close(plain.lm_loss, ref.lm_loss, rtol=1e-5, atol=1e-6)
     # Each token's cross-entropy, for scoring: from the pass without a gradient and from the
     # materialised logits alike; 0 at ignored labels; the fused kernel's training pass never forms
@@ -446,11 +446,11 @@ def test_fused_loss_never_reads_uninitialised_buffers(bf16, chunk, monkeypatch):
 
 @KERNELS
 def test_fused_chunked_loss_under_bf16_autocast(kernels):
-    config = tiny_config(loss_chunk_tokens=5)
+    config = tiny_config()
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     losses = []
     for return_logits in (True, False):
-        model = build(config, kernels=kernels)
+        model = build(config, kernels=kernels, loss_chunk_tokens=5)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(ids, labels=ids, return_logits=return_logits)
         out.loss.backward()
@@ -543,11 +543,11 @@ def test_the_reference_model_reads_in_one_sitting():
 
 @pytest.mark.slow
 def test_the_reference_model_compiles_in_fp32():
-    """`moe.impl: auto` picks grouped_mm for fp32 in eager on a CPU, but torch.compile's grouped_mm
+    """`kernels.experts: auto` picks grouped_mm for fp32 in eager on a CPU, but torch.compile's grouped_mm
     takes bf16 only: compiled blocks of the reference model in fp32 failed at trace time (also LoRA
     fine-tuning with `parallel.compile`). Compiled, they give eager's loss and gradients. The
     failure was in tracing, which AOTAutograd does as inductor does, without building kernels."""
-    config = tiny_config(num_layers=2, kernels="reference")
+    config = tiny_config(num_layers=2)
     eager, compiled = build(config, seed=0), build(config, seed=0)
     for block in compiled.layers:
         block.compile(backend="aot_eager")

@@ -497,7 +497,7 @@ def test_validation_scores_through_the_fused_head_without_the_logits(chunk):
 
     from conftest import build, randomize_identity_inits, tiny_config
 
-    model = build(tiny_config(loss_chunk_tokens=chunk))
+    model = build(tiny_config(), loss_chunk_tokens=chunk)
     randomize_identity_inits(model)
     g = torch.Generator().manual_seed(0)
     batches = []
@@ -720,12 +720,13 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
     # drops (and losses) legitimately differ from one process; without it the two must agree.
     # The LM head and loss run fused and chunked, as in the hero preset, so the unsharded head
     # weight's gradient from model/loss.py goes through FSDP's reduce-scatter too.
-    model = {"moe": {"capacity_factor": None}, "loss_chunk_tokens": 64}
+    model, kernels = {"moe": {"capacity_factor": None}}, {"loss_chunk_tokens": 64}
     for name in ("single", "fsdp"):
         # fp64 (Newton-Schulz too): in fp32 an expert choice that flips on a near tie (step 6 here)
         # moves the loss by 3e-4, which says nothing about FSDP
         train = {"steps": 4, "precision": "fp64"}
-        config = train_config(token_data, tmp_path / name, train=train, model=model, optim={"ns_dtype": "float64"})
+        optim = {"ns_dtype": "float64"}
+        config = train_config(token_data, tmp_path / name, train=train, model=model, kernels=kernels, optim=optim)
         save_config(config, tmp_path / f"{name}.yaml")
     single = cli(tmp_path / "single.yaml")
     out, _ = single.communicate(timeout=300)
@@ -1412,7 +1413,7 @@ ALIKE = [("dense", "fp32", 50, 1e-5), ("moe", "fp64", 50, 1e-9), ("moe", "bf16",
 @pytest.mark.slow
 @pytest.mark.parametrize("ffn, precision, steps, rel", ALIKE, ids=[f"{c[0]}-{c[1]}" for c in ALIKE])
 def test_a_run_trains_alike_on_the_reference_model_and_the_kernels(token_data, tmp_path, ffn, precision, steps, rel):
-    """Runs under `model.kernels: auto` and `reference` from one seed give the same losses.
+    """Runs under `kernels.modules: auto` and `reference` from one seed give the same losses.
 
     The kernels round at other points (fused nodes round once; the experts scale hidden rows
     before the down projection), so the losses agree to summation order. With dense FFNs that
@@ -1425,12 +1426,13 @@ def test_a_run_trains_alike_on_the_reference_model_and_the_kernels(token_data, t
     moe = {"first_k_dense": 2, "dense_ffn_dim": 128} if ffn == "dense" else {}
     optim = {"type": "adamw", "lr": 3e-3} if precision == "fp64" else {}
     for kernels in ("auto", "reference"):
-        model = tiny_config(num_layers=2, max_seq_len=64, attention={"sliding_window": 16}, moe=moe, kernels=kernels)
+        model = tiny_config(num_layers=2, max_seq_len=64, attention={"sliding_window": 16}, moe=moe)
         run_training(
             train_config(
                 token_data,
                 tmp_path / kernels,
                 model=to_dict(model),
+                kernels={"modules": kernels},
                 optim=optim,
                 train={"steps": steps, "precision": precision},
                 checkpoint={"every_steps": 0},

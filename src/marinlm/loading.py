@@ -39,7 +39,7 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
     Under torchrun the model is sharded over all ranks with FSDP2 (built on meta, then each rank
     loads its shards through DCP): a model too big for one device can be evaluated. Every rank
     then takes part in each forward. `kernels=False` keeps the reference modules (the code an export
-    runs in transformers), whatever the run's `model.kernels`.
+    runs in transformers), whatever the run's `kernels.modules`.
     """
     info = init_distributed(device)
     folder = resolve_checkpoint(path, info.rank, info.world_size)
@@ -55,8 +55,8 @@ def load_model(path: str | Path, device: str = "cpu", kernels: bool = True) -> L
         with torch.device("meta"):
             model = MarinForCausalLM(config.model)
         # Evaluation and generation run fp32 on CPU and bf16 autocast on GPU (eval/runner.py).
-        if kernels:
-            apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16")
+        chosen = config.kernels if kernels else config.kernels.reference()
+        apply_kernels(model, info.device, "fp32" if info.device.type == "cpu" else "bf16", chosen)
         if dims.launched:
             apply_fsdp(model, dims.fsdp_mesh)
         model.to_empty(device=info.device)

@@ -11,7 +11,7 @@ from marinlm.commands import help_of
 
 def load_finetune_config(path: str | None, overrides: list[str]):
     """The FinetuneConfig of a YAML file and `--a.b=c` overrides; the model section is the base
-    run's (keys given under `model:` change it, e.g. model.kernels)."""
+    run's (keys given under `model:` change it, e.g. model.z_loss_weight)."""
     from marinlm.config import ConfigError, from_dict, load_config, merge, parse_overrides, read_yaml, to_dict
     from marinlm.config.files import file_sections, origin, resolve_file_refs
     from marinlm.finetune.config import FinetuneConfig

@@ -210,6 +210,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         if name not in base._variants:
             raise ConfigError(join_key(prefix, "type"), f"must be one of {sorted(base._variants)}, got {name!r}")
         cls = base._variants[name]
+    if hasattr(cls, "older_keys"):  # keys that files written by older versions kept elsewhere
+        data = cls.older_keys(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))

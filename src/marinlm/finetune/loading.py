@@ -188,8 +188,8 @@ def finetuned_model(folder: Path, device: torch.device | str = "cpu", kernels: b
     for p in model.parameters():
         p.requires_grad_(True)
     model = model.float()
-    if kernels:
-        apply_kernels(model, torch.device(device), "fp32" if torch.device(device).type == "cpu" else "bf16")
+    chosen = config.kernels if kernels else config.kernels.reference()
+    apply_kernels(model, torch.device(device), "fp32" if torch.device(device).type == "cpu" else "bf16", chosen)
     return model.to(device).eval(), config
 
 

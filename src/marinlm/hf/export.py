@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,12 +77,6 @@ class ExportReport:
     peak_tensor_bytes: int  # the largest shard: what the export held at most, besides one tensor group
 
 
-def remote_code_config(model: MarinConfig) -> MarinConfig:
-    """The exported model's config: the reference modules only (the kernels are marinlm's)."""
-    impl = model.moe.impl if model.moe.impl in ("auto", "grouped_mm", "loop") else "auto"
-    return replace(model, kernels="reference", moe=replace(model.moe, impl=impl))
-
-
 def choose_format(model: MarinConfig, wanted: str) -> str:
     if wanted not in FORMATS:
         raise ValueError(f"--format: must be one of {FORMATS}, got {wanted!r}")
@@ -115,7 +109,7 @@ def hf_config(model: MarinConfig, fmt: str, ids: dict, dtype: torch.dtype):
     else:
         from marinlm.hf.configuration_marin import MarinHFConfig
 
-        config = MarinHFConfig(marin=to_dict(remote_code_config(model)))
+        config = MarinHFConfig(marin=to_dict(model))
         config.architectures = ["MarinHFForCausalLM"]
         config.auto_map = {
             "AutoConfig": "configuration_marin.MarinHFConfig",

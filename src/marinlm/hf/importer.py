@@ -18,6 +18,7 @@ import torch
 from marinlm.config import from_dict, load_config
 from marinlm.dataset.loader import DataConfig
 from marinlm.hf import qwen3_moe
+from marinlm.kernels.config import move_model_keys
 from marinlm.model.config import MarinConfig, SoftmaxTopKRouterConfig
 from marinlm.presets import preset
 from marinlm.train.config import TrainConfig
@@ -174,8 +175,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, *, overwrite: bool = Fals
         raise ValueError(f"{run_dir}: already holds a run; pass --overwrite to replace it")
     state = read_safetensors(hf_dir)
     if hf.get("model_type") == "marin":
-        # the export pinned the reference modules for transformers; marinlm swaps its kernels in again
-        model = replace(from_dict(MarinConfig, hf["marin"]), kernels="auto")
+        # exports before kernels: left the model kept its keys (kernels/config.py); a run takes its own
+        model = from_dict(MarinConfig, move_model_keys({"model": hf["marin"]})["model"])
         ours = {k.removeprefix("model."): v for k, v in state.items()}
         if model.tie_embeddings:
             ours["lm_head.weight"] = ours["embed.weight"]

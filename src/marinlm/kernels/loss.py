@@ -62,7 +62,7 @@ ACCELERATOR_CHUNK_BYTES = 512 << 20
 
 
 def chunk_tokens(chunk: int, vocab: int, device: torch.device) -> int:
-    """Tokens per chunk: `model.loss_chunk_tokens` on CPU; on accelerators, more where a smaller
+    """Tokens per chunk: `kernels.loss_chunk_tokens` on CPU; on accelerators, more where a smaller
     vocabulary leaves room under ACCELERATOR_CHUNK_BYTES. A chunk costs ~70 torch ops forward and
     backward whatever its size, and a GPU running small chunks waits on their launches
     (bench/lm_loss.py; the numbers are in docs/performance.md)."""

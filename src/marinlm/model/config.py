@@ -140,7 +140,6 @@ class SoftmaxTopKRouterConfig(RouterConfig):
         check(self.aux_loss_weight >= 0, "aux_loss_weight", f"must be >= 0, got {self.aux_loss_weight}")
 
 
-ExpertImpl = Literal["auto", "grouped_mm", "chunked", "bmm", "loop"]
 CapacityRule = Literal["per_expert", "receiver_pooled"]
 
 
@@ -162,7 +161,6 @@ class MoEConfig:
     capacity_groups: int = 1
     capacity_domains: int = 1
     capacity_chunks: int = 1
-    impl: ExpertImpl = "auto"
     router: RouterConfig = field(default_factory=QBRouterConfig)
 
     def __post_init__(self):
@@ -227,14 +225,6 @@ class MarinConfig:
     embed_norm: bool = False  # Marin normalises the embedding output: GatedNorm(RMSNorm(embed))
     init_std: float = 0.02
     z_loss_weight: float = 0.0  # output-logit z-loss: weight * logsumexp(logits)^2 (Marin: 1e-4)
-    # > 0: training steps compute the LM head and loss in chunks of this many tokens, never
-    # holding the whole [tokens, vocab] logits (model/loss.py); 0 = materialise them. An
-    # implementation knob, not an architecture one. On GPUs the fused kernel takes more tokens a
-    # chunk where their fp32 logits fit in 512 MiB (kernels/loss.py `chunk_tokens`).
-    loss_chunk_tokens: int = 1024
-    # auto: the fast paths of marinlm.kernels, swapped in before parallelize; reference: the plain
-    # modules of marinlm.model everywhere. An implementation knob: both compute the same maths.
-    kernels: str = "auto"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     sconv: SConvConfig = field(default_factory=SConvConfig)
@@ -250,13 +240,6 @@ class MarinConfig:
         )
         check(self.init_std > 0, "init_std", f"must be positive, got {self.init_std}")
         check(self.z_loss_weight >= 0, "z_loss_weight", f"must be >= 0, got {self.z_loss_weight}")
-        check(self.loss_chunk_tokens >= 0, "loss_chunk_tokens", f"must be >= 0 (0 = off), got {self.loss_chunk_tokens}")
-        check(self.kernels in ("auto", "reference"), "kernels", f"must be auto or reference, got {self.kernels!r}")
-        check(
-            self.kernels == "auto" or self.moe.impl in ("auto", "grouped_mm", "loop"),
-            "moe.impl",
-            f"{self.moe.impl!r} is a kernel; with kernels: reference use auto, grouped_mm or loop",
-        )
         latent = self.moe.latent_dim
         check(
             latent is None or 0 < latent <= self.d_model,

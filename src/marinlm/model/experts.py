@@ -150,12 +150,13 @@ class RoutedExperts(nn.Module):
         dims = tuple(self.down_proj.shape[1:])
         if self.impl not in REFERENCE_IMPLS:
             raise ValueError(
-                f"moe.impl {self.impl!r} is a kernel (marinlm.kernels); the reference model runs "
-                f"{', '.join(REFERENCE_IMPLS)}; set model.kernels: auto to use it"
+                f"kernels.experts {self.impl!r} is a kernel (marinlm.kernels); the reference model runs "
+                f"{', '.join(REFERENCE_IMPLS)}; set kernels.modules: auto to use it"
             )
         if self.impl == "grouped_mm" and not grouped_mm_aligned(dims, dtype):
             raise ValueError(
-                f"moe.impl grouped_mm needs widths {dims} to be multiples of 16 bytes in {dtype}; use auto or loop"
+                f"kernels.experts grouped_mm needs widths {dims} to be multiples of 16 bytes in {dtype}; "
+                "use auto or loop"
             )
         if self.impl == "auto":  # grouped_mm has no float64 kernel, and compiles for bf16 only
             compiles = dtype == torch.bfloat16 or not torch.compiler.is_compiling()

@@ -58,7 +58,7 @@ class NextTokenLoss(nn.Module):
     embedding's, when tied).
     """
 
-    def __init__(self, z_weight: float, chunk_tokens: int):
+    def __init__(self, z_weight: float, chunk_tokens: int = 1024):
         super().__init__()
         self.z_weight, self.chunk_tokens = z_weight, chunk_tokens
 

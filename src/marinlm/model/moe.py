@@ -29,7 +29,7 @@ class MoE(nn.Module):
             self.latent_up = nn.Linear(width, d_model, bias=False)
         else:
             self.latent_down = self.latent_norm = self.latent_up = None
-        self.experts = RoutedExperts(config.num_experts, width, config.expert_dim, init_std, config.impl)
+        self.experts = RoutedExperts(config.num_experts, width, config.expert_dim, init_std)
         self.shared = nn.ModuleList(
             SwiGLU(d_model, config.shared_expert_dim, init_std) for _ in range(config.num_shared_experts)
         )

@@ -125,7 +125,7 @@ class MarinForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.final_norm = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.loss = NextTokenLoss(config.z_loss_weight, config.loss_chunk_tokens)
+        self.loss = NextTokenLoss(config.z_loss_weight)  # chunks: a run's kernels.loss_chunk_tokens
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -178,7 +178,7 @@ class MarinForCausalLM(nn.Module):
             labels: [B, T] next-token targets aligned with `input_ids` (labels[t] is the token
                 after position t), IGNORE_INDEX (-100) where no loss is taken.
             return_logits: set False to skip keeping the [B, T, V] logits. With labels, grad
-                enabled and `config.loss_chunk_tokens > 0`, the LM head and loss then run in
+                enabled and `self.loss.chunk_tokens > 0`, the LM head and loss then run in
                 chunks, and the logits never exist as a whole (model/loss.py).
             logits_to_keep: without labels, compute the logits of the last N positions only
                 (0 = all), as HF's `logits_to_keep`: a prefill that samples or scores the next
@@ -199,7 +199,7 @@ class MarinForCausalLM(nn.Module):
                     aux_losses.append(routing.aux_loss)
         h_BTD = self.final_norm(x_BTD)
         out = CausalLMOutput(logits=None, router_stats=stats)
-        if labels is not None and not return_logits and self.config.loss_chunk_tokens > 0:
+        if labels is not None and not return_logits and self.loss.chunk_tokens > 0:
             out.lm_loss, out.ce_loss, out.z_loss, count, token_ce = self.loss(
                 h_BTD.reshape(B * T, -1), self.lm_head.weight, labels.reshape(-1)
             )

@@ -16,10 +16,12 @@ width: exact for the structure, linear in the widths.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from marinlm.kernels.config import KernelConfig
 from marinlm.model.config import MarinConfig
 
 
@@ -65,7 +67,6 @@ def proxy(config: MarinConfig) -> tuple[MarinConfig, int]:
     m.first_k_dense = 1 if config.moe.first_k_dense else 0
     if hasattr(m.router, "hist_bins"):
         m.router.hist_bins = 100
-    c.loss_chunk_tokens = 64 if config.loss_chunk_tokens else 0
     return c, 104
 
 
@@ -89,10 +90,13 @@ def _classify(per_token: float, table: dict[str, float]) -> str | None:
     return None
 
 
-def inventory(config: MarinConfig, precision: str, kernels_device: str = "cpu") -> Inventory:
+def inventory(
+    config: MarinConfig, precision: str, kernels: KernelConfig | None = None, kernels_device: str = "cpu"
+) -> Inventory:
     """Run one training forward of the proxy of `config` in `precision` (fp32 or bf16 autocast) and
-    file its saved tensors. `kernels_device`: whose kernels the estimate stands for ("cpu" swaps in
-    the CPU kernels the config asks for; "cuda" keeps the reference modules, as CUDA's are)."""
+    file its saved tensors. `kernels`: the run's (default: auto), its loss chunks scaled to the
+    proxy; `kernels_device`: whose kernels the estimate stands for ("cpu" swaps in the CPU kernels
+    `kernels` asks for; "cuda" keeps the reference modules, as CUDA's are)."""
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
 
@@ -100,8 +104,9 @@ def inventory(config: MarinConfig, precision: str, kernels_device: str = "cpu") 
     B = 2
     with torch.device("meta"):
         model = MarinForCausalLM(proxy_config)
-    if kernels_device == "cpu":
-        apply_kernels(model, "cpu", precision)
+    kernels = kernels or KernelConfig()
+    kernels = dataclasses.replace(kernels, loss_chunk_tokens=64 if kernels.loss_chunk_tokens else 0)
+    apply_kernels(model, "cpu", precision, kernels if kernels_device == "cpu" else kernels.reference())
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     table = widths(proxy_config, T)

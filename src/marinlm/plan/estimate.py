@@ -131,7 +131,7 @@ def plan_layout(
     micro_rows = train.train.micro_batch or rows
     precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
     act_bytes = 2 if precision == "bf16" else FP32
-    inv = inv or inventory(model, precision, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
+    inv = inv or inventory(model, precision, train.kernels, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
     per_layer_flops = layer_flops(model, seq)
     head_flops = 6.0 * model.d_model * model.vocab_size
     summary = summarize(model, seq)

@@ -107,7 +107,7 @@ def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3)
     from marinlm.plan.estimate import plan_layout as plan
 
     precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
-    inv = inventory(train.model, precision, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
+    inv = inventory(train.model, precision, train.kernels, kernels_device="cuda" if hardware.name != "cpu" else "cpu")
     quick = []
     layouts = list(candidates(train.model, gpus, hardware))
     for layout in progress_bar(iterable=layouts, desc="plan: search", unit="layout"):

@@ -117,7 +117,7 @@ def calibrate_step_seconds(train_config) -> tuple[float, float]:
 
     device = resolve_device(train_config.train.device)
     precision = resolve_precision(train_config.train.precision, device)
-    model = apply_kernels(MarinForCausalLM(train_config.model), device, precision).to(device)
+    model = apply_kernels(MarinForCausalLM(train_config.model), device, precision, train_config.kernels).to(device)
     model.init_weights(seed=0)
     optimizer = build_optimizer(model, train_config.optim, device.type)
     shape = (train_config.train.global_batch, train_config.data.seq_len)

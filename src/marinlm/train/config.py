@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from marinlm.config import check
 from marinlm.dataset.loader import DataConfig
+from marinlm.kernels.config import KernelConfig, move_model_keys
 from marinlm.model.config import MarinConfig
 from marinlm.optim import MarinOptimizerConfig, OptimizerConfig, ScheduleConfig
 from marinlm.parallel import ParallelConfig
@@ -171,6 +172,12 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     eval: EvalHookConfig = field(default_factory=EvalHookConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # how the model is computed
+
+    @staticmethod
+    def older_keys(data: dict) -> dict:
+        """Configs written before `kernels:` kept its keys under `model:` (kernels/config.py)."""
+        return move_model_keys(data)
 
     def __post_init__(self):
         check(bool(self.run_dir.strip()), "run_dir", "must name a folder")

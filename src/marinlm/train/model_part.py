@@ -25,7 +25,7 @@ def build_model(config, device: torch.device, precision: str, dims, part, rows: 
         model = MarinForCausalLM(config.model)
     if precision == "fp64":
         model.to(torch.float64)
-    apply_kernels(model, device, precision, compiled=config.parallel.compile)
+    apply_kernels(model, device, precision, config.kernels, compiled=config.parallel.compile)
     if config.train.fp8:
         apply_fp8(model, device, precision, config.parallel.tensor_parallel)
     init = config.train.init
