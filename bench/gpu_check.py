@@ -426,6 +426,7 @@ def part_plan(device: str, dry: bool) -> None:
     memory a bf16-autocast forward leaves allocated (what autograd saved) at 8 x 4,096 tokens."""
     from marinlm.config import load_config
     from marinlm.kernels import apply_kernels
+    from marinlm.kernels.config import KernelConfig
     from marinlm.model import MarinConfig, MarinForCausalLM
     from marinlm.plan.activations import activation_bytes, inventory
 
@@ -437,10 +438,9 @@ def part_plan(device: str, dry: bool) -> None:
         model = MarinForCausalLM(config)
     weights = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
     for kernels in ("reference", "auto"):
-        config.kernels = kernels
         with torch.device("meta"):
             model = MarinForCausalLM(config)
-        apply_kernels(model, device, "bf16")
+        apply_kernels(model, device, "bf16", KernelConfig(modules=kernels))
         model.to_empty(device=device)
         model.init_weights(seed=0)
         ids = torch.randint(0, config.vocab_size, (rows, seq), device=device)

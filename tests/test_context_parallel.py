@@ -12,6 +12,7 @@ from torch import nn
 
 from marinlm.config import ConfigError
 from marinlm.kernels.attention import FusedAttention
+from marinlm.kernels.config import KernelConfig
 from marinlm.kernels.layers import FusedSConv
 from marinlm.model.attention import Attention
 from marinlm.model.context import attention_mask, sconv_keep_masks
@@ -221,7 +222,7 @@ def _memory_config():
     from conftest import ROOT
 
     config = load_config(MarinConfig, str(ROOT / "configs" / "model" / "tiny.yaml"), [])
-    config.kernels, config.moe.capacity_factor, config.max_seq_len = "reference", None, MEMORY_SEQ
+    config.moe.capacity_factor, config.max_seq_len = None, MEMORY_SEQ
     return config
 
 
@@ -261,7 +262,7 @@ def test_a_cp_rank_holds_a_1_over_n_share_of_the_activations_and_the_plan_predic
     one = _activation_peak(config, 1)
     with torch.device("meta"):
         weights = sum(p.numel() for p in MarinForCausalLM(config).parameters() if p.ndim >= 2)
-    inv = inventory(config, "fp32")
+    inv = inventory(config, "fp32", KernelConfig(modules="reference"))
     for size in (2, 4):
         plan = activation_bytes(inv, config, MEMORY_SEQ // size, MEMORY_SEQ, weights=weights, cp=size)
         busiest = max(collected[("peak", size, r)] for r in range(size))

@@ -11,10 +11,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from marinlm.config import ConfigError, load_config
+from marinlm.kernels.config import KernelConfig
 from marinlm.parallel import ParallelConfig
 
 from conftest import ROOT, tiny_config
 
+REFERENCE = KernelConfig(modules="reference")  # the modules CUDA runs
 LAYOUTS = {
     "tp-2xfsdp-2": {"tensor_parallel": 2},
     "ep-2xfsdp-2": {"expert_parallel": 2},
@@ -100,12 +102,14 @@ def test_the_activation_estimate_is_within_15_percent_of_memtracker(preset, prec
     from marinlm.plan.activations import activation_bytes, inventory
 
     config = load_config(MarinConfig, str(ROOT / "configs" / "model" / f"{preset}.yaml"), [])
-    config.kernels, config.moe.capacity_factor = "reference", None
+    config.moe.capacity_factor = None
     rows, seq_len = 2, 128
     with torch.device("meta"):
         weights = sum(p.numel() for p in MarinForCausalLM(config).parameters() if p.ndim >= 2)
     estimate = sum(
-        activation_bytes(inventory(config, precision), config, rows * seq_len, seq_len, weights=weights).values()
+        activation_bytes(
+            inventory(config, precision, REFERENCE), config, rows * seq_len, seq_len, weights=weights
+        ).values()
     )
     measured = _measured_activations(config, rows, seq_len, precision)
     assert estimate == pytest.approx(measured, rel=0.15)
