@@ -20,6 +20,9 @@ all on an H100/H200:
 - mfu: bench/mfu.py, the MFU table: the ~1B hero-shaped and Qwen3-shaped models eager, compiled,
   compiled + CUDA graphs and FP8, and torchtitan's Qwen3 MoE on the same GPU (torchtitan installed).
 - plan: `marinlm plan`'s activation estimate against a real bf16 forward of a ~1B hero-shaped model.
+- ops: the op table for this GPU (plan/op_table.py, written to DIR/op_table.yaml), and the plan's
+  step time and memory of a ~1B hero-shaped single-GPU bf16 step priced from it, against that step
+  run eagerly here (seconds, allocator peak).
 - offload: optimizer-only offload's device-memory saving in MuonH steps, and its losses.
 - finetune: LoRA SFT on the GPU (grouped expert adapters on its grouped GEMM; QLoRA too where
   bitsandbytes is installed), then the peft adapter over the exported base against the merged model.
@@ -466,6 +469,45 @@ def part_plan(device: str, dry: bool) -> None:
             torch.cuda.empty_cache()
 
 
+def part_ops(device: str, dry: bool) -> None:
+    """The op table of this GPU, and the plan's single-GPU step priced from it against a real one."""
+    import dataclasses
+
+    import yaml
+
+    from marinlm.config import load_config
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.plan.op_table import MeasuredTable
+    from marinlm.train.config import TrainConfig
+    from mfu import marinlm_step, model_config, time_steps
+
+    rows, seq = (2, 128) if dry else (4, 4096)
+    model = dataclasses.replace(model_config("hero", dry), max_seq_len=seq)
+    model.moe.capacity_factor = None
+    train = load_config(TrainConfig, ROOT / "configs" / "train" / "tiny.yaml", ["--train.precision=bf16"])
+    train = dataclasses.replace(train, model=model)
+    train.data.seq_len, train.train.global_batch = seq, rows
+    hardware = load_hardware("cpu" if dry else ("h200" if "H200" in torch.cuda.get_device_name() else "h100-sxm"))
+    table = MeasuredTable(model, "bf16", train.kernels, device=device)
+    parallel = dataclasses.replace(train.parallel, data_parallel_shard=1)
+    plan = plan_layout(train, parallel, 1, hardware, Efficiency(), table=table)
+    out = Path(os.environ.get("OUT", "gpu_check_logs"))
+    out.mkdir(parents=True, exist_ok=True)
+    entries = [{"op": list(map(str, k)) if isinstance(k, tuple) else k, "seconds": v} for k, v in table._cache.items()]
+    (out / "op_table.yaml").write_text(yaml.safe_dump({"device": table.name, "entries": entries}))
+    ids = torch.randint(0, model.vocab_size, (rows, seq), device=device)
+    step = marinlm_step(model, "eager", device, ids, None)
+    seconds, peak = time_steps(step, device, warmup=2, steps=3 if dry else 10)
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
+    planned, memory = plan.step["total"], plan.ranks[0].device_total / 2**30
+    summary(
+        f"plan of a hero-shaped {rows}x{seq} bf16 single-{device} step from the op table ({len(entries)} ops): "
+        f"{planned * 1e3:.0f} ms against {seconds * 1e3:.0f} ms run ({planned / seconds:.3f}); memory planned "
+        f"{memory:.2f} GiB against allocator peak {peak:.2f} GiB allocated, {reserved:.2f} reserved"
+    )
+
+
 def part_offload(device: str, dry: bool) -> None:
     """parallel.offload: optimizer: the device memory it saves in MuonH steps of a ~1B hero-shaped
     model, and the same losses as without it."""
@@ -605,6 +647,7 @@ PARTS = {
     "mfu": part_mfu,
     "torchrun": part_torchrun,
     "plan": part_plan,
+    "ops": part_ops,
     "offload": part_offload,
     "finetune": part_finetune,
 }

@@ -50,7 +50,7 @@ def main() -> None:
     a = p.parse_args()
     dev = a.device
     tune_cpu_allocator()  # as the trainer does
-    batched, ours = marin._batch_elements, marin.newton_schulz
+    batched, ours = marin.ns_batch_elements, marin.newton_schulz
     presets = [("tiny", "tiny.yaml", []), ("small", "small.yaml", [])]
     if dev == "cuda":
         presets.append(("hero-shaped 1.1B", "small.yaml", HERO_SHAPED_1B))
@@ -67,14 +67,14 @@ def main() -> None:
         times: dict[str, list[float]] = {"batched": [], "one at a time": [], "reference": []}
         for _ in range(a.rounds + 1):  # the first round is a warm-up
             for name in times:
-                marin._batch_elements = batched if name == "batched" else (lambda device: 0)
+                marin.ns_batch_elements = batched if name == "batched" else (lambda device: 0)
                 marin.newton_schulz = reference_newton_schulz if name == "reference" else ours
                 sync(dev)
                 start = time.perf_counter()
                 opt.step()
                 sync(dev)
                 times[name].append(time.perf_counter() - start)
-        marin._batch_elements, marin.newton_schulz = batched, ours
+        marin.ns_batch_elements, marin.newton_schulz = batched, ours
         med = {k: sorted(v[1:])[len(v[1:]) // 2] * 1e3 for k, v in times.items()}
         print(
             f"{label}: optimizer step (MuonH + AdamH + Adam), median of {a.rounds}: batched "

@@ -170,7 +170,7 @@ def test_muonh_windows_and_batches_do_not_change_the_step(monkeypatch):
         opt = build_optimizer(model, MarinOptimizerConfig(lr=0.05, adam_lr=0.01, ns_dtype="float32"))
         if i == 1:
             monkeypatch.setattr(marin.MarinOptimizer, "WINDOW_ELEMENTS", 5000)
-            monkeypatch.setattr(marin, "_batch_elements", lambda device: 0)
+            monkeypatch.setattr(marin, "ns_batch_elements", lambda device: 0)
         for _ in range(2):
             model(ids, labels=ids).loss.backward()
             opt.step()

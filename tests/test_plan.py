@@ -210,6 +210,41 @@ def test_the_planned_expert_all_to_alls_are_those_a_real_run_makes(token_data, t
         assert r["ep/a2a_bytes"] == pytest.approx(2 * balanced.all_to_all_bytes, rel=0.1)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_proxy_counts_the_operations_and_bytes_a_full_size_step_runs(precision):
+    """The step-time model's memory-bound work (plan/ops.py), traced on a small proxy and scaled by
+    width, against the same trace of `tiny` itself at 2 x 256 tokens: per layer kind and pass the
+    operations agree within 10% and their bytes within 20%; the trainer's own work (norms and
+    clipping per weight tensor, router statistics per MoE layer) within 20%. Dropping a layer's
+    operations, as a broken estimate would, misses by far more."""
+    from marinlm.plan.activations import widths
+    from marinlm.plan.ops import _trace_ops, trace_ops
+    from marinlm.train.config import TrainConfig
+
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), [])
+    model, rows, seq = config.model, 2, 256
+    proxy = trace_ops(model, config.optim, precision, config.kernels)
+    full = _trace_ops(model, config.optim, precision, config.kernels, full_size=(rows, seq))
+    width = widths(model, seq) | {"vocab": model.vocab_size}
+    kinds = ["global" if model.is_global_layer(i) else "local" for i in range(model.num_layers)]
+
+    def megabytes(inv, label):
+        return rows * seq * sum(u * width.get(k, 1.0) for k, u in inv.bytes_per_token.get(label, {}).items()) / 1e6
+
+    for label in [f"{kind}/{p}" for kind in ("local", "global", "outside") for p in ("forward", "backward")]:
+        layers = kinds.count(label.split("/")[0]) or 1
+        assert proxy.calls[label] * layers == pytest.approx(full.calls[label], rel=0.1), label
+        assert megabytes(proxy, label) * layers == pytest.approx(megabytes(full, label), rel=0.2), label
+        if layers > 1:
+            assert proxy.calls[label] * (layers - 1) != pytest.approx(full.calls[label], rel=0.1), label
+    moe = model.num_layers / proxy.moe_layers
+    assert proxy.calls["step_layers"] * moe == pytest.approx(full.calls["step_layers"], rel=0.2)
+    tensors = full.tensors / proxy.tensors
+    assert proxy.calls["step_tensors"] * tensors == pytest.approx(full.calls["step_tensors"], rel=0.2)
+    assert proxy.optimizer_calls_per_tensor == pytest.approx(full.optimizer_calls_per_tensor, rel=0.2)
+    assert proxy.optimizer_bytes_per_weight == pytest.approx(full.optimizer_bytes_per_weight, rel=0.05)
+
+
 def test_layout_overrides_and_errors_name_the_key():
     from marinlm.plan import parse_layout, world_of
     from marinlm.plan.hardware import load_hardware

@@ -70,7 +70,7 @@ def newton_schulz(
     return (x.mT if transpose else x).reshape(g.shape).to(g.dtype)
 
 
-def _batch_elements(device: torch.device) -> int:
+def ns_batch_elements(device: torch.device) -> int:
     """How many elements one batched Newton-Schulz call may stack.
 
     On a CPU a stack of every layer's experts falls out of cache and runs slower than one matrix
@@ -93,7 +93,7 @@ def newton_schulz_many(
 
     Same result per matrix as calling it one by one (each matrix is normalised on its own); fewer,
     larger matmuls. A model has few distinct matrix shapes (7 for the 80 matrices of `tiny`). A
-    batch holds at most `max_elements` elements (default: `_batch_elements`), which also bounds
+    batch holds at most `max_elements` elements (default: `ns_batch_elements`), which also bounds
     the optimizer's extra memory at scale; a single larger tensor goes alone.
     """
     out: list[torch.Tensor | None] = [None] * len(matrices)
@@ -101,7 +101,7 @@ def newton_schulz_many(
     for i, m in enumerate(matrices):
         groups.setdefault((tuple(m.shape[-2:]), m.dtype, m.device), []).append(i)
     for (shape, _, device), members in groups.items():
-        limit = _batch_elements(device) if max_elements is None else max_elements
+        limit = ns_batch_elements(device) if max_elements is None else max_elements
         batch: list[int] = []
         size = 0
         for n, i in enumerate(members):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 from marinlm.config import ConfigError
@@ -103,6 +104,7 @@ def plan_layout(
     shards_of=local_shards,
     inv=None,
     remote_share: float | None = None,
+    table=None,
 ) -> LayoutPlan:
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
     gives a rank's local shards (default: the real parallelize() under a fake process group).
@@ -148,12 +150,13 @@ def plan_layout(
         bubble = bubble_fraction(layout.schedule, dims.pp, microbatches, layout.per_rank)
         stage_layers = layout.stages
     fit = training(train)
-    ranks = []
+    ranks, stage_shards = [], []
     for stage in range(dims.pp):
         rank = stage * (world // dims.pp)
         shards = shards_of(model, parallel, world, rank, rows, seq)
         plan = _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit)
         ranks.append(plan)
+        stage_shards.append(shards)
     if fit.method != "full":
         trained = max(r.trained_fraction for r in ranks)
         factors = " (LoRA factors counted in)" if fit.adapter_parameters else ""
@@ -171,11 +174,21 @@ def plan_layout(
     # Frozen weights skip their weight-gradient GEMMs, a third of their training FLOPs (fine-tuning).
     frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
+    accumulation = forwards_a_step(dims, rows, micro_rows, microbatches)
+    if (hardware.name == "cpu" or table is not None) and dims.tp == 1 and dims.cp == 1 and fit.method == "full":
+        compute = _measured_compute(
+            train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table
+        )
+        if hardware.name == "cpu":
+            compute *= max(1.0, world / (os.cpu_count() or 1))  # one thread a rank, the ranks sharing the cores
+        notes.append(
+            "compute: the step's operations priced from costs measured here (plan/op_table.py); "
+            "communication at the profile's bandwidths and efficiencies"
+        )
     local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
     traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     step = {"compute": compute}
-    accumulation = rows // micro_rows if dims.pp == 1 else microbatches  # forwards a step
     a2a_bytes = a2a_calls = 0.0
     if dims.ep > 1:
         a2a_bytes, a2a_calls = expert_exchanges(
@@ -259,6 +272,61 @@ def plan_layout(
         host_fits=host_node <= hardware.host_memory_bytes,
         notes=notes,
     )
+
+
+def forwards_a_step(dims, rows: int, micro_rows: int, microbatches: int) -> int:
+    """Forwards a rank runs a step: its rows' micro-batches, or the pipeline's microbatches."""
+    return rows // micro_rows if dims.pp == 1 else microbatches
+
+
+def _measured_compute(train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table) -> float:
+    """Seconds of the busiest pipeline stage's compute, `forwards` forwards of `rows` rows, its
+    operations priced by a table measured here (plan/ops.py, plan/op_table.py) with one thread a
+    rank, as torchrun gives each."""
+    import torch
+
+    from marinlm.plan.op_table import measured_table
+    from marinlm.plan.ops import price_step, step_seconds, trace_ops
+
+    model = train.model
+    threads = torch.get_num_threads()
+    if world > 1:
+        torch.set_num_threads(1)
+    try:
+        table = table or measured_table(model, precision, train.kernels, model.moe.num_experts // dims.ep)
+        inv = trace_ops(model, train.optim, precision, train.kernels)
+        recompute = {"full": 1.0, "every_n": 1.0 / train.parallel.checkpoint_every_n}
+        recompute = recompute.get(train.parallel.activation_checkpointing, 0.0)
+        seconds = []
+        for s, shards in enumerate(stage_shards):
+            layers = stage_layers[s] if dims.pp > 1 else range(model.num_layers)
+            matrices = [
+                tuple(v["shape"] if len(v["full"]) == 3 else v["full"])
+                for name, v in shards.items()
+                if len(v["full"]) >= 2 and not _adam_matrix(name)
+            ]
+            part = price_step(
+                train,
+                table,
+                inv,
+                rows=rows,
+                forwards=forwards,
+                layers=layers,
+                recompute=recompute,
+                head=s == dims.pp - 1,
+                weights=sum(math.prod(v["shape"]) for v in shards.values()),
+                tensors=len(shards),
+                matrices=matrices,
+            )
+            seconds.append(step_seconds(part, table.device))
+        return max(seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _adam_matrix(name: str) -> bool:
+    """Matrices the Marin optimizer steps with Adam(H), not Newton-Schulz (optim/marin.py)."""
+    return name.startswith(("lm_head.", "embed.")) or ".router." in name or ".sconv" in name or "attn.gate" in name
 
 
 def expert_exchanges(
