@@ -485,9 +485,11 @@ def part_ops(device: str, dry: bool) -> None:
     rows, seq = (2, 128) if dry else (4, 4096)
     model = dataclasses.replace(model_config("hero", dry), max_seq_len=seq)
     model.moe.capacity_factor = None
-    train = load_config(TrainConfig, ROOT / "configs" / "train" / "tiny.yaml", ["--train.precision=bf16"])
+    overrides = ["--train.precision=bf16", f"--data.seq_len={seq}", f"--train.global_batch={rows}"]
+    train = load_config(
+        TrainConfig, ROOT / "configs" / "train" / "tiny.yaml", [*overrides, f"--model.max_seq_len={seq}"]
+    )
     train = dataclasses.replace(train, model=model)
-    train.data.seq_len, train.train.global_batch = seq, rows
     hardware = load_hardware("cpu" if dry else ("h200" if "H200" in torch.cuda.get_device_name() else "h100-sxm"))
     table = MeasuredTable(model, "bf16", train.kernels, device=device)
     parallel = dataclasses.replace(train.parallel, data_parallel_shard=1)
