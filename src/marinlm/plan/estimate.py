@@ -36,6 +36,7 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
+from marinlm.plan.cpu_step import collective_seconds, measured_compute
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards
@@ -175,15 +176,17 @@ def plan_layout(
     frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
     accumulation = forwards_a_step(dims, rows, micro_rows, microbatches)
-    if (hardware.name == "cpu" or table is not None) and dims.tp == 1 and dims.cp == 1 and fit.method == "full":
-        compute = _measured_compute(
+    measured = (hardware.name == "cpu" or table is not None) and dims.tp == 1 and dims.cp == 1 and fit.method == "full"
+    if measured:
+        compute = measured_compute(
             train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table
         )
         if hardware.name == "cpu":
             compute *= max(1.0, world / (os.cpu_count() or 1))  # one thread a rank, the ranks sharing the cores
+        comms = "gloo collectives at the latency and bandwidth measured here" if hardware.name == "cpu" else None
         notes.append(
             "compute: the step's operations priced from costs measured here (plan/op_table.py); "
-            "communication at the profile's bandwidths and efficiencies"
+            + (comms or "communication at the profile's bandwidths and efficiencies")
         )
     local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
@@ -241,6 +244,10 @@ def plan_layout(
     if offloaded:
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
+    if measured and hardware.name == "cpu" and world > 1:  # gloo here: each collective measured on the spot
+        for key in ("fsdp", "expert_all_to_all"):
+            step.pop(key, None)
+        step |= collective_seconds(train, dims, world, stage_shards[0], accumulation, fsdp_bytes, a2a_calls, a2a_bytes)
     busy = sum(step.values())
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
@@ -277,56 +284,6 @@ def plan_layout(
 def forwards_a_step(dims, rows: int, micro_rows: int, microbatches: int) -> int:
     """Forwards a rank runs a step: its rows' micro-batches, or the pipeline's microbatches."""
     return rows // micro_rows if dims.pp == 1 else microbatches
-
-
-def _measured_compute(train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table) -> float:
-    """Seconds of the busiest pipeline stage's compute, `forwards` forwards of `rows` rows, its
-    operations priced by a table measured here (plan/ops.py, plan/op_table.py) with one thread a
-    rank, as torchrun gives each."""
-    import torch
-
-    from marinlm.plan.op_table import measured_table
-    from marinlm.plan.ops import price_step, step_seconds, trace_ops
-
-    model = train.model
-    threads = torch.get_num_threads()
-    if world > 1:
-        torch.set_num_threads(1)
-    try:
-        table = table or measured_table(model, precision, train.kernels, model.moe.num_experts // dims.ep)
-        inv = trace_ops(model, train.optim, precision, train.kernels)
-        recompute = {"full": 1.0, "every_n": 1.0 / train.parallel.checkpoint_every_n}
-        recompute = recompute.get(train.parallel.activation_checkpointing, 0.0)
-        seconds = []
-        for s, shards in enumerate(stage_shards):
-            layers = stage_layers[s] if dims.pp > 1 else range(model.num_layers)
-            matrices = [
-                tuple(v["shape"] if len(v["full"]) == 3 else v["full"])
-                for name, v in shards.items()
-                if len(v["full"]) >= 2 and not _adam_matrix(name)
-            ]
-            part = price_step(
-                train,
-                table,
-                inv,
-                rows=rows,
-                forwards=forwards,
-                layers=layers,
-                recompute=recompute,
-                head=s == dims.pp - 1,
-                weights=sum(math.prod(v["shape"]) for v in shards.values()),
-                tensors=len(shards),
-                matrices=matrices,
-            )
-            seconds.append(step_seconds(part, table.device))
-        return max(seconds)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _adam_matrix(name: str) -> bool:
-    """Matrices the Marin optimizer steps with Adam(H), not Newton-Schulz (optim/marin.py)."""
-    return name.startswith(("lm_head.", "embed.")) or ".router." in name or ".sconv" in name or "attn.gate" in name
 
 
 def expert_exchanges(
