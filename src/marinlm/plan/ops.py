@@ -15,8 +15,8 @@ proxy of plan/activations.py, whose widths differ), the sizes from the config.
   the target's bytes are the proxy's per unit of width times the target's widths; and the count
   of such operations, each paying one dispatch on the host.
 
-An `OpTable` (plan/op_table.py) prices the three: seconds by shape for GEMMs and composites,
-bytes per second for the rest, seconds per dispatch.
+`MeasuredTable` (plan/op_table.py) prices them: seconds by shape for GEMMs and composites, the
+seconds of an operation moving the same bytes for the rest, and seconds a dispatch.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class OpInventory:
     bytes_per_token: dict[str, dict[str, float]] = field(default_factory=dict)
     calls: dict[str, float] = field(default_factory=dict)
     views: dict[str, float] = field(default_factory=dict)  # view and metadata operations: a dispatch, no bytes
-    step_bytes_per_weight: float = 0.0  # weight-shaped work in a forward-and-backward: casts, gradient sums
+    step_bytes_per_weight: float = 0.0  # weight-shaped work in a step: casts, gradient norms and clipping
     optimizer_bytes_per_weight: float = 0.0
     optimizer_calls_per_tensor: float = 0.0
     tensors: int = 0  # the traced model's parameter tensors and MoE layers, which "step_tensors" and
