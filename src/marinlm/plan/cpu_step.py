@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import math
 
+# The largest step whose operations are measured here: a forward's activations of one layer and its
+# logits chunk stay under a few hundred MiB, and the model's weights under a few GB.
+MEASURABLE_BYTES = 2**28
+MEASURABLE_PARAMETERS = 2e9
+
+
+def measurable_here(model, tokens: int) -> bool:
+    """Whether a forward of `tokens` tokens of `model` is small enough to time its operations here."""
+    from marinlm.model.summary import summarize
+
+    widest = max(
+        model.d_model, model.moe.expert_dim * model.moe.top_k, model.attention.num_heads * model.attention.head_dim
+    )
+    return tokens * widest * 4 <= MEASURABLE_BYTES and summarize(model).total <= MEASURABLE_PARAMETERS
+
 
 def measured_compute(train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table) -> float:
     """Seconds of the busiest pipeline stage's compute, `forwards` forwards of `rows` rows, its

@@ -36,7 +36,7 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
-from marinlm.plan.cpu_step import collective_seconds, measured_compute
+from marinlm.plan.cpu_step import collective_seconds, measurable_here, measured_compute
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards
@@ -177,6 +177,9 @@ def plan_layout(
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
     accumulation = forwards_a_step(dims, rows, micro_rows, microbatches)
     measured = (hardware.name == "cpu" or table is not None) and dims.tp == 1 and dims.cp == 1 and fit.method == "full"
+    if measured and table is None and not measurable_here(model, micro_rows * seq):
+        measured = False
+        notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
     if measured:
         compute = measured_compute(
             train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table
