@@ -496,7 +496,7 @@ def part_ops(device: str, dry: bool) -> None:
     plan = plan_layout(train, parallel, 1, hardware, Efficiency(), table=table)
     out = Path(os.environ.get("OUT", "gpu_check_logs"))
     out.mkdir(parents=True, exist_ok=True)
-    entries = [{"op": list(map(str, k)) if isinstance(k, tuple) else k, "seconds": v} for k, v in table._cache.items()]
+    entries = table.entries()
     (out / "op_table.yaml").write_text(yaml.safe_dump({"device": table.name, "entries": entries}))
     ids = torch.randint(0, model.vocab_size, (rows, seq), device=device)
     step = marinlm_step(model, "eager", device, ids, None)

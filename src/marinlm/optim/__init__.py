@@ -107,6 +107,16 @@ class MarinOptimizerConfig(OptimizerConfig):
         check(self.ns_eps > 0, "ns_eps", f"must be positive, got {self.ns_eps}")
 
 
+def newton_schulz_dtype(config: MarinOptimizerConfig, device_type: str, float64: bool = False) -> str:
+    """The dtype Newton-Schulz runs in (`ns_dtype`, "auto" resolved for `device_type` and, with
+    `float64`, for float64 weights)."""
+    if config.ns_dtype != "auto":
+        return config.ns_dtype
+    if float64:
+        return "float64"
+    return "bfloat16" if native_bf16(device_type) else "float32"
+
+
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"):
     if isinstance(config, AdamWConfig):
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and p.requires_grad]
@@ -116,11 +126,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, device_type
         fused = not any(hasattr(p, "device_mesh") for p in decay)
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused)
     if isinstance(config, MarinOptimizerConfig):
-        ns_dtype = config.ns_dtype
-        if ns_dtype == "auto" and any(p.dtype == torch.float64 for p in model.parameters()):
-            ns_dtype = "float64"
-        elif ns_dtype == "auto":
-            ns_dtype = "bfloat16" if native_bf16(device_type) else "float32"
+        ns_dtype = newton_schulz_dtype(config, device_type, any(p.dtype == torch.float64 for p in model.parameters()))
         kinds = marin_param_kinds(model)
         rename = {"muonh": config.matrix_update}  # plain Muon takes MuonH's matrices
         groups = [

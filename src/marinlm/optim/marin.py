@@ -352,19 +352,15 @@ def marin_param_kinds(model: torch.nn.Module) -> dict[str, list[tuple[str, torch
     """
     kinds: dict[str, list] = {"muonh": [], "adamh": [], "adam": []}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.startswith("lm_head."):
-            kind = "adamh"
-        elif (
-            name.startswith("embed.")
-            or ".router." in name
-            or name.endswith("attn.gate.weight")
-            or ".sconv" in name
-            or p.ndim < 2
-        ):
-            kind = "adam"
-        else:
-            kind = "muonh"
-        kinds[kind].append((name, p))
+        if p.requires_grad:
+            kinds[param_kind(name, p.ndim)].append((name, p))
     return kinds
+
+
+def param_kind(name: str, ndim: int) -> str:
+    """The hero recipe's kind of the parameter `name` with `ndim` dims (`marin_param_kinds`)."""
+    if name.startswith("lm_head."):
+        return "adamh"
+    if name.startswith("embed.") or ".router." in name or name.endswith("attn.gate.weight") or ".sconv" in name:
+        return "adam"
+    return "adam" if ndim < 2 else "muonh"

@@ -49,6 +49,13 @@ def widths(config: MarinConfig, seq_len: int) -> dict[str, float]:
     }
 
 
+def layer_kind(config: MarinConfig, i: int) -> str:
+    """ "dense" (a first_k_dense layer), "global" or "local": the layer kinds the estimates tell apart."""
+    if not config.is_moe_layer(i):
+        return "dense"
+    return "global" if config.is_global_layer(i) else "local"
+
+
 def proxy(config: MarinConfig) -> tuple[MarinConfig, int]:
     """`config` with its structure and small widths chosen so that the `widths` differ; and the
     proxy's sequence length. Widths are multiples of 8 so that bf16 grouped GEMMs align."""
@@ -148,7 +155,7 @@ def inventory(
         where[0] = "outside"
 
     for i, block in enumerate(model.layers):
-        kind = "dense" if not proxy_config.is_moe_layer(i) else ("global" if block.is_global else "local")
+        kind = layer_kind(proxy_config, i)
         block.register_forward_pre_hook(enter(kind))
         block.register_forward_hook(leave)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -218,10 +225,7 @@ def activation_bytes(
 
     blocks = halos = 0.0
     for i in layers:
-        if not config.is_moe_layer(i):
-            kind = "dense"
-        else:
-            kind = "global" if config.is_global_layer(i) else "local"
+        kind = layer_kind(config, i)
         blocks += per_token(inv.layer_kinds.get(kind, inv.layer_kinds.get("local", {})), kind)
         halos += halo[kind]
     return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from marinlm.optim.marin import param_kind
+
 # The largest step whose operations are measured here: a forward's activations of one layer and its
 # logits chunk stay under a few hundred MiB, and the model's weights under a few GB.
 MEASURABLE_BYTES = 2**28
@@ -45,7 +47,7 @@ def measured_compute(train, dims, world, precision, stage_layers, stage_shards, 
             matrices = [
                 tuple(v["shape"] if len(v["full"]) == 3 else v["full"])
                 for name, v in shards.items()
-                if len(v["full"]) >= 2 and not _adam_matrix(name)
+                if param_kind(name, len(v["full"])) == "muonh"
             ]
             part = price_step(
                 train,
@@ -64,11 +66,6 @@ def measured_compute(train, dims, world, precision, stage_layers, stage_shards, 
         return max(seconds)
     finally:
         torch.set_num_threads(threads)
-
-
-def _adam_matrix(name: str) -> bool:
-    """Matrices the Marin optimizer steps with Adam(H), not Newton-Schulz (optim/marin.py)."""
-    return name.startswith(("lm_head.", "embed.")) or ".router." in name or ".sconv" in name or "attn.gate" in name
 
 
 def _gloo_worker(rank: int, world: int, store: str, out) -> None:
@@ -137,7 +134,7 @@ def collective_seconds(
         calls = (blocks + 1) * forwards + blocks * forwards * train.parallel.reshard_after_forward + (blocks + 1)
         parts["fsdp"] = calls * latency + passes * fsdp_bytes * blocks * (fsdp - 1) / fsdp / bandwidth
         if train.optim.type_name == "marin":
-            sharded = [v for n, v in shards.items() if len(v["full"]) == 2 and not _adam_matrix(n)]
+            sharded = [v for n, v in shards.items() if len(v["full"]) == 2 and param_kind(n, 2) == "muonh"]
             gathered = sum(math.prod(v["full"]) for v in sharded) * 4 * (fsdp - 1) / fsdp
             parts["optimizer_collectives"] = 4 * len(sharded) * latency + gathered / bandwidth
     if a2a_calls:

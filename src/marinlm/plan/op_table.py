@@ -77,6 +77,13 @@ class MeasuredTable:
                 self._cache[key] = measure()
         return self._cache[key]
 
+    def entries(self) -> list[dict]:
+        """Every cost measured so far: the operation and its shape, and the seconds."""
+        return [
+            {"op": [str(part) for part in key] if isinstance(key, tuple) else key, "seconds": value}
+            for key, value in self._cache.items()
+        ]
+
     def _best(self, fn) -> float:
         return best_seconds(fn, device=self.device)
 

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from marinlm.kernels.config import KernelConfig
 from marinlm.model.config import MarinConfig
-from marinlm.plan.activations import _classify, proxy, widths
+from marinlm.plan.activations import _classify, layer_kind, proxy, widths
 
 aten = torch.ops.aten
 # Priced by shape (GEMMs), so not by the bytes they move.
@@ -208,8 +208,7 @@ def _trace_ops(
         elif isinstance(module, RoutedExperts | NextTokenLoss):
             module.forward = recorder.region(module.forward, "priced")
     for i, block in enumerate(model.layers):
-        kind = "dense" if not proxy_config.is_moe_layer(i) else ("global" if block.is_global else "local")
-        block.forward = recorder.region(block.forward, kind)
+        block.forward = recorder.region(block.forward, layer_kind(proxy_config, i))
     model.forward = recorder.region(model.forward, "outside")
     optimizer = build_optimizer(model, optim, "cpu")
     step = optimizer.step
@@ -237,18 +236,12 @@ def _trace_ops(
     return inv
 
 
-def linear_shapes(config: MarinConfig) -> dict[str, list[tuple[int, int]]]:
-    """(in, out) of every linear layer a block kind runs (and "outside": none, the head is the loss's)."""
-    from marinlm.model.transformer import MarinForCausalLM
-
-    with torch.device("meta"):
-        model = MarinForCausalLM(config)
+def linear_shapes(model) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of every linear layer each block kind of `model` (a MarinForCausalLM, on meta) runs."""
     shapes: dict[str, list[tuple[int, int]]] = {}
     for i, block in enumerate(model.layers):
-        kind = "dense" if not config.is_moe_layer(i) else ("global" if block.is_global else "local")
-        if kind in shapes:
-            continue
-        shapes[kind] = [(m.in_features, m.out_features) for m in block.modules() if type(m) is nn.Linear]
+        linears = [(m.in_features, m.out_features) for m in block.modules() if type(m) is nn.Linear]
+        shapes.setdefault(layer_kind(model.config, i), linears)
     return shapes
 
 
@@ -302,7 +295,9 @@ def price_step(
     seq = train.data.seq_len
     tokens = rows * seq
     width = widths(model, seq) | {"vocab": model.vocab_size}
-    shapes = linear_shapes(model)
+    with torch.device("meta"):
+        meta = MarinForCausalLM(model)
+    shapes = linear_shapes(meta)
     part = dict.fromkeys(("gemms", "attention", "experts", "loss", "memory", "dispatch", "optimizer"), 0.0)
     fwd_dispatch, view_dispatch = table.dispatch
     dispatch = max(fwd_dispatch - table.elementwise(48), 0.0)  # autograd's share, beyond a small kernel
@@ -317,7 +312,7 @@ def price_step(
         part["dispatch"] += share * (calls * dispatch + inv.views.get(label, 0.0) * view_dispatch)
 
     for i in layers:
-        kind = "dense" if not model.is_moe_layer(i) else ("global" if model.is_global_layer(i) else "local")
+        kind = layer_kind(model, i)
         for fan_in, fan_out in shapes[kind]:
             fwd, both = table.linear(tokens, fan_in, fan_out)
             part["gemms"] += both + recompute * fwd
@@ -333,8 +328,7 @@ def price_step(
     if head:
         part["loss"] += table.loss(tokens)[1]
     part = {k: v * forwards for k, v in part.items()}
-    with torch.device("meta"):
-        params = list(MarinForCausalLM(model).parameters())
+    params = list(meta.parameters())
     weights = sum(p.numel() for p in params) if weights is None else weights
     tensors = len(params) if tensors is None else tensors
     moe_layers = sum(model.is_moe_layer(i) for i in layers)
@@ -349,14 +343,12 @@ def price_step(
     optimizer_calls = inv.optimizer_calls_per_tensor * tensors
     part["optimizer"] += optimizer_calls * table.elementwise(inv.optimizer_bytes_per_weight * weights / optimizer_calls)
     if train.optim.type_name == "marin":
+        from marinlm.optim import newton_schulz_dtype
         from marinlm.optim.marin import marin_param_kinds
-        from marinlm.utils.device import native_bf16
 
         if matrices is None:
-            with torch.device("meta"):
-                matrices = [tuple(p.shape) for _, p in marin_param_kinds(MarinForCausalLM(model))["muonh"]]
-        ns = train.optim.ns_dtype
-        ns = "bf16" if ns == "bfloat16" or (ns == "auto" and native_bf16("cpu")) else "fp32"
+            matrices = [tuple(p.shape) for _, p in marin_param_kinds(meta)["muonh"]]
+        ns = "bf16" if newton_schulz_dtype(train.optim, table.device) == "bfloat16" else "fp32"
         for batch, m, k, n, calls in newton_schulz_gemms(matrices, train.optim.ns_steps, table.device):
             part["optimizer"] += calls * table.gemm(m, k, n, ns, batch=batch)
     return part
