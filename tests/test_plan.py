@@ -338,3 +338,29 @@ def test_fault_tolerant_groups_are_planned_as_hsdp_plus_what_torchft_adds():
     assert b.ranks[0].device["ft_gradient_buffer"] == gradients > 0
     assert b.ranks[0].device_total == pytest.approx(a.ranks[0].device_total + gradients)
     assert any("fault tolerance (11 replica groups)" in n for n in b.notes)
+
+
+def test_a_gloo_layout_is_priced_from_its_fsdp_units_and_optimizer_timed_in_a_real_group():
+    """`--hardware cpu` under FSDP 2: FSDP2's time is each unit's gather (again in backward for the
+    blocks, resharded after forward; once for the root) and gradient reduction, and the optimizer's
+    step, as `measure_layout` timed them in two gloo processes holding the model sharded by the
+    real `parallelize`; the op-priced optimizer and the counted optimizer collectives are gone."""
+    from dataclasses import replace
+
+    from marinlm.plan.cpu_step import measure_layout
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=4", "--data.seq_len=64", "--train.precision=fp32"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    parallel = replace(config.parallel, data_parallel_shard=2)
+    layout = measure_layout(config, parallel, 2, rows=2)
+    layers = config.model.num_layers
+    assert [resharded for _, _, resharded in layout["units"]] == [False] + [True] * layers  # the root first
+    assert all(gather > 0 and reduce > 0 for gather, reduce, _ in layout["units"]) and layout["optimizer"] > 0
+    plan = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency())
+    fsdp = sum(gather * (2 if resharded else 1) + reduce for gather, reduce, resharded in layout["units"])
+    assert plan.step["fsdp"] == pytest.approx(fsdp, rel=1e-12)
+    assert plan.step["optimizer"] == layout["optimizer"]
+    assert "optimizer_collectives" not in plan.step

@@ -1,5 +1,9 @@
 """A step on this machine priced from measurement (`marinlm plan --hardware cpu`): the compute of
-the busiest rank from its operations (plan/ops.py) at costs measured here (plan/op_table.py)."""
+the busiest rank from its operations (plan/ops.py) at costs measured here (plan/op_table.py),
+slowed as much as the layout's ranks slow each other on these cores (`measure_gloo`); what the
+layout adds, each FSDP2 unit's gather and reduction and the optimizer's step on its shards, timed
+in a gloo group of the layout's size holding the model as the real `parallelize` shards it
+(`measure_layout`); the other collectives counted at gloo's latency and bandwidth measured here."""
 
 from __future__ import annotations
 
@@ -23,10 +27,12 @@ def measurable_here(model, tokens: int) -> bool:
     return tokens * widest * 4 <= MEASURABLE_BYTES and summarize(model).total <= MEASURABLE_PARAMETERS
 
 
-def measured_compute(train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table) -> float:
+def measured_compute(
+    train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table, optimizer: bool = True
+) -> float:
     """Seconds of the busiest pipeline stage's compute, `forwards` forwards of `rows` rows, its
     operations priced by a table measured here (plan/ops.py, plan/op_table.py) with one thread a
-    rank, as torchrun gives each."""
+    rank, as torchrun gives each; without the optimizer's step unless `optimizer`."""
     import torch
 
     from marinlm.plan.op_table import measured_table
@@ -62,13 +68,16 @@ def measured_compute(train, dims, world, precision, stage_layers, stage_shards, 
                 tensors=len(shards),
                 matrices=matrices,
             )
+            if not optimizer:
+                part.pop("optimizer")
             seconds.append(step_seconds(part, table.device))
         return max(seconds)
     finally:
         torch.set_num_threads(threads)
 
 
-def _gloo_worker(rank: int, world: int, store: str, out) -> None:
+def _gloo_worker(rank: int, world: int, store: str, result: str) -> None:
+    import json
     import time
 
     import torch
@@ -92,43 +101,95 @@ def _gloo_worker(rank: int, world: int, store: str, out) -> None:
         for _ in range(5):
             dist.all_gather(gathered, large)
         seconds = (time.perf_counter() - start) / 5
+        dist.barrier()
+        together = _burst_seconds()  # every rank at once
         if rank == 0:
-            out["gloo"] = (latency, large.nbytes * (world - 1) / max(seconds - latency, 1e-9))
+            bandwidth = large.nbytes * (world - 1) / max(seconds - latency, 1e-9)
+            with open(result, "w") as f:
+                json.dump([latency, bandwidth, together], f)
     finally:
         dist.destroy_process_group()
 
 
-_GLOO: dict[int, tuple[float, float]] = {}
+def _burst_seconds(runs: int = 40) -> float:
+    """Mean seconds of a fixed piece of work (GEMMs and a memory-bound add) in this process."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(256, 256), torch.randn(2**20)
+
+    def work():
+        for _ in range(4):
+            a @ a
+        b.add(b)
+
+    work()
+    start = time.perf_counter()
+    for _ in range(runs):
+        work()
+    return (time.perf_counter() - start) / runs
 
 
-def measure_gloo(world: int) -> tuple[float, float]:
-    """(seconds a small collective takes, bytes a second a rank receives in a large all-gather) of
-    `world` gloo processes on this machine, one thread each, measured once a process."""
+_GLOO: dict[int, tuple[float, float, float]] = {}
+
+
+def measure_gloo(world: int) -> tuple[float, float, float]:
+    """(seconds a small collective takes, bytes a second a rank receives in a large all-gather,
+    how many times slower a rank computes while all `world` compute than alone: `_burst_seconds` on
+    every rank at once against this process before the group starts) of `world` gloo processes on
+    this machine, one thread each, measured once a process."""
+    import json
     import tempfile
 
+    import torch
     import torch.multiprocessing as mp
 
     if world not in _GLOO:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            alone = _burst_seconds()  # before the group starts, alone on the machine
+        finally:
+            torch.set_num_threads(threads)
         with tempfile.TemporaryDirectory() as tmp:
-            out = mp.Manager().dict()
-            mp.spawn(_gloo_worker, args=(world, f"{tmp}/store", out), nprocs=world)
-            _GLOO[world] = out["gloo"]
+            mp.spawn(_gloo_worker, args=(world, f"{tmp}/store", f"{tmp}/result.json"), nprocs=world)
+            with open(f"{tmp}/result.json") as f:
+                latency, bandwidth, together = json.load(f)
+        _GLOO[world] = (latency, bandwidth, max(together / alone, 1.0))
     return _GLOO[world]
 
 
 def collective_seconds(
-    train, dims, world: int, shards: dict, forwards: int, fsdp_bytes: float, a2a_calls: float, a2a_bytes: float
+    train,
+    dims,
+    world: int,
+    shards: dict,
+    forwards: int,
+    fsdp_bytes: float,
+    a2a_calls: float,
+    a2a_bytes: float,
+    layout: dict | None = None,
 ) -> dict[str, float]:
-    """The gloo collectives of one rank's step, each at the latency and bandwidth measured here
-    (`measure_gloo`), none overlapped (the ranks' compute shares the cores): FSDP2's all-gather of
-    each unit (the blocks and the root) a forward and again in backward when resharded, and one
-    reduce-scatter a unit; the Marin optimizer's all-gather of each matrix sharded along its own
-    dims and the three all-reduces of its norms; the expert all-to-alls; the loss, the gradient
-    norm and each MoE layer's router statistics."""
-    latency, bandwidth = measure_gloo(world)
+    """The gloo collectives of one rank's step, none overlapped (the ranks' compute shares the
+    cores): FSDP2's all-gather of each unit (the blocks and the root) a forward and again in
+    backward when resharded (not under pipeline parallel), and one gradient reduction a unit; the
+    Marin optimizer's all-gather of each matrix sharded along its own dims and the three
+    all-reduces of its norms; the expert all-to-alls; the loss, the gradient norm and each MoE
+    layer's router statistics. With `layout` (`measure_layout`) FSDP2's and the optimizer's are
+    those it timed (the optimizer's whole step); otherwise each is counted at the latency and
+    bandwidth of `measure_gloo`."""
+    latency, bandwidth, _ = measure_gloo(world)
     fsdp = dims.dp_shard * dims.cp
     parts: dict[str, float] = {}
-    if fsdp > 1:
+    if layout is not None:
+        # Under pipeline parallel the stage keeps its units gathered through backward
+        # (torch.distributed.pipelining sets reshard_after_backward False) and reduces once a step.
+        for gather, reduce, resharded in layout["units"]:
+            again = resharded and dims.pp == 1
+            parts["fsdp"] = parts.get("fsdp", 0.0) + gather * forwards * (2 if again else 1) + reduce
+        parts["optimizer"] = layout["optimizer"]
+    elif fsdp > 1:
         blocks = len({name.split(".")[1] for name in shards if name.startswith("layers.")})
         passes = forwards * (2 if train.parallel.reshard_after_forward else 1) + 1
         calls = (blocks + 1) * forwards + blocks * forwards * train.parallel.reshard_after_forward + (blocks + 1)
@@ -142,3 +203,131 @@ def collective_seconds(
     moe_layers = sum(1 for n in shards if n.endswith("router.weight"))
     parts["step_reductions"] = (3 + 2 * moe_layers) * latency
     return parts
+
+
+def _group_seconds(fn, group=None, repeats: int = 3) -> float:
+    """Median seconds of `fn()` run in step by every rank of `group` (a collective: they run it
+    alike), after one warm-up; the slowest rank's."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.item()
+
+
+def _own_parameters(unit, units) -> list:
+    """The parameters FSDP2 unit `unit` manages: its own, less those of the units inside it."""
+    inner = {id(p) for u in units if u is not unit and any(u is m for m in unit.modules()) for p in u.parameters()}
+    return [p for p in unit.parameters() if id(p) not in inner]
+
+
+def _unit_reduce(params) -> object:
+    """FSDP2's gradient reduction of one unit's parameters: a reduce-scatter of the gathered
+    gradients over the axes that shard them and an all-reduce of the shard over those that
+    replicate them (HSDP), as flat fp32 buffers."""
+    import torch
+    import torch.distributed as dist
+
+    mesh, placements = params[0].device_mesh, params[0].placements
+    shard = sum(p.to_local().numel() for p in params)
+    steps = []
+    for axis, placement in enumerate(placements):
+        group, size = mesh.get_group(axis), mesh.size(axis)
+        if placement.is_shard():
+            out, full = torch.empty(shard), torch.empty(shard * size)
+            steps.append(lambda out=out, full=full, group=group: dist.reduce_scatter_tensor(out, full, group=group))
+        else:
+            buffer = torch.empty(shard)
+            steps.append(lambda buffer=buffer, group=group: dist.all_reduce(buffer, group=group))
+    return lambda: [step() for step in steps]
+
+
+def _layout_worker(rank: int, world: int, store: str, result: str, train, parallel, rows: int) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from marinlm.kernels import apply_kernels
+    from marinlm.model.transformer import MarinForCausalLM
+    from marinlm.optim import build_optimizer
+    from marinlm.parallel import _parallelize
+    from marinlm.parallel.mesh import ParallelDims
+
+    torch.set_num_threads(1)  # as torchrun runs each rank
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dims = ParallelDims.resolve(parallel, world).build_mesh("cpu")
+        with torch.device("meta"):
+            model = MarinForCausalLM(train.model)
+        precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
+        apply_kernels(model, torch.device("cpu"), precision, train.kernels)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)
+        parts, group, per_stage = [model], None, world // dims.pp
+        if dims.pp > 1:  # this rank's stages, as shards.py cuts them; collectives timed within a stage
+            from marinlm.parallel.pipeline_parallel import build_stage, pipeline_layout, stage_ids
+
+            layout = pipeline_layout(train.model, parallel, dims.pp, rows, train.data.seq_len)
+            last = dims.pp * layout.per_rank - 1
+            ids = stage_ids(rank // per_stage, dims.pp, layout.schedule, layout.per_rank)
+            parts = [build_stage(model, layout.stages[s], s == 0, s == last) for s in ids]
+            groups = [dist.new_group(list(range(s * per_stage, (s + 1) * per_stage))) for s in range(dims.pp)]
+            group = groups[rank // per_stage]
+        measured = {"units": []}
+        for part in parts:
+            _parallelize(part, parallel, dims)
+            units = [m for m in part.modules() if isinstance(m, FSDPModule)]
+            for unit in units:
+                gather = _group_seconds(lambda unit=unit: (unit.unshard(), unit.reshard()), group)
+                reduce = _group_seconds(_unit_reduce(_own_parameters(unit, units)), group)
+                measured["units"].append([gather, reduce, unit is not part and parallel.reshard_after_forward])
+        optimizers = []
+        for part in parts:
+            for p in part.parameters():
+                p.grad = p.detach() * 1e-3
+            optimizers.append(build_optimizer(part, train.optim, "cpu"))
+        measured["optimizer"] = _group_seconds(lambda: [o.step() for o in optimizers], group)
+        if rank == 0:
+            with open(result, "w") as f:
+                json.dump(measured, f)
+    finally:
+        dist.destroy_process_group()
+
+
+_LAYOUTS: dict[str, dict] = {}
+
+
+def measure_layout(train, parallel, world: int, rows: int) -> dict:
+    """FSDP2's gather and reduction of each unit, and the optimizer's step, timed in `world` gloo
+    processes on this machine (one thread each) holding the model sharded as `parallel` lays it
+    out, by the real `parallelize` and optimizer: {"units": [[gather + reshard seconds, gradient
+    reduction seconds, resharded after forward]], "optimizer": seconds}, each the median of a few
+    runs on the slowest rank (of the first pipeline stage: `rows`, a data-parallel rank's rows a
+    step, cut its microbatches). Measured once a process for a config and layout; not for tensor
+    or context parallel layouts."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    key = repr((train.model, train.optim, train.kernels, train.train.precision, parallel, world, rows))
+    if key not in _LAYOUTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = (world, f"{tmp}/store", f"{tmp}/result.json", train, parallel, rows)
+            mp.spawn(_layout_worker, args=args, nprocs=world)
+            with open(f"{tmp}/result.json") as f:
+                _LAYOUTS[key] = json.load(f)
+    return _LAYOUTS[key]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import asdict, dataclass, field
 
 from marinlm.config import ConfigError
@@ -36,7 +35,13 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
-from marinlm.plan.cpu_step import collective_seconds, measurable_here, measured_compute
+from marinlm.plan.cpu_step import (
+    collective_seconds,
+    measurable_here,
+    measure_gloo,
+    measure_layout,
+    measured_compute,
+)
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards
@@ -180,13 +185,20 @@ def plan_layout(
     if measured and table is None and not measurable_here(model, micro_rows * seq):
         measured = False
         notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
+    gloo = measured and hardware.name == "cpu" and world > 1  # gloo here: costs measured on the spot
+    layout = measure_layout(train, parallel, world, rows) if gloo else None
     if measured:
         compute = measured_compute(
-            train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table
+            train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table, layout is None
         )
-        if hardware.name == "cpu":
-            compute *= max(1.0, world / (os.cpu_count() or 1))  # one thread a rank, the ranks sharing the cores
-        comms = "gloo collectives at the latency and bandwidth measured here" if hardware.name == "cpu" else None
+        comms = "one process: no communication" if hardware.name == "cpu" else None
+        if gloo:
+            compute *= measure_gloo(world)[2]  # one thread a rank, the ranks sharing the cores
+            comms = (
+                f"FSDP2's gathers and reductions and the optimizer's step timed in {world} gloo processes holding "
+                "the sharded model, the rest at gloo's latency and bandwidth measured here; the ranks' compute "
+                "slowed as much as they slow each other here"
+            )
         notes.append(
             "compute: the step's operations priced from costs measured here (plan/op_table.py); "
             + (comms or "communication at the profile's bandwidths and efficiencies")
@@ -247,11 +259,14 @@ def plan_layout(
     if offloaded:
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
-    if measured and hardware.name == "cpu" and world > 1:  # gloo here: each collective measured on the spot
-        for key in ("fsdp", "expert_all_to_all"):
+    if gloo:
+        for key in ("fsdp", "expert_all_to_all") + (("hsdp_all_reduce",) if layout else ()):
             step.pop(key, None)
-        step |= collective_seconds(train, dims, world, stage_shards[0], accumulation, fsdp_bytes, a2a_calls, a2a_bytes)
-    busy = sum(step.values())
+        step |= collective_seconds(
+            train, dims, world, stage_shards[0], accumulation, fsdp_bytes, a2a_calls, a2a_bytes, layout
+        )
+    # The stages idle in the schedule's bubble; the optimizer's step comes after it.
+    busy = sum(v for k, v in step.items() if k not in ("optimizer", "optimizer_collectives"))
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
     step["total"] = sum(step.values())
