@@ -143,6 +143,17 @@ def parallelize(
     return _parallelize(model, config, dims)
 
 
+def autocast_caches_weights(model: nn.Module) -> bool:
+    """Whether the step's autocast may keep its bf16 copy of each weight until the forward ends:
+    not when FSDP2 frees each block's gathered weights after its forward, nor when activation
+    checkpointing drops a block's saved tensors; the cache would hold a copy of every block's
+    weights in their place until the forward ends."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    return not any(isinstance(m, FSDPModule | CheckpointWrapper) for m in model.modules())
+
+
 def _parallelize(model: nn.Module, config: ParallelConfig, dims: ParallelDims) -> nn.Module:
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
     from marinlm.parallel.compile import apply_compile

@@ -249,7 +249,7 @@ class PipelinedModel(nn.Module):
         cat = {key: torch.cat([b[key] for b in batches]).to(device) for key in ("input_ids", "segment_ids", "labels")}
         for stage in self.stages:
             stage.routing_log.clear()
-        with autocast_context(device, precision):
+        with autocast_context(device, precision, cache=False):  # FSDP2 units (autocast_caches_weights)
             self._run(cat["input_ids"], cat["segment_ids"], cat["labels"], train=True)
         by_layer: dict[int, list] = {}
         for stage in self.stages:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from marinlm.model.router import RouterStats, bin_live, margin_range
+from marinlm.parallel import autocast_caches_weights
 from marinlm.parallel.distributed import all_reduce_
 from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.train.signals import OutOfMemory
@@ -116,11 +117,12 @@ def forward_backward(model, batches, *, device, precision, global_tokens: int, w
     # Merged as we go: at hero size one forward's QB histograms alone are ~0.7 GB.
     router_stats: list[RouterStats] = []
     fsdp = isinstance(model, FSDPModule)
+    cache = autocast_caches_weights(model)
     for i, batch in enumerate(batches):
         if fsdp:  # reduce-scatter gradients only after the last micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
         ids = batch["input_ids"].to(device)
-        with autocast_context(device, precision):
+        with autocast_context(device, precision, cache):
             out = model(ids, batch["segment_ids"].to(device), batch["labels"].to(device), return_logits=False)
         tokens = int(batch["loss_mask"].sum())  # out.num_tokens, counted as global_tokens is, without the wait
         loss = out.lm_loss * (tokens / max(global_tokens, 1)) * world_size + out.aux_loss / len(batches)

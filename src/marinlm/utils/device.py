@@ -98,7 +98,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def autocast_context(device: torch.device, precision: str):
+def autocast_context(device: torch.device, precision: str, cache: bool = True):
+    """bf16 autocast for a `precision` of bf16 (else nothing); `cache`: whether autocast keeps its
+    bf16 copy of each weight for the whole region (`parallel.autocast_caches_weights`)."""
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
