@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from marinlm.kernels.config import KernelConfig
 from marinlm.model.config import MarinConfig
@@ -85,9 +88,13 @@ class Inventory:
     layer_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
     outside: dict[str, float] = field(default_factory=dict)
     unknown: float = 0.0  # bytes a token no width explains (kept as they are)
-    # Under autocast each forward keeps a bf16 copy of the weights it multiplies, until backward:
-    # bytes per weight element (2 where every matrix is cast, 0 in fp32).
+    # Under autocast a forward ends holding a bf16 copy of the weights it multiplies (saved for
+    # backward, or in autocast's cache): bytes per weight element (2 where every matrix is cast).
     cast_bytes_per_weight: float = 0.0
+    # The weights whose copies a forward ends holding (a block's named layers.#.*): {name: (bytes
+    # an element, saved for backward, in autocast's cache)}: the cache, when on, holds every
+    # block's copies till the forward ends, checkpointed or not; a checkpointed block saves none.
+    weight_copies: dict[str, tuple[int, bool, bool]] = field(default_factory=dict)
 
 
 def _classify(per_token: float, table: dict[str, float]) -> str | None:
@@ -106,6 +113,7 @@ def inventory(
     `kernels` asks for; "cuda" keeps the reference modules, as CUDA's are)."""
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
+    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
 
     proxy_config, T = proxy(config)
     B = 2
@@ -123,17 +131,35 @@ def inventory(
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     where = ["outside"]
     found: dict[str, dict[str, float]] = {}
-    unknown = cast = 0.0
+    unknown = 0.0
+    names = {id(p): re.sub(r"^layers\.\d+\.", "layers.#.", n) for n, p in model.named_parameters()}
+
+    class Casts(TorchDispatchMode):
+        """Keeps a weak reference to each copy of a weight (a leaf) cast in a forward."""
+
+        def __init__(self):
+            super().__init__()
+            self.copies: list[tuple] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and id(args[0]) in names:
+                self.copies.append((weakref.ref(out), names[id(args[0])], out.element_size()))
+            return out
+
+        def live(self) -> dict[str, int]:
+            """{weight (a block's as layers.#.*): bytes an element} of the copies still held (saved
+            for backward or in autocast's cache)."""
+            return {name: size for ref, name, size in self.copies if ref() is not None}
 
     def pack(t: torch.Tensor):
-        nonlocal unknown, cast
+        nonlocal unknown
         key = t.untyped_storage().data_ptr()
         if key in seen or t.device.type == "meta":
             return t
         seen.add(key)
         nbytes = t.untyped_storage().nbytes()
-        if t.dtype != torch.float32 and tuple(t.shape) in shapes:  # autocast's copy of a weight
-            cast += nbytes
+        if t.dtype != torch.float32 and tuple(t.shape) in shapes:  # autocast's copy of a weight (`Casts`)
             return t
         elements = t.numel()
         # Bytes of one storage, filed by its elements a token; a view's storage may be larger.
@@ -158,12 +184,23 @@ def inventory(
         kind = layer_kind(proxy_config, i)
         block.register_forward_pre_hook(enter(kind))
         block.register_forward_hook(leave)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+    # Autocast's copies of the weights: with its cache off (as a step under FSDP2 or activation
+    # checkpointing runs, `parallel.autocast_caches_weights`) those saved for backward stay; with
+    # it on, also those it cached, for every block (shown with every block checkpointed).
+    saved, cached = Casts(), Casts()
+    uncached = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), uncached, saved:
         model(ids, labels=ids, return_logits=False)
+        held = saved.live()
+    apply_activation_checkpointing(model, "full", 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), cached:
+        model(ids, labels=ids, return_logits=False)
+        in_cache = cached.live()
     matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
     inv = Inventory({k: v for k, v in found.items() if k != "outside"}, found.get("outside", {}), unknown)
-    inv.cast_bytes_per_weight = cast / matrices
+    copies = held | in_cache
+    inv.cast_bytes_per_weight = sum(p.numel() * copies.get(names[id(p)], 0) for p in model.parameters()) / matrices
+    inv.weight_copies = {name: (size, name in held, name in in_cache) for name, size in copies.items()}
     return inv
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from marinlm.config import ConfigError
@@ -445,18 +446,30 @@ def _rank_memory(
         inv, model, tokens, train.data.seq_len, layers, weights=matrices, gpu=gpu, cp=dims.cp, act_bytes=act_bytes
     )
     one_block = (acts["blocks"] + acts["context_halo"]) / max(len(layers), 1)
-    # Checkpointed blocks keep their input only (and, under autocast, no weight copies) until the
-    # backward recomputes them one at a time.
+    # Checkpointed blocks keep their input only (the residual stream, in the weights' dtype) until
+    # the backward recomputes them one at a time.
     kept = len(layers)
     if parallel.activation_checkpointing == "full":
         kept = 0
     elif parallel.activation_checkpointing == "every_n":
         kept = len(layers) - math.ceil(len(layers) / parallel.checkpoint_every_n)
-    inputs = (len(layers) - kept) * tokens * model.d_model * act_bytes
-    copies = acts["weight_copies"] * (max(kept, 1) / max(len(layers), 1))
+    inputs = (len(layers) - kept) * tokens * model.d_model * max(act_bytes, FP32)
+    # Autocast's bf16 weight copies (`Inventory.weight_copies`): its cache is off under FSDP2 (any
+    # launched layout) or checkpointing (`parallel.autocast_caches_weights`); on, it holds every
+    # block's; checkpointed blocks save none.
+    cache = dims.world == 1 and kept == len(layers)
+    copied = {"block": 0.0, "outside": 0.0}
+    for name, s in shards.items():
+        key = re.sub(r"^layers\.\d+\.", "layers.#.", name.replace("_checkpoint_wrapped_module.", ""))
+        size, saved, cached = inv.weight_copies.get(key, (0, False, False))
+        if saved or (cached and cache):
+            block = key.startswith("layers.")
+            copied["block" if block else "outside"] += s["unsharded"] * size / (max(len(layers), 1) if block else 1)
+    copies = copied["outside"] + copied["block"] * kept
     held = ((one_block * kept + inputs) / dims.tp + acts["outside"] + acts["masks"]) * in_flight
-    recomputed = one_block / dims.tp if kept < len(layers) else 0.0  # one block at a time, in backward
-    plan.device["activations"] = held + recomputed + copies
+    plan.device["activations"] = held + copies  # what a forward leaves for the backward
+    if kept < len(layers):  # one checkpointed block at a time, recomputed in backward
+        plan.device["recomputed_block"] = one_block / dims.tp + copied["block"]
     # FSDP2's all-gathered block (fp32) and the next one prefetched; the block's unsharded gradients.
     block_unsharded = max(
         (sum(s["unsharded"] for n, s in shards.items() if n.startswith(f"layers.{i}.")) for i in layers), default=0
