@@ -3,7 +3,8 @@
 cpu profile's bandwidths) beside the median step time `marinlm train` logs, one process and each
 4-rank gloo layout of bench/parallel_layouts.py (tiny, 8 x 256 tokens, fp32).
 
-    python bench/plan_accuracy.py [--tokens runs/quickstart/tokens] [--steps 8] [--layouts "FSDP 4,EP 4"]
+    python bench/plan_accuracy.py [--tokens runs/quickstart/tokens] [--steps 8] [--layouts "FSDP 4,EP 4"] \
+        [--set=--train.precision=bf16 --set=--parallel.activation_checkpointing=full]
 
 Printed: per layout, the plan's compute and total, the real step, and plan / real.
 """
@@ -40,15 +41,16 @@ def main() -> None:
     p.add_argument("--tokens", default=str(ROOT / "runs" / "quickstart" / "tokens"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--layouts", default="", help="comma-separated names of bench/parallel_layouts.py's FOUR")
+    p.add_argument("--set", action="append", default=[], help="an override for the plan and the runs alike")
     a = p.parse_args()
-    chosen = {"one process": ([], 1)} | {name: (extra, 4) for name, extra in FOUR.items()}
+    chosen = {"one process": (a.set, 1)} | {name: (extra + a.set, 4) for name, extra in FOUR.items()}
     if a.layouts:
         chosen = {name: chosen[name] for name in a.layouts.split(",")}
     with tempfile.TemporaryDirectory(prefix="marinlm-plan-accuracy-") as tmp:
         work, tokens = Path(tmp), Path(a.tokens)
         if not (tokens / "manifest.json").exists():
             tokens = make_tokens(work)
-        print(f"tiny, 8 x 256 tokens, fp32, {a.steps} steps a run; gloo on this CPU")
+        print(f"tiny, 8 x 256 tokens, fp32, {' '.join(a.set)}, {a.steps} steps a run; gloo on this CPU")
         print(f"{'layout':<16}{'plan compute':>14}{'plan step':>11}{'real step':>11}{'plan / real':>13}")
         for name, (extra, procs) in chosen.items():
             step = planned(extra, procs)
