@@ -239,6 +239,8 @@ def _unit_reduce(params) -> object:
     import torch
     import torch.distributed as dist
 
+    if not params:  # a unit holding nothing of its own (a middle pipeline stage's root)
+        return lambda: None
     mesh, placements = params[0].device_mesh, params[0].placements
     shard = sum(p.to_local().numel() for p in params)
     steps = []

@@ -112,12 +112,14 @@ def plan_layout(
     inv=None,
     remote_share: float | None = None,
     table=None,
+    gloo_group: bool = True,
 ) -> LayoutPlan:
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
     gives a rank's local shards (default: the real parallelize() under a fake process group).
     `remote_share`: the routing's share of assignments sent to another expert-parallel rank
-    (`expert_exchanges`). Fault-tolerant replica groups are planned as HSDP's replicas, plus what
-    torchft adds."""
+    (`expert_exchanges`). `gloo_group`: on `--hardware cpu`, time what a layout of several ranks
+    adds in a gloo group of its size (`cpu_step.measure_layout`). Fault-tolerant replica groups
+    are planned as HSDP's replicas, plus what torchft adds."""
     model = train.model
     fault_tolerant = parallel.fault_tolerance.groups > 1
     if fault_tolerant:
@@ -186,7 +188,7 @@ def plan_layout(
     if measured and table is None and not measurable_here(model, micro_rows * seq):
         measured = False
         notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
-    gloo = measured and hardware.name == "cpu" and world > 1  # gloo here: costs measured on the spot
+    gloo = measured and hardware.name == "cpu" and world > 1 and gloo_group  # gloo here: measured on the spot
     layout = measure_layout(train, parallel, world, rows) if gloo else None
     if measured:
         compute = measured_compute(

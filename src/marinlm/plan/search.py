@@ -113,7 +113,10 @@ def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3)
     for layout in progress_bar(iterable=layouts, desc="plan: search", unit="layout"):
         parallel = dataclasses.replace(train.parallel, **layout)
         try:
-            estimate = plan(train, parallel, gpus, hardware, efficiency, shards_of=rule_shards, inv=inv)
+            # A quick pass: no gloo group timed for each candidate (`--hardware cpu`); the best are.
+            estimate = plan(
+                train, parallel, gpus, hardware, efficiency, shards_of=rule_shards, inv=inv, gloo_group=False
+            )
         except (ConfigError, ValueError):
             continue  # a degree that does not divide the model, the batch or the stages
         quick.append((estimate.step["total"] if estimate.fits and estimate.host_fits else math.inf, parallel))
