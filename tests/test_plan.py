@@ -346,15 +346,17 @@ ACTIVATION_LAYOUTS = {
     "EP 2 x FSDP 2": {"expert_parallel": 2, "data_parallel_shard": 4},
     "EP 4": {"expert_parallel": 4, "data_parallel_shard": 4},
 }
-ACTIVATION_CASES = [(n, p, ac) for n in ACTIVATION_LAYOUTS for p in ("fp32", "bf16") for ac in ("none", "full")]
+ACTIVATION_CASES = [("tiny", n, p, ac) for n in ACTIVATION_LAYOUTS for p in ("fp32", "bf16") for ac in ("none", "full")]
+ACTIVATION_CASES += [("small", "FSDP 4", "bf16", ac) for ac in ("none", "full")]
 
 
-def _activation_config(precision: str, ac: str, layout: str):
+def _activation_config(preset: str, precision: str, ac: str, layout: str):
     from dataclasses import replace
 
     from marinlm.train.config import TrainConfig
 
-    overrides = ["--train.global_batch=8", "--data.seq_len=128", f"--train.precision={precision}"]
+    overrides = [f"--model={ROOT / 'configs' / 'model' / preset}.yaml"]
+    overrides += ["--train.global_batch=8", "--data.seq_len=128", f"--train.precision={precision}"]
     overrides += ["--model.moe.capacity_factor=null", f"--parallel.activation_checkpointing={ac}"]
     overrides += ["--kernels.modules=reference"]  # what CUDA runs, as the GPU plan assumes
     config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
@@ -377,8 +379,8 @@ def _held_activations(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     held = {}
-    for name, precision, ac in ACTIVATION_CASES:
-        config, parallel = _activation_config(precision, ac, name)
+    for preset, name, precision, ac in ACTIVATION_CASES:
+        config, parallel = _activation_config(preset, precision, ac, name)
         dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
         with torch.device("meta"):
             model = MarinForCausalLM(config.model)
@@ -393,7 +395,7 @@ def _held_activations(rank: int, store: str, out: str) -> None:
             loss = model(ids, labels=ids, return_logits=False).loss
             current = next(iter(tracker.get_tracker_snapshot("current").values()))
         loss.backward()
-        held[f"{name}|{precision}|{ac}"] = next(v for k, v in current.items() if "ACT" in str(k))
+        held[f"{preset}|{name}|{precision}|{ac}"] = next(v for k, v in current.items() if "ACT" in str(k))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(held, f)
     dist.destroy_process_group()
@@ -403,11 +405,11 @@ def _held_activations(rank: int, store: str, out: str) -> None:
 @pytest.mark.distributed
 def test_the_planned_activations_are_within_5_percent_of_real_gloo_layouts(tmp_path):
     """`tiny` on 4 gloo ranks, 2 rows of 128 tokens a data-parallel rank, each layout with and
-    without full activation checkpointing, fp32 and bf16: the activations the plan says a rank
-    holds when its forward ends (saved tensors, checkpointed blocks' inputs, autocast's weight
-    copies, saved and cached) against what the real sharded model holds then (the mean over
-    ranks: routing moves a few tokens between expert-parallel ranks), within 5%; one block fewer
-    misses."""
+    without full activation checkpointing, fp32 and bf16 (and `small` in bf16 under FSDP 4): the
+    activations the plan says a rank holds when its forward ends (saved tensors, checkpointed
+    blocks' inputs, autocast's weight copies, saved and cached) against what the real sharded
+    model holds then (the mean over ranks: routing moves a few tokens between expert-parallel
+    ranks), within 5%; one block fewer misses."""
     import json
 
     from marinlm.plan.estimate import plan_layout
@@ -415,9 +417,9 @@ def test_the_planned_activations_are_within_5_percent_of_real_gloo_layouts(tmp_p
 
     mp.spawn(_held_activations, args=(str(tmp_path / "store"), str(tmp_path / "held")), nprocs=4)
     held = [json.loads((tmp_path / f"held.{rank}").read_text()) for rank in range(4)]
-    for name, precision, ac in ACTIVATION_CASES:
-        key = f"{name}|{precision}|{ac}"
-        config, parallel = _activation_config(precision, ac, name)
+    for preset, name, precision, ac in ACTIVATION_CASES:
+        key = f"{preset}|{name}|{precision}|{ac}"
+        config, parallel = _activation_config(preset, precision, ac, name)
         device = plan_layout(config, parallel, 4, load_hardware("h100-sxm"), Efficiency()).ranks[0].device
         real = sum(h[key] for h in held) / 4
         assert device["activations"] == pytest.approx(real, rel=0.05), key
