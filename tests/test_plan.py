@@ -343,6 +343,7 @@ def test_fault_tolerant_groups_are_planned_as_hsdp_plus_what_torchft_adds():
 ACTIVATION_LAYOUTS = {
     "FSDP 4": {"data_parallel_shard": 4},
     "HSDP 2x2": {"data_parallel_replicate": 2, "data_parallel_shard": 2},
+    "TP 2 x FSDP 2": {"tensor_parallel": 2, "data_parallel_shard": 2},
     "EP 2 x FSDP 2": {"expert_parallel": 2, "data_parallel_shard": 4},
     "EP 4": {"expert_parallel": 4, "data_parallel_shard": 4},
 }
@@ -358,6 +359,8 @@ def _activation_config(preset: str, precision: str, ac: str, layout: str):
     overrides = [f"--model={ROOT / 'configs' / 'model' / preset}.yaml"]
     overrides += ["--train.global_batch=8", "--data.seq_len=128", f"--train.precision={precision}"]
     overrides += ["--model.moe.capacity_factor=null", f"--parallel.activation_checkpointing={ac}"]
+    if layout.startswith("TP"):  # two tensor-parallel ranks split the heads
+        overrides += ["--model.attention.num_kv_heads=4", "--model.attention.num_global_kv_heads=2"]
     overrides += ["--kernels.modules=reference"]  # what CUDA runs, as the GPU plan assumes
     config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
     return config, replace(config.parallel, **ACTIVATION_LAYOUTS[layout])

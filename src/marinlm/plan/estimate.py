@@ -45,7 +45,7 @@ from marinlm.plan.cpu_step import (
 )
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
-from marinlm.plan.shards import local_shards
+from marinlm.plan.shards import local_shards, tensor_parallel_activations
 
 FP32 = 4
 GiB = 2**30
@@ -469,9 +469,19 @@ def _rank_memory(
             copied["block" if block else "outside"] += s["unsharded"] * size / (max(len(layers), 1) if block else 1)
     copies = copied["outside"] + copied["block"] * kept
     held = ((one_block * kept + inputs) / dims.tp + acts["outside"] + acts["masks"]) * in_flight
+    recomputed = one_block / dims.tp + copied["block"]
+    if dims.tp > 1 and dims.pp == dims.ep == dims.cp == 1 and measurable_here(model, tokens):
+        # Tensor parallel shards some saved tensors and not others (sequence parallel's gathered
+        # inputs stay whole): read off a fake-group forward of this rank, weight copies included.
+        precision = "bf16" if act_bytes == 2 else "fp32"
+        where = "cuda" if hardware.name != "cpu" else "cpu"
+        traced = tensor_parallel_activations(train, dims.tp, micro_rows, train.data.seq_len, precision, where)
+        per_layer = sorted(traced["layers"].values())
+        held = sum(per_layer[len(per_layer) - kept :] if kept else []) + inputs / dims.tp + traced["outside"]
+        copies, recomputed = 0.0, per_layer[-1]
     plan.device["activations"] = held + copies  # what a forward leaves for the backward
     if kept < len(layers):  # one checkpointed block at a time, recomputed in backward
-        plan.device["recomputed_block"] = one_block / dims.tp + copied["block"]
+        plan.device["recomputed_block"] = recomputed
     # FSDP2's all-gathered block (fp32) and the next one prefetched; the block's unsharded gradients.
     block_unsharded = max(
         (sum(s["unsharded"] for n, s in shards.items() if n.startswith(f"layers.{i}.")) for i in layers), default=0

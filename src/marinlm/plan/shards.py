@@ -81,3 +81,65 @@ def _unsharded_elements(p: torch.Tensor) -> int:
         if axis in ("tp", "ep") and placement.is_shard():
             elements //= p.device_mesh.size(p.device_mesh.mesh_dim_names.index(axis))
     return elements
+
+
+def tensor_parallel_activations(
+    train, tp: int, rows: int, seq_len: int, precision: str, kernels_device: str = "cpu"
+) -> dict[str, float]:
+    """Bytes one rank of a `tp`-way tensor-parallel layout keeps from a forward of `rows` rows of
+    `seq_len` tokens, read off the real thing: the model (its weights initialised) sharded by
+    `apply_tensor_parallel` under a fake process group, run forward with the step's autocast (no
+    cache: a launched layout has FSDP2 units), each saved tensor's storage counted once, local
+    shards as they are, in the block that saved it, or outside the blocks (what they or several
+    blocks saved, as the tables a forward shares, which a checkpointed block's inputs keep too):
+    {"layers": {block index: bytes}, "outside": bytes}. The fake group's collectives move nothing,
+    so the values are garbage; the shapes, which are all this counts, are those of a real run.
+    `kernels_device` "cuda" keeps the reference modules, as the activation inventory does."""
+    from marinlm.kernels import apply_kernels
+    from marinlm.parallel.tensor_parallel import apply_tensor_parallel
+
+    config = train.model
+    with fake_world(tp, 0):
+        dims = ParallelDims.resolve(ParallelConfig(tensor_parallel=tp, data_parallel_shard=1), tp).build_mesh("cpu")
+        with torch.device("meta"):
+            model = MarinForCausalLM(config)
+        kernels = train.kernels if kernels_device == "cpu" else train.kernels.reference()
+        apply_kernels(model, torch.device("cpu"), precision, kernels)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)
+        apply_tensor_parallel(model, dims.dense_mesh["tp"], expert_parallel=False)
+        params = {_storage(p)[0] for p in model.parameters()}
+        where, saved = ["outside"], {}
+
+        def pack(t):
+            key, nbytes = _storage(t)
+            if key not in params:
+                saved.setdefault(key, (set(), nbytes))[0].add(where[0])
+            return t
+
+        for name, block in model.layers.named_children():
+            block.register_forward_pre_hook(lambda m, args, i=int(name): where.__setitem__(0, i))
+            block.register_forward_hook(lambda m, args, out: where.__setitem__(0, "outside"))
+        ids = torch.zeros(rows, seq_len, dtype=torch.long)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(ids, labels=ids, return_logits=False)
+    found: dict = {"layers": {}, "outside": 0.0}
+    for regions, nbytes in saved.values():
+        if len(regions) == 1 and "outside" not in regions:
+            (layer,) = regions
+            found["layers"][layer] = found["layers"].get(layer, 0.0) + nbytes
+        else:  # saved outside the blocks, or by several (the forward's shared tables): kept either way
+            found["outside"] += nbytes
+    return found
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    """(a key for the storage of `t`'s local data, its bytes); a collective's output under the fake
+    group may have no storage to read: then the tensor itself, by its elements."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return ("tensor", id(local)), local.numel() * local.element_size()
