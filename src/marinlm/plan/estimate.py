@@ -36,13 +36,7 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, inventory
-from marinlm.plan.cpu_step import (
-    collective_seconds,
-    measurable_here,
-    measure_gloo,
-    measure_layout,
-    measured_compute,
-)
+from marinlm.plan.cpu_step import collective_seconds, measurable_here, measure_gloo, measure_layout, measured_compute
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards, tensor_parallel_activations
