@@ -52,6 +52,12 @@ def widths(config: MarinConfig, seq_len: int) -> dict[str, float]:
     }
 
 
+def weight_key(name: str) -> str:
+    """A parameter's name as `Inventory.weight_copies` files it: a block's as layers.#.* (any
+    block's alike), activation checkpointing's wrapper left out."""
+    return re.sub(r"^layers\.\d+\.", "layers.#.", name.replace("_checkpoint_wrapped_module.", ""))
+
+
 def layer_kind(config: MarinConfig, i: int) -> str:
     """ "dense" (a first_k_dense layer), "global" or "local": the layer kinds the estimates tell apart."""
     if not config.is_moe_layer(i):
@@ -132,7 +138,7 @@ def inventory(
     where = ["outside"]
     found: dict[str, dict[str, float]] = {}
     unknown = 0.0
-    names = {id(p): re.sub(r"^layers\.\d+\.", "layers.#.", n) for n, p in model.named_parameters()}
+    names = {id(p): weight_key(n) for n, p in model.named_parameters()}
 
     class Casts(TorchDispatchMode):
         """Keeps a weak reference to each copy of a weight (a leaf) cast in a forward."""

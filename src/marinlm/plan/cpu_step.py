@@ -161,43 +161,22 @@ def measure_gloo(world: int) -> tuple[float, float, float]:
 
 
 def collective_seconds(
-    train,
-    dims,
-    world: int,
-    shards: dict,
-    forwards: int,
-    fsdp_bytes: float,
-    a2a_calls: float,
-    a2a_bytes: float,
-    layout: dict | None = None,
+    dims, world: int, shards: dict, forwards: int, a2a_calls: float, a2a_bytes: float, layout: dict
 ) -> dict[str, float]:
     """The gloo collectives of one rank's step, none overlapped (the ranks' compute shares the
-    cores): FSDP2's all-gather of each unit (the blocks and the root) a forward and again in
-    backward when resharded (not under pipeline parallel), and one gradient reduction a unit; the
-    Marin optimizer's all-gather of each matrix sharded along its own dims and the three
-    all-reduces of its norms; the expert all-to-alls; the loss, the gradient norm and each MoE
-    layer's router statistics. With `layout` (`measure_layout`) FSDP2's and the optimizer's are
-    those it timed (the optimizer's whole step); otherwise each is counted at the latency and
-    bandwidth of `measure_gloo`."""
+    cores): FSDP2's gathers and reductions and the optimizer's whole step (its matrix gathers and
+    norm all-reduces) as `measure_layout` timed them: each unit gathered a forward and again in
+    backward when resharded (not under pipeline parallel), and reduced once; the expert
+    all-to-alls, the loss, the gradient norm and each MoE layer's router statistics at the
+    latency and bandwidth of `measure_gloo`."""
     latency, bandwidth, _ = measure_gloo(world)
-    fsdp = dims.dp_shard * dims.cp
-    parts: dict[str, float] = {}
-    if layout is not None:
-        # Under pipeline parallel the stage keeps its units gathered through backward
-        # (torch.distributed.pipelining sets reshard_after_backward False) and reduces once a step.
-        for gather, reduce, resharded in layout["units"]:
-            again = resharded and dims.pp == 1
-            parts["fsdp"] = parts.get("fsdp", 0.0) + gather * forwards * (2 if again else 1) + reduce
-        parts["optimizer"] = layout["optimizer"]
-    elif fsdp > 1:
-        blocks = len({name.split(".")[1] for name in shards if name.startswith("layers.")})
-        passes = forwards * (2 if train.parallel.reshard_after_forward else 1) + 1
-        calls = (blocks + 1) * forwards + blocks * forwards * train.parallel.reshard_after_forward + (blocks + 1)
-        parts["fsdp"] = calls * latency + passes * fsdp_bytes * blocks * (fsdp - 1) / fsdp / bandwidth
-        if train.optim.type_name == "marin":
-            sharded = [v for n, v in shards.items() if len(v["full"]) == 2 and param_kind(n, 2) == "muonh"]
-            gathered = sum(math.prod(v["full"]) for v in sharded) * 4 * (fsdp - 1) / fsdp
-            parts["optimizer_collectives"] = 4 * len(sharded) * latency + gathered / bandwidth
+    parts: dict[str, float] = {"fsdp": 0.0}
+    # Under pipeline parallel the stage keeps its units gathered through backward
+    # (torch.distributed.pipelining sets reshard_after_backward False) and reduces once a step.
+    for gather, reduce, resharded in layout["units"]:
+        again = resharded and dims.pp == 1
+        parts["fsdp"] += gather * forwards * (2 if again else 1) + reduce
+    parts["optimizer"] = layout["optimizer"]
     if a2a_calls:
         parts["expert_all_to_all"] = a2a_calls * latency + a2a_bytes / bandwidth
     moe_layers = sum(1 for n in shards if n.endswith("router.weight"))

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 from marinlm.config import ConfigError
 from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
-from marinlm.plan.activations import activation_bytes, inventory
+from marinlm.plan.activations import activation_bytes, inventory, weight_key
 from marinlm.plan.cpu_step import collective_seconds, measurable_here, measure_gloo, measure_layout, measured_compute
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
@@ -257,13 +256,11 @@ def plan_layout(
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
     if gloo:
-        for key in ("fsdp", "expert_all_to_all") + (("hsdp_all_reduce",) if layout else ()):
+        for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce"):  # timed here instead
             step.pop(key, None)
-        step |= collective_seconds(
-            train, dims, world, stage_shards[0], accumulation, fsdp_bytes, a2a_calls, a2a_bytes, layout
-        )
+        step |= collective_seconds(dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout)
     # The stages idle in the schedule's bubble; the optimizer's step comes after it.
-    busy = sum(v for k, v in step.items() if k not in ("optimizer", "optimizer_collectives"))
+    busy = sum(v for k, v in step.items() if k != "optimizer")
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
     step["total"] = sum(step.values())
@@ -456,7 +453,7 @@ def _rank_memory(
     cache = dims.world == 1 and kept == len(layers)
     copied = {"block": 0.0, "outside": 0.0}
     for name, s in shards.items():
-        key = re.sub(r"^layers\.\d+\.", "layers.#.", name.replace("_checkpoint_wrapped_module.", ""))
+        key = weight_key(name)
         size, saved, cached = inv.weight_copies.get(key, (0, False, False))
         if saved or (cached and cache):
             block = key.startswith("layers.")
