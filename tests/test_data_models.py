@@ -56,7 +56,9 @@ def planted_low_quality(n: int, seed: int) -> list[str]:
 def classifier_config(out: Path, raw: Path, positive: Path, **overrides):
     settings = {
         "dedup": {"exact": False, "fuzzy": False},
-        "classifier": {"enabled": True, "positive": [str(positive)], "sample_docs": 400, "epochs": 25, "dim": 32},
+        # Few hashed n-gram rows: at fastText's default every test would write a model of some 0.5 GB.
+        "classifier": {"enabled": True, "positive": [str(positive)], "sample_docs": 400, "epochs": 25, "dim": 32}
+        | {"bucket": 100_000},
     }
     settings.update(overrides)
     return bare_config(out, [{"name": "web", "inputs": [str(raw)]}], **settings)
@@ -223,7 +225,8 @@ def test_the_shared_corpora_report_the_classifier_its_levels_and_the_topics(tmp_
         sources,
         workers=2,
         dedup={"exact": True, "fuzzy": False},
-        classifier={"enabled": True, "positive": [str(corpus / "wikitext2_valid.txt")], "sample_docs": 2000},
+        classifier={"enabled": True, "positive": [str(corpus / "wikitext2_valid.txt")], "sample_docs": 2000}
+        | {"bucket": 200_000},
         topic={"enabled": True, "num_clusters": 8, "sample_docs": 2000},
     )
     report = run_pipeline(config)

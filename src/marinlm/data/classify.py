@@ -52,6 +52,7 @@ class ClassifierConfig:
     epochs: int = 15
     dim: int = 64
     word_ngrams: int = 2
+    bucket: int = 2_000_000  # fastText's hashed word n-gram rows: the model is (bucket + words) x dim floats
     lr: float = 0.1  # fastText's default; 0.5 diverged (NaN) on a few hundred short documents
     max_chars: int = 20_000  # of each document, for training and scoring (fastText reads a line)
     seed: int = 0
@@ -62,6 +63,7 @@ class ClassifierConfig:
         check(0.0 <= self.threshold < 1.0, "threshold", f"must be in [0, 1), got {self.threshold}")
         check(self.levels >= 1, "levels", f"must be >= 1, got {self.levels}")
         check(self.sample_docs >= 10, "sample_docs", f"must be >= 10, got {self.sample_docs}")
+        check(self.bucket >= 1, "bucket", f"must be >= 1, got {self.bucket}")
 
 
 @dataclass(kw_only=True)
@@ -153,6 +155,7 @@ def train_classifier(config: ClassifierConfig, tasks: list[dict], work: Path) ->
             epoch=config.epochs,
             dim=config.dim,
             wordNgrams=config.word_ngrams,
+            bucket=config.bucket,
             lr=config.lr,
             thread=1,
             seed=config.seed,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -424,7 +425,7 @@ def _run_pipeline(config: PipelineConfig, tasks: list[dict], notes: list[str]) -
     for name in ("quality.bin", "topics.npz"):
         if (work / name).is_file():
             with atomic_path(out / name) as tmp:
-                tmp.write_bytes((work / name).read_bytes())
+                shutil.copyfile(work / name, tmp)
     write_json_atomic(out / "manifest.json", manifest)
     report = write_report(out, config, tasks, stage1, summary, stage3, time.perf_counter() - start, notes, fitted)
     report["units_run"] = units_run  # this call's work (0: all done by an earlier run); not in report.json
