@@ -234,6 +234,7 @@ def _activation_peak(config, size: int) -> float:
 
     from marinlm.model import MarinForCausalLM
     from marinlm.parallel.context_parallel import apply_context_parallel
+    from marinlm.plan.op_table import packed_segments
 
     with torch.device("meta"):
         model = MarinForCausalLM(config)
@@ -244,8 +245,8 @@ def _activation_peak(config, size: int) -> float:
     ids = torch.randint(0, config.vocab_size, (1, MEMORY_SEQ), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
     tracker.track_external(model)
-    with tracker:
-        model(ids, labels=ids, return_logits=False).loss.backward()
+    with tracker:  # packed documents, as a training step passes them
+        model(ids, packed_segments(1, MEMORY_SEQ), labels=ids, return_logits=False).loss.backward()
     peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return next(v for k, v in peaks.items() if "ACT" in str(k))
 

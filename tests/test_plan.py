@@ -3,6 +3,7 @@ rules of --search equal them too, the activation estimate against MemTracker, an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -78,6 +79,7 @@ def _measured_activations(config, rows: int, seq_len: int, precision: str) -> fl
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from marinlm.model import MarinForCausalLM
+    from marinlm.plan.op_table import packed_segments
 
     with torch.device("meta"):
         model = MarinForCausalLM(config)
@@ -86,8 +88,8 @@ def _measured_activations(config, rows: int, seq_len: int, precision: str) -> fl
     ids = torch.randint(0, config.vocab_size, (rows, seq_len))
     tracker = MemTracker()
     tracker.track_external(model)
-    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        model(ids, labels=ids, return_logits=False).loss.backward()
+    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):  # packed, as a step
+        model(ids, packed_segments(rows, seq_len), labels=ids, return_logits=False).loss.backward()
     peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return next(v for k, v in peaks.items() if "ACT" in str(k))
 
@@ -377,6 +379,7 @@ def _held_activations(rank: int, store: str, out: str) -> None:
     from marinlm.model import MarinForCausalLM
     from marinlm.parallel import _parallelize, autocast_caches_weights
     from marinlm.parallel.mesh import ParallelDims
+    from marinlm.plan.op_table import packed_segments
     from marinlm.utils.device import autocast_context
 
     torch.set_num_threads(1)
@@ -393,9 +396,10 @@ def _held_activations(rank: int, store: str, out: str) -> None:
         _parallelize(model, parallel, dims)
         rows = config.train.global_batch // dims.dp
         ids = torch.randint(0, config.model.vocab_size, (rows, 128), generator=torch.Generator().manual_seed(rank))
+        segments = packed_segments(rows, 128)  # packed documents, as the loader gives them
         tracker = FSDPMemTracker(model, None)
         with tracker, autocast_context(torch.device("cpu"), precision, autocast_caches_weights(model)):  # as a step
-            loss = model(ids, labels=ids, return_logits=False).loss
+            loss = model(ids, segments, labels=ids, return_logits=False).loss
             current = next(iter(tracker.get_tracker_snapshot("current").values()))
         loss.backward()
         held[f"{preset}|{name}|{precision}|{ac}"] = next(v for k, v in current.items() if "ACT" in str(k))
@@ -427,6 +431,129 @@ def test_the_planned_activations_are_within_5_percent_of_real_gloo_layouts(tmp_p
         real = sum(h[key] for h in held) / 4
         assert device["activations"] == pytest.approx(real, rel=0.05), key
         assert device["activations"] - device["temporaries"] != pytest.approx(real, rel=0.05), key
+
+
+PIPELINE_CASES = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full")]
+
+
+def _pipeline_config(precision: str, ac: str):
+    from dataclasses import replace
+
+    config, _ = _activation_config("tiny", precision, ac, "FSDP 4")
+    return config, replace(config.parallel, pipeline_parallel=2, data_parallel_shard=2)
+
+
+def _sample_alive(created, samples: list, excluded, *_) -> None:
+    samples.append(sum(s.nbytes() for s in list(created.storages.keys()) if s.data_ptr() not in excluded()))
+
+
+def _then(fn, after, *args):
+    result = fn(*args)
+    after()
+    return result
+
+
+def _held_by_pipeline_stages(rank: int, store: str, out: str) -> None:
+    """Each case's peak, over a step's 1F1B schedule, of what this rank's stage holds at the end of
+    each of its forwards (and, on the last stage, each loss): the storages the step's operations
+    created that are still alive (as FSDPMemTracker counts activations, which cannot follow the
+    schedule), less the weights, gradients and FSDP2's gathered weights and unsharded gradients.
+    The second step is measured (the first also infers the stages' shapes)."""
+    import json
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from marinlm.kernels import apply_kernels
+    from marinlm.model import MarinForCausalLM
+    from marinlm.parallel import parallelize
+    from marinlm.parallel.mesh import ParallelDims
+    from marinlm.plan.op_table import packed_segments
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages = WeakIdKeyDictionary()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
+                    self.storages[t.untyped_storage()] = True
+            return result
+
+    def model_storages(pipelined) -> set:
+        tensors = [t for p in pipelined.parameters() for t in (p, p.grad) if t is not None]
+        for module in pipelined.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            for fsdp_param in group.fsdp_params if group else ():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                tensors += [unsharded, getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad]
+        return {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors if t is not None}
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    cpu, held = torch.device("cpu"), {}
+    for precision, ac in PIPELINE_CASES:
+        config, parallel = _pipeline_config(precision, ac)
+        dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
+        with torch.device("meta"):
+            model = MarinForCausalLM(config.model)
+        apply_kernels(model, cpu, precision, config.kernels)
+        rows = config.train.global_batch // dims.dp
+        pipelined = parallelize(model, parallel, dims, device=cpu, rows=rows, seq_len=128)
+        for stage in pipelined.stages:
+            stage.to_empty(device="cpu")
+            stage.init_weights(seed=0)
+        ids = torch.randint(0, config.model.vocab_size, (rows, 128), generator=torch.Generator().manual_seed(rank))
+        batches = [
+            {"input_ids": ids[i : i + 1], "segment_ids": packed_segments(1, 128), "labels": ids[i : i + 1]}
+            for i in range(rows)
+        ]
+        created, samples = Created(), []
+        sample = functools.partial(_sample_alive, created, samples, functools.partial(model_storages, pipelined))
+        for stage in pipelined.stages:
+            stage.register_forward_hook(sample)
+        pipelined.schedule._loss_fn = functools.partial(_then, pipelined.schedule._loss_fn, sample)
+        for _ in range(2):
+            samples.clear()
+            with created:
+                pipelined.forward_backward(
+                    batches, device=cpu, precision=precision, global_tokens=8 * 128, world_size=dims.dp
+                )
+            pipelined.zero_grad(set_to_none=True)
+        held[f"{precision}|{ac}"] = max(samples)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(held, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_planned_pipeline_stages_hold_what_real_gloo_stages_hold(tmp_path):
+    """`tiny` under PP 2 x FSDP 2 (1F1B, 4 microbatches of one row of 128 tokens), fp32 and bf16,
+    with and without full activation checkpointing: the plan's activations, pipeline buffers and
+    router margins of each stage against the peak of what its real ranks hold through a step."""
+    import json
+
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+
+    mp.spawn(_held_by_pipeline_stages, args=(str(tmp_path / "store"), str(tmp_path / "held")), nprocs=4)
+    held = [json.loads((tmp_path / f"held.{rank}").read_text()) for rank in range(4)]
+    for precision, ac in PIPELINE_CASES:
+        config, parallel = _pipeline_config(precision, ac)
+        plan = plan_layout(config, parallel, 4, load_hardware("h100-sxm"), Efficiency())
+        for stage in (0, 1):
+            device = plan.ranks[stage].device
+            planned = device["activations"] + device["pipeline_buffers"] + device["router_margins"]
+            real = sum(held[rank][f"{precision}|{ac}"] for rank in (2 * stage, 2 * stage + 1)) / 2
+            print(f"PP stage {stage} {precision} {ac}: planned {planned / 1e6:.3f} MB, real {real / 1e6:.3f}")
+            assert planned == pytest.approx(real, rel=0.05), (stage, precision, ac)
+            one_fewer = planned - device["activations"] / (2 - stage)  # a microbatch fewer in flight
+            assert one_fewer != pytest.approx(real, rel=0.05), (stage, precision, ac)
 
 
 def test_a_gloo_layout_is_priced_from_its_fsdp_units_and_optimizer_timed_in_a_real_group():

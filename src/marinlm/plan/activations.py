@@ -58,6 +58,14 @@ def weight_key(name: str) -> str:
     return re.sub(r"^layers\.\d+\.", "layers.#.", name.replace("_checkpoint_wrapped_module.", ""))
 
 
+def context_bytes_a_token(config: MarinConfig) -> float:
+    """Bytes a token of a forward's context (`model/context.py` `ForwardContext`), which a
+    checkpointed block keeps till backward: document ids and positions (int64), RoPE's cos and sin
+    tables (fp32), SConv's keep mask a lag (bool); its T x T masks are counted apart."""
+    sconv = config.sconv.kernel_size - 1 if config.sconv.sites else 0
+    return 2 * 8 + 2 * (config.attention.rope_dim // 2) * 4 + sconv
+
+
 def layer_kind(config: MarinConfig, i: int) -> str:
     """ "dense" (a first_k_dense layer), "global" or "local": the layer kinds the estimates tell apart."""
     if not config.is_moe_layer(i):
@@ -93,6 +101,7 @@ class Inventory:
 
     layer_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
     outside: dict[str, float] = field(default_factory=dict)
+    head: dict[str, float] = field(default_factory=dict)  # the part of `outside` saved after the blocks
     unknown: float = 0.0  # bytes a token no width explains (kept as they are)
     # Under autocast a forward ends holding a bf16 copy of the weights it multiplies (saved for
     # backward, or in autocast's cache): bytes per weight element (2 where every matrix is cast).
@@ -120,6 +129,7 @@ def inventory(
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.plan.op_table import packed_segments
 
     proxy_config, T = proxy(config)
     B = 2
@@ -133,6 +143,9 @@ def inventory(
     table = widths(proxy_config, T)
     N = B * T
     ids = torch.randint(0, proxy_config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    # Training rows are packed documents: the step passes their segment ids, and with them the
+    # model builds (and saves) its attention and SConv masks.
+    segments = packed_segments(B, T)
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     where = ["outside"]
@@ -170,6 +183,10 @@ def inventory(
         elements = t.numel()
         # Bytes of one storage, filed by its elements a token; a view's storage may be larger.
         name = _classify(elements / N, table) or _classify(nbytes / t.element_size() / N, table)
+        for shift in range(1, proxy_config.sconv.kernel_size if name is None else 1):
+            # SConv's products with its keep masks span T - shift tokens a row (packed documents):
+            # filed under their width, as if the row were whole.
+            name = name or _classify(elements / (B * (T - shift)), table)
         if name is None:
             unknown += nbytes / N
         else:
@@ -184,7 +201,7 @@ def inventory(
         return hook
 
     def leave(module, args, output):
-        where[0] = "outside"
+        where[0] = "head"  # until the next block: after the last, the final norm, LM head and loss
 
     for i, block in enumerate(model.layers):
         kind = layer_kind(proxy_config, i)
@@ -196,14 +213,16 @@ def inventory(
     saved, cached = Casts(), Casts()
     uncached = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), uncached, saved:
-        model(ids, labels=ids, return_logits=False)
+        model(ids, segments, labels=ids, return_logits=False)
         held = saved.live()
     apply_activation_checkpointing(model, "full", 1)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), cached:
-        model(ids, labels=ids, return_logits=False)
+        model(ids, segments, labels=ids, return_logits=False)
         in_cache = cached.live()
     matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
-    inv = Inventory({k: v for k, v in found.items() if k != "outside"}, found.get("outside", {}), unknown)
+    outside, head = found.get("outside", {}), found.get("head", {})
+    outside = {k: outside.get(k, 0.0) + head.get(k, 0.0) for k in set(outside) | set(head)}
+    inv = Inventory({k: v for k, v in found.items() if k not in ("outside", "head")}, outside, head, unknown)
     copies = held | in_cache
     inv.cast_bytes_per_weight = sum(p.numel() * copies.get(names[id(p)], 0) for p in model.parameters()) / matrices
     inv.weight_copies = {name: (size, name in held, name in in_cache) for name, size in copies.items()}
@@ -220,6 +239,8 @@ def activation_bytes(
     gpu: bool = False,
     cp: int = 1,
     act_bytes: int = 4,
+    embed: bool = True,
+    head: bool = True,
 ) -> dict[str, float]:
     """Saved bytes of a forward over `tokens` tokens of rows of `seq_len`: by part ("blocks",
     "outside", "weight_copies" of the `weights` matrix elements the rank multiplies, "masks",
@@ -232,13 +253,17 @@ def activation_bytes(
     terms span the keys its chunk reaches (`context_parallel.reach_cost`, the busiest rank's), and
     each layer keeps the keys and values it gathered (own and received, `act_bytes` an element)
     and its SConv inputs' halo.
+
+    `embed`, `head`: whether the rank runs the embedding and the final norm, LM head and loss (a
+    pipeline stage runs one, both or neither); what is saved outside the blocks is theirs.
     """
     table = widths(config, seq_len)
     layers = range(config.num_layers) if layers is None else layers
     a = config.attention
     keys = {"global": seq_len, "local": seq_len, "dense": seq_len}  # keys a query's T x T terms span
     halo = {"global": 0.0, "local": 0.0, "dense": 0.0}  # bytes a row beside the per-token ones
-    mask_elements = 2 * seq_len * seq_len  # a row's masks: [T, T], local and global
+    # A row's masks, [T, T] each: one for the local layers and one for the global, of those it runs.
+    mask_elements = len({config.is_global_layer(i) for i in layers}) * seq_len * seq_len
     if cp > 1:
         from marinlm.parallel.context_parallel import reach_cost
 
@@ -273,7 +298,12 @@ def activation_bytes(
         halos += halo[kind]
     return {
         "blocks": blocks * tokens,
-        "outside": (per_token(inv.outside, "local") + inv.unknown) * tokens,
+        "outside": (
+            (per_token(inv.outside, "local") - per_token(inv.head, "local")) * embed
+            + per_token(inv.head, "local") * head
+            + inv.unknown
+        )
+        * tokens,
         "weight_copies": inv.cast_bytes_per_weight * weights,
         "masks": mask_elements * rows if gpu or cp > 1 else 0.0,  # bool, local and global
         "context_halo": halos * rows,

@@ -34,8 +34,9 @@ from marinlm.config import ConfigError
 from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
-from marinlm.plan.activations import activation_bytes, inventory, weight_key
+from marinlm.plan.activations import activation_bytes, context_bytes_a_token, inventory, weight_key
 from marinlm.plan.cpu_step import collective_seconds, measurable_here, measure_gloo, measure_layout, measured_compute
+from marinlm.plan.exchanges import context_exchange_bytes, expert_exchanges
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
 from marinlm.plan.shards import local_shards, tensor_parallel_activations
@@ -298,45 +299,6 @@ def forwards_a_step(dims, rows: int, micro_rows: int, microbatches: int) -> int:
     return rows // micro_rows if dims.pp == 1 else microbatches
 
 
-def expert_exchanges(
-    model, dims, tokens: int, forwards: int, act_bytes: int, recompute: float, moe_layers: float, remote_share=None
-) -> tuple[float, float]:
-    """(bytes a rank sends to other ranks, all-to-all calls) a step under expert parallel, as
-    parallel/expert_parallel.py runs them: per MoE layer and forward, the experts' counts (int64,
-    E/ep + 1 to each other rank), the rows to the experts and the results back (latent width,
-    `act_bytes`), and in backward the two gradients' exchanges; a checkpointed block's
-    recomputed forward exchanges all three again. Each assignment travels once each way;
-    `remote_share` is the share of them whose expert sits on another rank: (ep - 1) / ep where
-    every rank routes alike (whatever the skew across experts), or a run's measured share."""
-    share = (dims.ep - 1) / dims.ep if remote_share is None else remote_share
-    latent = model.moe.latent_dim or model.d_model
-    rows = tokens * model.moe.top_k * share / forwards  # remote assignments of one forward
-    header = (dims.ep - 1) * (model.moe.num_experts // dims.ep + 1) * 8
-    forward = 2 * rows * latent * act_bytes + header
-    per_forward = forward * (1 + recompute) + 2 * rows * latent * act_bytes
-    calls = 3 * (1 + recompute) + 2
-    return per_forward * forwards * moe_layers, calls * forwards * moe_layers
-
-
-def context_exchange_bytes(model, seq_len: int, cp: int, act_bytes: int) -> float:
-    """Bytes the busiest cp rank receives in one forward of a row: every layer's keys and values
-    (global layers: all earlier tokens; local: the window's halo) and the SConv sites' halos."""
-    from marinlm.parallel.context_parallel import reach_cost
-
-    a = model.attention
-    window = None if a.sliding_window is None else a.sliding_window - 1
-    halo = reach_cost(seq_len, cp, model.sconv.kernel_size - 1).received
-    kv_width = a.num_kv_heads * a.head_dim
-    sites = {"k": kv_width, "v": kv_width, "attn": model.d_model, "mlp": model.d_model}
-    total = 0.0
-    for i in range(model.num_layers):
-        is_global = model.is_global_layer(i)
-        kv = (a.global_kv_heads() if is_global else a.num_kv_heads) * a.head_dim
-        total += reach_cost(seq_len, cp, None if is_global else window).received * 2 * kv
-        total += halo * sum(sites[s] for s in model.sconv.sites)
-    return total * act_bytes
-
-
 def _bandwidth(hardware: Hardware, link: str) -> float:
     return hardware.nvlink_bandwidth if link == "nvlink" else hardware.network_bandwidth
 
@@ -435,8 +397,21 @@ def _rank_memory(
     in_flight = dims.pp - stage if dims.pp > 1 else 1  # 1F1B keeps pp - stage microbatches' activations
     matrices = sum(s["unsharded"] for s in shards.values() if len(s["full"]) >= 2)
     gpu = hardware.name != "cpu"
+    ends = {
+        "embed": any(n.startswith("embed.") for n in shards),
+        "head": any(n.startswith("final_norm.") for n in shards),
+    }
     acts = activation_bytes(
-        inv, model, tokens, train.data.seq_len, layers, weights=matrices, gpu=gpu, cp=dims.cp, act_bytes=act_bytes
+        inv,
+        model,
+        tokens,
+        train.data.seq_len,
+        layers,
+        weights=matrices,
+        gpu=gpu,
+        cp=dims.cp,
+        act_bytes=act_bytes,
+        **ends,
     )
     one_block = (acts["blocks"] + acts["context_halo"]) / max(len(layers), 1)
     # Checkpointed blocks keep their input only (the residual stream, in the weights' dtype) until
@@ -458,9 +433,10 @@ def _rank_memory(
         if saved or (cached and cache):
             block = key.startswith("layers.")
             copied["block" if block else "outside"] += s["unsharded"] * size / (max(len(layers), 1) if block else 1)
-    copies = copied["outside"] + copied["block"] * kept
+    copies = (copied["outside"] + copied["block"] * kept) * in_flight  # each microbatch's forward casts its own
     held = ((one_block * kept + inputs) / dims.tp + acts["outside"] + acts["masks"]) * in_flight
     recomputed = one_block / dims.tp + copied["block"]
+    masks_counted = gpu  # `activation_bytes` counts the boolean masks for CUDA's fused attention
     if dims.tp > 1 and dims.pp == dims.ep == dims.cp == 1 and measurable_here(model, tokens):
         # Tensor parallel shards some saved tensors and not others (sequence parallel's gathered
         # inputs stay whole): read off a fake-group forward of this rank, weight copies included.
@@ -469,7 +445,15 @@ def _rank_memory(
         traced = tensor_parallel_activations(train, dims.tp, micro_rows, train.data.seq_len, precision, where)
         per_layer = sorted(traced["layers"].values())
         held = sum(per_layer[len(per_layer) - kept :] if kept else []) + inputs / dims.tp + traced["outside"]
-        copies, recomputed = 0.0, per_layer[-1]
+        copies, recomputed, masks_counted = 0.0, per_layer[-1], False
+    if kept < len(layers) and dims.cp == 1:  # the checkpoints keep the forward's context till backward:
+        # its tables and, unless counted (CUDA), its boolean masks (unchecked, the CPU saves float copies)
+        masks = len({model.is_global_layer(i) for i in layers}) * train.data.seq_len if not masks_counted else 0
+        held += micro_rows * train.data.seq_len * (context_bytes_a_token(model) + masks) * in_flight
+    if stage < dims.pp - 1:  # torch's stage keeps its output for the backward it sends back
+        held += tokens * model.d_model * FP32 * in_flight
+    if stage > 0:  # its first block's input is the buffer it received (`pipeline_buffers`)
+        held -= tokens * model.d_model * FP32 * in_flight
     plan.device["activations"] = held + copies  # what a forward leaves for the backward
     if kept < len(layers):  # one checkpointed block at a time, recomputed in backward
         plan.device["recomputed_block"] = recomputed
@@ -487,7 +471,18 @@ def _rank_memory(
         plan.device["all_to_all_buffers"] = 2 * (sent + received) * latent * act_bytes
     if dims.tp > 1:
         plan.device["tensor_parallel_buffers"] = 2 * tokens * model.d_model * act_bytes
-    if dims.pp > 1:
-        plan.device["pipeline_buffers"] = 2 * tokens * model.d_model * act_bytes
+    forwards = train.train.global_batch // dims.dp // micro_rows
+    if dims.pp > 1:  # torch's stage keeps a buffer a microbatch for what it receives: the residual
+        # stream (fp32, the weights' dtype) from the stage before, its gradient from the stage after;
+        # the last keeps every microbatch's output till the step ends
+        ends = (stage > 0) + (stage < dims.pp - 1) + (stage == dims.pp - 1)
+        plan.device["pipeline_buffers"] = ends * forwards * tokens * model.d_model * FP32
+    router = model.moe.router
+    if getattr(router, "estimator", None) == "histogram" and getattr(router, "hist_bounds", None) == "live":
+        # The QB router keeps each forward's margins [tokens, experts] (fp32) until the step's range
+        # across ranks is known, after the last forward: every forward of the step, every MoE layer.
+        moe_layers = sum(model.is_moe_layer(i) for i in layers)
+        routed = tokens / (dims.tp if dims.ep > 1 else 1)  # tensor parallel routes all T, beside EP its T/tp
+        plan.device["router_margins"] = forwards * moe_layers * routed * model.moe.num_experts * FP32
     plan.device["temporaries"] = one_block / dims.tp
     return plan

@@ -10,6 +10,7 @@ each is parallelized alone.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,13 @@ def fake_world(world: int, rank: int):
     """A fake process group of `world` ranks, this process being `rank`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    hook = sys.excepthook  # init_process_group wraps it to prefix [rank#]: put back after
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def stage_of(rank: int, dims: ParallelDims) -> int:
@@ -97,6 +100,7 @@ def tensor_parallel_activations(
     `kernels_device` "cuda" keeps the reference modules, as the activation inventory does."""
     from marinlm.kernels import apply_kernels
     from marinlm.parallel.tensor_parallel import apply_tensor_parallel
+    from marinlm.plan.op_table import packed_segments
 
     config = train.model
     with fake_world(tp, 0):
@@ -123,7 +127,7 @@ def tensor_parallel_activations(
         ids = torch.zeros(rows, seq_len, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            model(ids, labels=ids, return_logits=False)
+            model(ids, packed_segments(rows, seq_len), labels=ids, return_logits=False)  # as a step
     found: dict = {"layers": {}, "outside": 0.0}
     for regions, nbytes in saved.values():
         if len(regions) == 1 and "outside" not in regions:
