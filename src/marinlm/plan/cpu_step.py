@@ -211,6 +211,11 @@ def _own_parameters(unit, units) -> list:
     return [p for p in unit.parameters() if id(p) not in inner]
 
 
+def _shards(p) -> int:
+    """How many pieces the DTensor `p` is cut into (its mesh axes that shard it)."""
+    return math.prod(p.device_mesh.size(axis) for axis, pl in enumerate(p.placements) if pl.is_shard())
+
+
 def _unit_reduce(params) -> object:
     """FSDP2's gradient reduction of one unit's parameters: a reduce-scatter of the gathered
     gradients over the axes that shard them and an all-reduce of the shard over those that
@@ -221,7 +226,8 @@ def _unit_reduce(params) -> object:
     if not params:  # a unit holding nothing of its own (a middle pipeline stage's root)
         return lambda: None
     mesh, placements = params[0].device_mesh, params[0].placements
-    shard = sum(p.to_local().numel() for p in params)
+    # FSDP2 pads dim 0 to a multiple of the shards: every rank reduces the same bytes.
+    shard = sum(-(-p.shape[0] // _shards(p)) * math.prod(p.shape[1:]) for p in params)
     steps = []
     for axis, placement in enumerate(placements):
         group, size = mesh.get_group(axis), mesh.size(axis)
