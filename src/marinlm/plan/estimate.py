@@ -476,7 +476,9 @@ def _rank_memory(
         # stream (fp32, the weights' dtype) from the stage before, its gradient from the stage after;
         # the last keeps every microbatch's output till the step ends
         ends = (stage > 0) + (stage < dims.pp - 1) + (stage == dims.pp - 1)
-        plan.device["pipeline_buffers"] = ends * forwards * tokens * model.d_model * FP32
+        # 1F1B's handle of the first microbatch's send keeps that output alive till the cooldown
+        sent = stage < dims.pp - 1 and parallel.pipeline_schedule == "1F1B"
+        plan.device["pipeline_buffers"] = (ends * forwards + sent) * tokens * model.d_model * FP32
     router = model.moe.router
     if getattr(router, "estimator", None) == "histogram" and getattr(router, "hist_bounds", None) == "live":
         # The QB router keeps each forward's margins [tokens, experts] (fp32) until the step's range
