@@ -9,9 +9,10 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   parallel a 1/cp share of each row, with the keys and values each layer gathers and the masks of
   the keys its chunks reach), divided by tp (sequence parallel), times the microbatches a pipeline
   stage holds at once (1F1B: pp - stage), with full activation checkpointing only the blocks'
-  inputs plus one block;
+  inputs and the forward's context (ids, positions, RoPE tables, masks) plus one block;
 - buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert
-  all-to-all's send and receive rows; tensor parallel's gathered activations; pipeline sends;
+  all-to-all's send and receive rows; tensor parallel's gathered activations; torch's pipeline
+  stage's receive buffers and kept outputs; the QB router's margins, kept for the step;
 - temporaries: one block's activations again (their gradients in backward).
 
 Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (5
