@@ -583,6 +583,38 @@ def test_a_gloo_layout_is_priced_from_its_fsdp_units_and_optimizer_timed_in_a_re
     assert "optimizer_collectives" not in plan.step
 
 
+def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_group():
+    """`--hardware cpu` under TP 2: each block's two sequence gathers and two reduce-scatters a
+    forward, as many in backward and again in a checkpointed block's recomputed forward, the head's
+    gather, and a backward's all-reduce of the replicated weights' gradients, as `measure_layout`
+    timed them in the tp group; the compute is the op-priced share of a tp rank (a tp-th of the
+    heads and hidden widths), not the roofline."""
+    from dataclasses import replace
+
+    from marinlm.plan.cpu_step import measure_layout, tensor_parallel_share
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=2", "--data.seq_len=64", "--train.precision=fp32"]
+    overrides += ["--model.attention.num_kv_heads=4", "--model.attention.num_global_kv_heads=2"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    layers = config.model.num_layers
+    share = tensor_parallel_share(config.model, 2)
+    assert share.attention.num_heads * 2 == config.model.attention.num_heads
+    assert (
+        share.moe.expert_dim * 2 == config.model.moe.expert_dim and share.moe.latent_dim == config.model.moe.latent_dim
+    )
+    for ac, recompute in (("none", 0), ("full", 1)):
+        parallel = replace(config.parallel, tensor_parallel=2, data_parallel_shard=1, activation_checkpointing=ac)
+        gather, scatter, replicated = measure_layout(config, parallel, 2, rows=2)["tensor_parallel"]
+        assert gather > 0 and scatter > 0 and replicated > 0
+        plan = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency())
+        exchanges = (layers * 2 * (2 + recompute) + 1) * (gather + scatter)
+        assert plan.step["tensor_parallel"] == pytest.approx(exchanges + replicated, rel=1e-12)
+        assert any("priced from costs measured here" in note for note in plan.notes)
+
+
 def test_autocast_keeps_no_weight_copies_where_fsdp_or_checkpointing_frees_them():
     """A step's autocast caches its bf16 weight copies for the forward only where nothing frees a
     block's weights or activations after it: not with checkpointed blocks (nor FSDP2 units)."""

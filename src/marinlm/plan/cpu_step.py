@@ -7,6 +7,7 @@ in a gloo group of the layout's size holding the model as the real `parallelize`
 
 from __future__ import annotations
 
+import copy
 import math
 
 from marinlm.optim.marin import param_kind
@@ -25,6 +26,24 @@ def measurable_here(model, tokens: int) -> bool:
         model.d_model, model.moe.expert_dim * model.moe.top_k, model.attention.num_heads * model.attention.head_dim
     )
     return tokens * widest * 4 <= MEASURABLE_BYTES and summarize(model).total <= MEASURABLE_PARAMETERS
+
+
+def tensor_parallel_share(model, tp: int):
+    """`model` as one of `tp` tensor-parallel ranks computes it (parallel/tensor_parallel.py): a tp-th
+    of the query and KV heads, of the routed, shared and dense hidden widths and of the vocabulary
+    (the LM head's rows), the router and latent projections whole. Its norms and elementwise work
+    are priced on the whole sequence, where sequence parallel runs them on T/tp."""
+    share = copy.deepcopy(model)
+    a, m = share.attention, share.moe
+    a.num_heads, a.num_kv_heads = a.num_heads // tp, a.num_kv_heads // tp
+    a.num_global_kv_heads = a.num_global_kv_heads // tp if a.num_global_kv_heads else None
+    m.expert_dim, m.shared_expert_dim, m.dense_ffn_dim = (
+        m.expert_dim // tp,
+        m.shared_expert_dim // tp,
+        m.dense_ffn_dim // tp,
+    )
+    share.vocab_size //= tp
+    return share
 
 
 def measured_compute(
@@ -161,14 +180,24 @@ def measure_gloo(world: int) -> tuple[float, float, float]:
 
 
 def collective_seconds(
-    dims, world: int, shards: dict, forwards: int, a2a_calls: float, a2a_bytes: float, layout: dict
+    dims,
+    world: int,
+    shards: dict,
+    forwards: int,
+    a2a_calls: float,
+    a2a_bytes: float,
+    layout: dict,
+    recompute: float = 0.0,
 ) -> dict[str, float]:
     """The gloo collectives of one rank's step, none overlapped (the ranks' compute shares the
     cores): FSDP2's gathers and reductions and the optimizer's whole step (its matrix gathers and
     norm all-reduces) as `measure_layout` timed them: each unit gathered a forward and again in
-    backward when resharded (not under pipeline parallel), and reduced once; the expert
-    all-to-alls, the loss, the gradient norm and each MoE layer's router statistics at the
-    latency and bandwidth of `measure_gloo`."""
+    backward when resharded (not under pipeline parallel), and reduced once; under tensor
+    parallel, each block's two gathers and two reduce-scatters of the sequence a forward, as many
+    in backward and again in a recomputed forward (`recompute` of the blocks), the head's gather,
+    and the replicated weights' gradients summed a backward; the expert all-to-alls, the loss, the
+    gradient norm and each MoE layer's router statistics at the latency and bandwidth of
+    `measure_gloo`."""
     latency, bandwidth, _ = measure_gloo(world)
     parts: dict[str, float] = {"fsdp": 0.0}
     # Under pipeline parallel the stage keeps its units gathered through backward
@@ -177,6 +206,11 @@ def collective_seconds(
         again = resharded and dims.pp == 1
         parts["fsdp"] += gather * forwards * (2 if again else 1) + reduce
     parts["optimizer"] = layout["optimizer"]
+    if "tensor_parallel" in layout:
+        gather, scatter, replicated = layout["tensor_parallel"]
+        blocks = len({n.split(".")[1] for n in shards if n.startswith("layers.")})
+        exchanges = (blocks * 2 * (2 + recompute) + 1) * (gather + scatter)  # a block's two, the head's one
+        parts["tensor_parallel"] = forwards * (exchanges + replicated)
     if a2a_calls:
         parts["expert_all_to_all"] = a2a_calls * latency + a2a_bytes / bandwidth
     moe_layers = sum(1 for n in shards if n.endswith("router.weight"))
@@ -230,6 +264,8 @@ def _unit_reduce(params) -> object:
     shard = sum(-(-p.shape[0] // _shards(p)) * math.prod(p.shape[1:]) for p in params)
     steps = []
     for axis, placement in enumerate(placements):
+        if mesh.mesh_dim_names and mesh.mesh_dim_names[axis] in ("tp", "ep"):  # FSDP2's axes only
+            continue
         group, size = mesh.get_group(axis), mesh.size(axis)
         if placement.is_shard():
             out, full = torch.empty(shard), torch.empty(shard * size)
@@ -287,11 +323,37 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
                 p.grad = p.detach() * 1e-3
             optimizers.append(build_optimizer(part, train.optim, "cpu"))
         measured["optimizer"] = _group_seconds(lambda: [o.step() for o in optimizers], group)
+        if dims.tp > 1:
+            measured["tensor_parallel"] = _tensor_parallel_seconds(train, dims, parts, rows, precision)
         if rank == 0:
             with open(result, "w") as f:
                 json.dump(measured, f)
     finally:
         dist.destroy_process_group()
+
+
+def _tensor_parallel_seconds(train, dims, parts, rows: int, precision: str) -> list[float]:
+    """[a gather of a micro-batch's sequence over tp, a reduce-scatter of it back, the all-reduce of
+    a backward's replicated weight gradients], each timed in this rank's tp group."""
+    import torch
+    import torch.distributed as dist
+
+    group, tp = dims.dense_mesh["tp"].get_group(), dims.tp
+    tokens = (train.train.micro_batch or rows) * train.data.seq_len
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    whole = torch.empty(tokens * train.model.d_model, dtype=dtype)
+    piece = torch.empty(tokens * train.model.d_model // tp, dtype=dtype)
+    replicated = 0
+    for p in (p for part in parts for p in part.parameters()):
+        names = p.device_mesh.mesh_dim_names or ()
+        if "tp" in names and p.placements[names.index("tp")].is_replicate():
+            replicated += p.to_local().numel()
+    grads = torch.empty(replicated)
+    return [
+        _group_seconds(lambda: dist.all_gather_into_tensor(whole, piece, group=group), group),
+        _group_seconds(lambda: dist.reduce_scatter_tensor(piece, whole, group=group), group),
+        _group_seconds(lambda: dist.all_reduce(grads, group=group), group),
+    ]
 
 
 _LAYOUTS: dict[str, dict] = {}
@@ -303,8 +365,9 @@ def measure_layout(train, parallel, world: int, rows: int) -> dict:
     out, by the real `parallelize` and optimizer: {"units": [[gather + reshard seconds, gradient
     reduction seconds, resharded after forward]], "optimizer": seconds}, each the median of a few
     runs on the slowest rank (of the first pipeline stage: `rows`, a data-parallel rank's rows a
-    step, cut its microbatches). Measured once a process for a config and layout; not for tensor
-    or context parallel layouts."""
+    step, cut its microbatches); under tensor parallel also its collectives ("tensor_parallel":
+    `_tensor_parallel_seconds`). Measured once a process for a config and layout; not for context
+    parallel layouts."""
     import json
     import tempfile
 

@@ -36,7 +36,14 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, context_bytes_a_token, inventory, weight_key
-from marinlm.plan.cpu_step import collective_seconds, measurable_here, measure_gloo, measure_layout, measured_compute
+from marinlm.plan.cpu_step import (
+    collective_seconds,
+    measurable_here,
+    measure_gloo,
+    measure_layout,
+    measured_compute,
+    tensor_parallel_share,
+)
 from marinlm.plan.exchanges import context_exchange_bytes, expert_exchanges
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
@@ -179,15 +186,18 @@ def plan_layout(
     frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
     accumulation = forwards_a_step(dims, rows, micro_rows, microbatches)
-    measured = (hardware.name == "cpu" or table is not None) and dims.tp == 1 and dims.cp == 1 and fit.method == "full"
+    gloo_tp = dims.tp > 1 and hardware.name == "cpu" and world > 1 and gloo_group  # its collectives timed
+    measured = (hardware.name == "cpu" or table is not None) and (dims.tp == 1 or gloo_tp)
+    measured = measured and dims.cp == 1 and fit.method == "full"
     if measured and table is None and not measurable_here(model, micro_rows * seq):
         measured = False
         notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
     gloo = measured and hardware.name == "cpu" and world > 1 and gloo_group  # gloo here: measured on the spot
     layout = measure_layout(train, parallel, world, rows) if gloo else None
     if measured:
+        priced = dataclasses.replace(train, model=tensor_parallel_share(model, dims.tp)) if dims.tp > 1 else train
         compute = measured_compute(
-            train, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table, layout is None
+            priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table, layout is None
         )
         comms = "one process: no communication" if hardware.name == "cpu" else None
         if gloo:
@@ -258,9 +268,9 @@ def plan_layout(
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
     if gloo:
-        for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce"):  # timed here instead
+        for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce", "tensor_parallel"):  # timed here instead
             step.pop(key, None)
-        step |= collective_seconds(dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout)
+        step |= collective_seconds(dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
     # The stages idle in the schedule's bubble; the optimizer's step comes after it.
     busy = sum(v for k, v in step.items() if k != "optimizer")
     if bubble:
@@ -402,18 +412,8 @@ def _rank_memory(
         "embed": any(n.startswith("embed.") for n in shards),
         "head": any(n.startswith("final_norm.") for n in shards),
     }
-    acts = activation_bytes(
-        inv,
-        model,
-        tokens,
-        train.data.seq_len,
-        layers,
-        weights=matrices,
-        gpu=gpu,
-        cp=dims.cp,
-        act_bytes=act_bytes,
-        **ends,
-    )
+    kw = dict(weights=matrices, gpu=gpu, cp=dims.cp, act_bytes=act_bytes, **ends)  # the stage's ends
+    acts = activation_bytes(inv, model, tokens, train.data.seq_len, layers, **kw)
     one_block = (acts["blocks"] + acts["context_halo"]) / max(len(layers), 1)
     # Checkpointed blocks keep their input only (the residual stream, in the weights' dtype) until
     # the backward recomputes them one at a time.
