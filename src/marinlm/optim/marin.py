@@ -137,34 +137,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _frobenius(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Per-matrix Frobenius norms [..., 1, 1] (fp32; fp64 for fp64) of a (possibly sharded) parameter-shaped tensor."""
-    dtype = torch.float64 if local.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(local, dim=(-2, -1), keepdim=True, dtype=dtype)
-    if not _matrix_sharded(param):
-        return norm
-    sq = norm.square()
-    for axis, placement in enumerate(param.placements):  # the mesh axes that split the matrix (HSDP: dp_shard)
-        if _splits_matrix(placement, param.ndim):
-            dist.all_reduce(sq, group=param.device_mesh.get_group(axis))
-    return sq.sqrt()
+def _frobenius(locals_: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-matrix Frobenius norms [..., 1, 1] (fp32; fp64 for fp64) of (possibly sharded)
+    parameter-shaped tensors: the squares of sharded matrices summed over the mesh axes that split
+    them (HSDP: dp_shard), in one all-reduce per group of ranks and dtype for the whole list."""
+    norms, pending = [], {}
+    for i, (local, param) in enumerate(zip(locals_, params)):
+        dtype = torch.float64 if local.dtype == torch.float64 else torch.float32
+        norms.append(torch.linalg.vector_norm(local, dim=(-2, -1), keepdim=True, dtype=dtype))
+        if _matrix_sharded(param):
+            axes = tuple(a for a, pl in enumerate(param.placements) if _splits_matrix(pl, param.ndim))
+            groups = tuple(param.device_mesh.get_group(a) for a in axes)
+            pending.setdefault((groups, dtype), []).append(i)
+    for (groups, _), members in pending.items():  # the same order on every rank: the parameters'
+        squares = torch.cat([norms[i].square().flatten() for i in members])
+        for group in groups:
+            dist.all_reduce(squares, group=group)
+        for i, sq in zip(members, squares.split([norms[i].numel() for i in members])):
+            norms[i] = sq.view_as(norms[i]).sqrt()
+    return norms
 
 
-def _hyperball_step(p: torch.Tensor, update_local: torch.Tensor, lr: float) -> None:
-    """W <- normalise(W - lr * U * |W| / |U|) * |W|, per matrix, in place on the local shard.
+def _hyperball_steps(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float) -> None:
+    """W <- normalise(W - lr * U * |W| / |U|) * |W|, per matrix, in place on each local shard
+    (`updates`: the shards' updates).
 
     On fp32 weights the step runs in place: five passes over the matrix (three norms, one
-    multiply-add, one scale) and no temporaries, where a copy and separate products would read
-    and write the matrix several times more.
+    multiply-add, one scale) and no temporaries. The norms of all the matrices are reduced
+    together, three all-reduces in all, not three a sharded matrix.
     """
-    w = _local(p)
-    new = w if w.dtype in (torch.float32, torch.float64) else w.float()
-    w_norm = _frobenius(new, p)
-    u_norm = _frobenius(update_local, p)
-    new.addcmul_(update_local, w_norm / u_norm.clamp_min(1e-10), value=-lr)
-    new.mul_(w_norm / _frobenius(new, p).clamp_min(1e-10))
-    if new is not w:
-        w.copy_(new)
+    weights = [_local(p) for p in params]
+    new = [w if w.dtype in (torch.float32, torch.float64) else w.float() for w in weights]
+    w_norms = _frobenius(new, params)
+    for n, u, w_norm, u_norm in zip(new, updates, w_norms, _frobenius(updates, params)):
+        n.addcmul_(u, w_norm / u_norm.clamp_min(1e-10), value=-lr)
+    for n, w_norm, n_norm in zip(new, w_norms, _frobenius(new, params)):
+        n.mul_(w_norm / n_norm.clamp_min(1e-10))
+    for n, w in zip(new, weights):
+        if n is not w:
+            w.copy_(n)
 
 
 def _gather(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -237,8 +248,7 @@ class MarinOptimizer(torch.optim.Optimizer):
             if group["kind"] in ("muonh", "muon"):
                 self._muonh(params, group)
             elif group["kind"] == "adamh":
-                for p, direction in zip(params, self._adam_directions(params, group)):
-                    _hyperball_step(p, direction, group["lr"])
+                _hyperball_steps(params, self._adam_directions(params, group), group["lr"])
             else:
                 directions = self._adam_directions(params, group)
                 decayed = [_local(p) for p in params if p.ndim >= 2]
@@ -269,16 +279,18 @@ class MarinOptimizer(torch.optim.Optimizer):
                 schedule=group["ns_schedule"],
                 eps=group["ns_eps"],
             )
+            shards = []
             for q, u in zip(window, updates):
                 if _matrix_sharded(q):
                     u = distribute_tensor(u, q.device_mesh, q.placements, src_data_rank=None).to_local()
                 # Under FSDP2 CPU offload the parameter lives on the host while the gathered
                 # matrix comes back on the mesh's GPU (where Newton-Schulz is fast).
-                u = u.to(_local(q).device)
-                if group["kind"] == "muon":
+                shards.append(u.to(_local(q).device))
+            if group["kind"] == "muon":
+                for q, u in zip(window, shards):
                     _muon_step(q, u, group["lr"], group["weight_decay"])
-                else:
-                    _hyperball_step(q, u, group["lr"])
+            else:
+                _hyperball_steps(window, shards, group["lr"])
             window, size = [], 0
 
     def _muon_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
