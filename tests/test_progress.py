@@ -112,5 +112,6 @@ def test_long_stages_show_progress_with_an_eta(token_data, tmp_path, monkeypatch
     _eta_line(capsys.readouterr().err, "import: weights")
 
     train = load_config(TrainConfig, preset("train", "tiny"))
-    run_plan(train, "cpu", "dp_shard=4", True, tmp_path / "plan", gpus=4)
+    # A GPU profile: `--hardware cpu` would time each candidate layout in gloo processes (~40 s).
+    run_plan(train, "h100-sxm", "dp_shard=4", True, tmp_path / "plan", gpus=4)
     _eta_line(capsys.readouterr().err, "plan: search")
