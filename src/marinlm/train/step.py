@@ -81,7 +81,8 @@ def reduce_router_stats(merged: list[RouterStats], group=None, replicas=None) ->
     """Sum counts (and QB histograms) / average means and beta across the ranks of `group` (the
     data-parallel ranks: tensor-parallel ranks route the same tokens), and across the replica
     groups of this step (`replicas`), in place. Margins kept for a live-range histogram are binned
-    first, over their range across all of them (a min and a max)."""
+    first, over their range across all of them (a min and a max). Every layer's statistics go
+    together: one reduction for the ranges and one for the rest (a dtype), not eight a layer."""
 
     def reduce_(t, op="sum"):
         all_reduce_(t, op=op, group=group)
@@ -89,20 +90,29 @@ def reduce_router_stats(merged: list[RouterStats], group=None, replicas=None) ->
 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     world *= 1 if replicas is None else replicas.participants
-    for s in merged:
-        if s.margins is not None:
-            lo, hi = margin_range(s.margins)
-            bin_live(s, reduce_(lo, "min"), reduce_(hi, "max"))
+    live = [s for s in merged if s.margins is not None]
+    if live:  # each range's min as the max of its negation: one max over every layer's
+        ranges = torch.stack([torch.stack([-lo, hi]) for lo, hi in (margin_range(s.margins) for s in live)])
+        reduce_(ranges, "max")
+        for s, (negative_lo, hi) in zip(live, ranges):
+            bin_live(s, -negative_lo, hi)
     if world > 1:
-        for s in merged:
-            for t in (s.load, s.dropped, s.num_tokens):
-                reduce_(t)
-            reduce_(s.z_loss).div_(world)
-            if s.beta is not None:
-                reduce_(s.beta).div_(world)
-            if s.hist is not None:
-                reduce_(s.hist)
+        means = [t for s in merged for t in (s.z_loss, s.beta) if t is not None]
+        sums = [t for s in merged for t in (s.load, s.dropped, s.num_tokens, s.hist) if t is not None]
+        reduce_together(sums + means, reduce_)
+        torch._foreach_div_(means, world)
     return merged
+
+
+def reduce_together(tensors: list[torch.Tensor], reduce_) -> None:
+    """`reduce_` (an in-place sum over ranks) of every tensor in `tensors`, in place, through one
+    flat buffer a dtype and device."""
+    by_kind: dict = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for members in by_kind.values():
+        flat = reduce_(torch.cat([t.reshape(-1) for t in members]))
+        torch._foreach_copy_(members, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in members]), members)])
 
 
 def forward_backward(model, batches, *, device, precision, global_tokens: int, world_size: int):
