@@ -196,7 +196,7 @@ def collective_seconds(
     parallel, each block's two gathers and two reduce-scatters of the sequence a forward, as many
     in backward and again in a recomputed forward (`recompute` of the blocks), the head's gather,
     and the replicated weights' gradients summed a backward; the expert all-to-alls, the loss, the
-    gradient norm and each MoE layer's router statistics at the latency and bandwidth of
+    gradient norm and the router statistics (every layer's ranges, then sums) at the latency and bandwidth of
     `measure_gloo`."""
     latency, bandwidth, _ = measure_gloo(world)
     parts: dict[str, float] = {"fsdp": 0.0}
@@ -213,8 +213,8 @@ def collective_seconds(
         parts["tensor_parallel"] = forwards * (exchanges + replicated)
     if a2a_calls:
         parts["expert_all_to_all"] = a2a_calls * latency + a2a_bytes / bandwidth
-    moe_layers = sum(1 for n in shards if n.endswith("router.weight"))
-    parts["step_reductions"] = (3 + 2 * moe_layers) * latency
+    routed = any(n.endswith("router.weight") for n in shards)  # every layer's statistics in two reductions
+    parts["step_reductions"] = (3 + 2 * routed) * latency
     return parts
 
 
