@@ -409,3 +409,42 @@ def test_optimizer_config_errors_name_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(TrainConfig, None, ["--parallel.tensor_parallel=0"])
     assert info.value.key == "parallel.tensor_parallel"
+
+
+def _gathered_on_ranks(rank: int, store: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from marinlm.optim.marin import _gather_many
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    try:
+        torch.manual_seed(0)  # the same matrices on every rank
+        shapes = [(10, 3), (7, 5), (1, 4), (4, 4), (6, 2, 3)]  # rows that do not divide, fewer than ranks
+        whole = [torch.randn(*s, dtype=torch.float64 if i % 2 else torch.float32) for i, s in enumerate(shapes)]
+        fsdp, hsdp = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+        params = [distribute_tensor(t, fsdp, [Shard(0)]) for t in whole]
+        params += [distribute_tensor(t, hsdp, [Replicate(), Shard(0)]) for t in whole]
+        params.append(distribute_tensor(whole[0], fsdp, [Shard(1)]))  # another cut: gathered on its own
+        calls, gather = [], dist.all_gather_single
+        dist.all_gather_single = lambda *a, **k: calls.append(1) or gather(*a, **k)
+        try:
+            gathered = _gather_many([p.to_local() for p in params], params)
+        finally:
+            dist.all_gather_single = gather
+        assert len(calls) == 4  # two dtypes, two groups of ranks
+        for got, p in zip(gathered, params, strict=True):
+            assert torch.equal(got, p.full_tensor()), (p.shape, p.placements)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_muon_gathers_a_windows_sharded_matrices_in_one_all_gather_exactly(tmp_path):
+    """FSDP2 and HSDP shards (dim 0, uneven, some ranks empty) of matrices of two dtypes come back
+    whole through one all-gather a dtype and group, equal to DTensor's own gather; a matrix cut
+    another way is gathered alone."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gathered_on_ranks, args=(str(tmp_path / "store"),), nprocs=4)

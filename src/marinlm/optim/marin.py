@@ -23,6 +23,8 @@ never a per-shard orthogonalisation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -185,6 +187,39 @@ def _gather(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     ).full_tensor()
 
 
+def _gather_many(locals_: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`_gather` of each local shard: those cut along dim 0 over one mesh axis and replicated over
+    any others (FSDP2's layout, and HSDP's) through one all-gather a group of ranks and dtype,
+    each shard padded to the even cut's rows as FSDP2 pads it; any other layout on its own."""
+    out: list[torch.Tensor | None] = [None] * len(params)
+    batches: dict = {}
+    for i, (local, p) in enumerate(zip(locals_, params)):
+        cut = [axis for axis, pl in enumerate(p.placements) if not pl.is_replicate()]
+        placement = p.placements[cut[0]] if len(cut) == 1 else None
+        if type(placement) is Shard and placement.dim == 0:
+            batches.setdefault((p.device_mesh.get_group(cut[0]), local.dtype, local.device), []).append(i)
+        else:
+            out[i] = _gather(local, p)
+    for (group, _, _), members in batches.items():  # the same order on every rank: the parameters'
+        ranks = dist.get_world_size(group)
+        rows = [-(-params[i].shape[0] // ranks) for i in members]
+        widths = [math.prod(params[i].shape[1:]) for i in members]
+        pieces = []
+        for i, r, width in zip(members, rows, widths):
+            padded = locals_[i].new_zeros(r, width)
+            padded[: locals_[i].shape[0]] = locals_[i].reshape(locals_[i].shape[0], width)
+            pieces.append(padded.reshape(-1))
+        flat = torch.cat(pieces)
+        gathered = flat.new_empty(ranks * flat.numel())
+        dist.all_gather_single(gathered, flat, group=group)
+        offset = 0
+        for i, r, width in zip(members, rows, widths):
+            rank_rows = gathered.view(ranks, -1)[:, offset : offset + r * width].reshape(ranks * r, width)
+            out[i] = rank_rows[: params[i].shape[0]].reshape(params[i].shape)
+            offset += r * width
+    return out
+
+
 def _muon_step(p: torch.Tensor, update_local: torch.Tensor, lr: float, weight_decay: float) -> None:
     """W <- W·(1 - lr·wd) - lr·0.2·sqrt(max(rows, cols))·U on the local shard (U from Newton-Schulz)."""
     w = _local(p)
@@ -309,8 +344,11 @@ class MarinOptimizer(torch.optim.Optimizer):
             grads.append(_local(p.grad))
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
-        directions = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-        return [_gather(d, p) if _matrix_sharded(p) else d for d, p in zip(directions, params)]
+        directions = list(torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs)
+        sharded = [i for i, p in enumerate(params) if _matrix_sharded(p)]
+        for i, whole in zip(sharded, _gather_many([directions[i] for i in sharded], [params[i] for i in sharded])):
+            directions[i] = whole
+        return directions
 
     def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
         """The bias-corrected Adam direction `m_hat / (sqrt(v_hat) + eps)` of each parameter's local shard.

@@ -350,7 +350,7 @@ def _tensor_parallel_seconds(train, dims, parts, rows: int, precision: str) -> l
             replicated += p.to_local().numel()
     grads = torch.empty(replicated)
     return [
-        _group_seconds(lambda: dist.all_gather_into_tensor(whole, piece, group=group), group),
+        _group_seconds(lambda: dist.all_gather_single(whole, piece, group=group), group),
         _group_seconds(lambda: dist.reduce_scatter_tensor(piece, whole, group=group), group),
         _group_seconds(lambda: dist.all_reduce(grads, group=group), group),
     ]
