@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 from marinlm.optim.marin import param_kind
 
@@ -156,8 +157,9 @@ _GLOO: dict[int, tuple[float, float, float]] = {}
 def measure_gloo(world: int) -> tuple[float, float, float]:
     """(seconds a small collective takes, bytes a second a rank receives in a large all-gather,
     how many times slower a rank computes while all `world` compute than alone: `_burst_seconds` on
-    every rank at once against this process before the group starts) of `world` gloo processes on
-    this machine, one thread each, measured once a process."""
+    every rank at once against this process before the group starts, and never less than `world`
+    over the cores) of `world` gloo processes on this machine, one thread each, measured once a
+    process."""
     import json
     import tempfile
 
@@ -175,7 +177,10 @@ def measure_gloo(world: int) -> tuple[float, float, float]:
             mp.spawn(_gloo_worker, args=(world, f"{tmp}/store", f"{tmp}/result.json"), nprocs=world)
             with open(f"{tmp}/result.json") as f:
                 latency, bandwidth, together = json.load(f)
-        _GLOO[world] = (latency, bandwidth, max(together / alone, 1.0))
+        # Never less than the ranks over the cores they share: a rank of one thread runs at most
+        # cores / world of the time (a load elsewhere on the host can make `alone` look slow).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _GLOO[world] = (latency, bandwidth, max(together / alone, world / cores, 1.0))
     return _GLOO[world]
 
 
