@@ -351,6 +351,10 @@ ACTIVATION_LAYOUTS = {
 }
 ACTIVATION_CASES = [("tiny", n, p, ac) for n in ACTIVATION_LAYOUTS for p in ("fp32", "bf16") for ac in ("none", "full")]
 ACTIVATION_CASES += [("small", "FSDP 4", "bf16", ac) for ac in ("none", "full")]
+# `small`'s wider heads split by tensor parallel, and its experts sent by expert parallel
+ACTIVATION_CASES += [
+    ("small", n, p, ac) for n in ("TP 2 x FSDP 2", "EP 2 x FSDP 2") for p in ("fp32", "bf16") for ac in ("none", "full")
+]
 
 
 def _activation_config(preset: str, precision: str, ac: str, layout: str):
@@ -361,8 +365,9 @@ def _activation_config(preset: str, precision: str, ac: str, layout: str):
     overrides = [f"--model={ROOT / 'configs' / 'model' / preset}.yaml"]
     overrides += ["--train.global_batch=8", "--data.seq_len=128", f"--train.precision={precision}"]
     overrides += ["--model.moe.capacity_factor=null", f"--parallel.activation_checkpointing={ac}"]
-    if layout.startswith("TP"):  # two tensor-parallel ranks split the heads
-        overrides += ["--model.attention.num_kv_heads=4", "--model.attention.num_global_kv_heads=2"]
+    if layout.startswith("TP"):  # two tensor-parallel ranks split the heads (`small` has 6, 2 KV)
+        kv = 4 if preset == "tiny" else 2
+        overrides += [f"--model.attention.num_kv_heads={kv}", "--model.attention.num_global_kv_heads=2"]
     overrides += ["--kernels.modules=reference"]  # what CUDA runs, as the GPU plan assumes
     config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
     return config, replace(config.parallel, **ACTIVATION_LAYOUTS[layout])
@@ -412,7 +417,8 @@ def _held_activations(rank: int, store: str, out: str) -> None:
 @pytest.mark.distributed
 def test_the_planned_activations_are_within_5_percent_of_real_gloo_layouts(tmp_path):
     """`tiny` on 4 gloo ranks, 2 rows of 128 tokens a data-parallel rank, each layout with and
-    without full activation checkpointing, fp32 and bf16 (and `small` in bf16 under FSDP 4): the
+    without full activation checkpointing, fp32 and bf16 (and `small` in bf16 under FSDP 4, and
+    under TP 2 x FSDP 2 and EP 2 x FSDP 2 in both precisions, with and without checkpointing): the
     activations the plan says a rank holds when its forward ends (saved tensors, checkpointed
     blocks' inputs, autocast's weight copies, saved and cached) against what the real sharded
     model holds then (the mean over ranks: routing moves a few tokens between expert-parallel
