@@ -72,6 +72,18 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tens
     return tensor
 
 
+def reduce_together(tensors: list[torch.Tensor], reduce_) -> None:
+    """`reduce_(flat)` (an in-place reduction over ranks, returning `flat`) of every tensor in
+    `tensors`, in place, through one flat buffer a dtype and device: one collective each, not one a
+    tensor."""
+    by_kind: dict = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for members in by_kind.values():
+        flat = reduce_(torch.cat([t.reshape(-1) for t in members]))
+        torch._foreach_copy_(members, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in members]), members)])
+
+
 def all_gather_object(obj) -> list:
     """Every rank's `obj` (small, picklable), in rank order; `[obj]` without a process group."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -27,6 +27,8 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from marinlm.parallel.distributed import reduce_together
+
 _OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "avg": ReduceOp.AVG}
 
 
@@ -190,13 +192,7 @@ class ReplicaGroups:
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """Each gradient (this rank's shard) averaged over the groups: one flat buffer a dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.all_reduce_(flat, "avg")
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        reduce_together([_local(p.grad) for p in params], lambda flat: self.all_reduce_(flat, "avg"))
 
     def should_commit(self) -> bool:
         committed = self.manager.should_commit()

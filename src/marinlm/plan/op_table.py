@@ -93,23 +93,20 @@ class MeasuredTable:
         return best_seconds(fn, device=self.device)
 
     @staticmethod
-    def _copies(inputs: tuple) -> int:
+    def _cold(inputs: tuple) -> tuple[itertools.cycle, collections.deque]:
+        """Copies of `inputs` (leaves requiring grad stay leaves) enough to fill `COLD_BYTES` (at
+        most 256), cycled, so that each timed call reads operands out of cache; and a queue as long
+        that holds the calls' outputs, as a step holds them."""
         nbytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
-        return min(max(1, COLD_BYTES // max(nbytes, 1)), 256)
-
-    def _cold(self, inputs: tuple) -> itertools.cycle:
-        """Copies of `inputs` (leaves requiring grad stay leaves) enough to fill `COLD_BYTES`
-        (at most 256), cycled: each timed call reads operands out of cache."""
-        import itertools
-
-        copies = self._copies(inputs)
+        copies = min(max(1, COLD_BYTES // max(nbytes, 1)), 256)
 
         def copy(t):
             if not isinstance(t, torch.Tensor):
                 return t
             return t.detach().clone().requires_grad_(t.requires_grad)
 
-        return itertools.cycle([inputs] + [tuple(copy(t) for t in inputs) for _ in range(copies - 1)])
+        sets = [inputs] + [tuple(copy(t) for t in inputs) for _ in range(copies - 1)]
+        return itertools.cycle(sets), collections.deque(maxlen=copies)
 
     def gemm(self, m: int, k: int, n: int, dtype: str | None = None, batch: int = 1) -> float:
         """Seconds of one [m, k] x [k, n] product (`batch` of them in one batched call) in `dtype`
@@ -134,8 +131,7 @@ class MeasuredTable:
             x = torch.randn(tokens, fan_in, dtype=dt, requires_grad=True)
             w = torch.randn(fan_out, fan_in, dtype=dt, requires_grad=True)
             dy = torch.randn(tokens, fan_out, dtype=dt)
-            operands = self._cold((x, w, dy))
-            outputs = collections.deque(maxlen=self._copies((x, w, dy)))  # held, as a step holds them
+            operands, outputs = self._cold((x, w, dy))
 
             def both():
                 x, w, dy = next(operands)
@@ -151,8 +147,7 @@ class MeasuredTable:
         """(forward, forward + backward) of `run(*inputs)` under the run's autocast, on cold copies
         of `inputs` (`_cold`)."""
         autocast = torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
-        operands = self._cold(tuple(inputs))
-        outputs = collections.deque(maxlen=self._copies(tuple(inputs)))  # held, as a step holds them
+        operands, outputs = self._cold(tuple(inputs))
 
         def forward(these=None):
             with autocast:

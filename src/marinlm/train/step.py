@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from marinlm.model.router import RouterStats, bin_live, margin_range
 from marinlm.parallel import autocast_caches_weights
-from marinlm.parallel.distributed import all_reduce_
+from marinlm.parallel.distributed import all_reduce_, reduce_together
 from marinlm.parallel.pipeline_parallel import PipelinedModel
 from marinlm.train.signals import OutOfMemory
 from marinlm.utils.device import autocast_context
@@ -102,17 +102,6 @@ def reduce_router_stats(merged: list[RouterStats], group=None, replicas=None) ->
         reduce_together(sums + means, reduce_)
         torch._foreach_div_(means, world)
     return merged
-
-
-def reduce_together(tensors: list[torch.Tensor], reduce_) -> None:
-    """`reduce_` (an in-place sum over ranks) of every tensor in `tensors`, in place, through one
-    flat buffer a dtype and device."""
-    by_kind: dict = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for members in by_kind.values():
-        flat = reduce_(torch.cat([t.reshape(-1) for t in members]))
-        torch._foreach_copy_(members, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in members]), members)])
 
 
 def forward_backward(model, batches, *, device, precision, global_tokens: int, world_size: int):
