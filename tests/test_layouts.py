@@ -1,5 +1,5 @@
 """Parallel layouts: the degrees checked against the ranks and the model, and loss parity of each
-layout against one process (gloo, 4 processes), in float64 over 10 steps and fp32 over 3."""
+layout against one process (gloo, 4 processes), in float64 over 6 steps and fp32 over 3."""
 
 from __future__ import annotations
 
@@ -144,10 +144,12 @@ def layers_of(layout: str) -> int:
     return 4 if layout in ("pp-2-interleaved-4-stages", "pp-2-zbv") else 2
 
 
-# Their float64 parity is checked by test_a_checkpoint_moves_between_layouts, whose uninterrupted run
-# of the same 10 steps (with a checkpoint at step 5) is compared with one process there.
+# Float64 runs take 6 steps (every run in the suite's time; drops, QB biases and Muon's state all
+# move by then). Their parity is checked by test_a_checkpoint_moves_between_layouts for these, whose
+# uninterrupted run of the same steps (with a checkpoint half-way) is compared with one process there.
+STEPS = 6
 RESHARDED = ("tp-2xfsdp-2", "ep-2xfsdp-2", "pp-2xfsdp-2", "cp-2xfsdp-2")
-CASES = [("fp64", 10, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] + [
+CASES = [("fp64", STEPS, 1e-9, name) for name in LAYOUTS if name not in RESHARDED] + [
     ("fp32", 3, 1e-5, "tp-2xfsdp-2"),
     ("fp32", 3, 1e-5, "ep-2xfsdp-2"),
     ("fp32", 3, 1e-5, "pp-2xfsdp-2"),
@@ -211,6 +213,19 @@ def layout_run(
     """Train `layout_model` from the same seed on the same global batch of 8 rows: one process
     when `parallel` is None, else `nproc` gloo ranks under torchrun, `micro` rows a forward on each
     (0: all a rank's rows at once). `fresh=False` resumes the run folder's last checkpoint."""
+    config = layout_config(
+        token_data, folder, name, parallel, precision, steps, checkpoint_every, num_layers, micro, capacity
+    )
+    if parallel is None:
+        run_training(config, resume="none" if fresh else "auto")
+    else:
+        resume = [] if fresh else ["--resume=auto"]
+        torchrun(folder / f"{name}.yaml", nproc, 29541 + len(folder.name) % 50, *resume)
+    return curves(folder / name)
+
+
+def layout_config(token_data, folder, name, parallel, precision, steps, checkpoint_every, num_layers, micro, capacity):
+    """The config of `layout_run`, saved as `folder`/`name`.yaml."""
     from marinlm.config import to_dict
 
     # The hero's optimizer; in fp64 its Newton-Schulz too (the quintic schedule, as Marin's).
@@ -227,37 +242,76 @@ def layout_run(
         validation={"every_steps": steps},  # once, at the end: the evaluation path of the layout
     )
     save_config(config, folder / f"{name}.yaml")
-    if parallel is None:
-        run_training(config, resume="none" if fresh else "auto")
-    else:
-        resume = [] if fresh else ["--resume=auto"]
-        torchrun(folder / f"{name}.yaml", nproc, 29541 + len(folder.name) % 50, *resume)
-    return curves(folder / name)
+    return config
+
+
+# Runs the configs it is given one after another in one process group: what `marinlm train` runs
+# for each (a trainer, its fit), without the start-up of a launch each.
+TRAIN_EACH = """
+import sys
+from marinlm.config import load_config
+from marinlm.parallel import shutdown_distributed
+from marinlm.train.config import TrainConfig
+from marinlm.train.trainer import Trainer
+for path in sys.argv[1:]:
+    trainer = Trainer(load_config(TrainConfig, path, []), "none")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+shutdown_distributed()
+"""
+
+_BATCHES: dict = {}
+
+
+def batched_runs(token_data, tmp_path_factory, precision: str, steps: int, procs: int):
+    """The folder holding a run of every case of `CASES` with this precision, steps and processes,
+    each in its own run folder: trained one after another in one torchrun launch, once a session
+    (a launch's start-up, a few seconds of 4 processes importing torch, paid once)."""
+    key = (precision, steps, procs)
+    if key not in _BATCHES:
+        folder = tmp_path_factory.mktemp(f"layouts-{precision}-{procs}")
+        names = [c[3] for c in CASES if c[:2] == (precision, steps) and PROCESSES.get(c[3], 4) == procs]
+        for name in names:
+            capacity = name not in DROPLESS
+            layout_config(token_data, folder, name, LAYOUTS[name], precision, steps, 0, layers_of(name), 0, capacity)
+        (folder / "train_each.py").write_text(TRAIN_EACH)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
+        cmd += [f"--master_port={29591 + len(folder.name) % 8}", str(folder / "train_each.py")]
+        out = subprocess.run(
+            [*cmd, *(str(folder / f"{name}.yaml") for name in names)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        _BATCHES[key] = folder if out.returncode == 0 else out.stdout[-3000:] + out.stderr[-3000:]
+    if isinstance(_BATCHES[key], str):  # each case of a failed launch fails with its output, once run
+        pytest.fail(f"the launch training {key} failed:\n{_BATCHES[key]}")
+    return _BATCHES[key]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("precision, steps, rel, layout", CASES, ids=[f"{c[3]}-{c[0]}" for c in CASES])
-def test_a_layout_trains_as_one_process(token_data, tmp_path, tmp_path_factory, precision, steps, rel, layout):
+def test_a_layout_trains_as_one_process(token_data, tmp_path_factory, precision, steps, rel, layout):
     """The same seed (every rank initialises the whole model, then shards it), the same global batch
     of 8 rows: losses, gradient norms and the QB router biases of one process, with the hero's
     optimizer (MuonH, AdamH, Adam), whose Newton-Schulz runs in fp64 in the fp64 cases."""
-    layers, procs = layers_of(layout), PROCESSES.get(layout, 4)
-    capacity = layout not in DROPLESS
-    curve = layout_run(
+    folder = batched_runs(token_data, tmp_path_factory, precision, steps, PROCESSES.get(layout, 4))
+    rows, capacity = FORWARD_ROWS.get(layout, 8), layout not in DROPLESS
+    assert_as_one_process(
+        curves(folder / layout),
+        folder / layout,
         token_data,
-        tmp_path,
-        layout,
-        LAYOUTS[layout],
+        tmp_path_factory,
         precision,
         steps,
-        nproc=procs,
-        num_layers=layers,
-        capacity=capacity,
-    )
-    rows = FORWARD_ROWS.get(layout, 8)
-    assert_as_one_process(
-        curve, tmp_path / layout, token_data, tmp_path_factory, precision, steps, rel, layers, rows, capacity
+        rel,
+        layers_of(layout),
+        rows,
+        capacity,
     )
 
 
@@ -386,9 +440,10 @@ RESHARDS = {  # saved under -> resumed under (layout, processes, rows a forward 
 @pytest.mark.distributed
 @pytest.mark.parametrize("saved", list(RESHARDS))
 def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, tmp_path_factory, saved):
-    """Saved at step 5 under one layout, resumed under others with other world sizes: each carries
+    """Saved half-way under one layout, resumed under others with other world sizes: each carries
     on with the losses of the uninterrupted run, in float64. The uninterrupted run of a parallel
-    layout is also its float64 parity check against one process (10 steps, 1e-9)."""
+    layout is also its float64 parity check against one process (`STEPS` steps, 1e-9)."""
+    import json
     import shutil
 
     layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))  # a layer a stage
@@ -396,21 +451,24 @@ def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, tmp_path_facto
     micro = 2 if saved == "one" else 0  # as the pipeline it moves to
     capacity = saved not in DROPLESS
     how = dict(num_layers=layers, capacity=capacity)
+    half = STEPS // 2
     whole = layout_run(
-        token_data, tmp_path, "saved", parallel, "fp64", 10, nproc=procs, checkpoint_every=5, micro=micro, **how
+        token_data, tmp_path, "saved", parallel, "fp64", STEPS, nproc=procs, checkpoint_every=half, micro=micro, **how
     )
     if saved in RESHARDED:
         rows = FORWARD_ROWS.get(saved, 8)
         assert_as_one_process(
-            whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", 10, 1e-9, layers, rows, capacity
+            whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", STEPS, 1e-9, layers, rows, capacity
         )
     for name, parallel, procs, micro in RESHARDS[saved]:
         shutil.copytree(tmp_path / "saved", tmp_path / name)
-        shutil.rmtree(tmp_path / name / "checkpoints" / "step-00000010")
+        shutil.rmtree(tmp_path / name / "checkpoints" / f"step-{STEPS:08d}")
         resumed = layout_run(
-            token_data, tmp_path, name, parallel, "fp64", 10, nproc=procs, fresh=False, micro=micro, **how
+            token_data, tmp_path, name, parallel, "fp64", STEPS, nproc=procs, fresh=False, micro=micro, **how
         )
-        for step in range(6, 11):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["first_step"] == half, (name, summary)  # resumed, not trained again from the start
+        for step in range(half + 1, STEPS + 1):
             assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)
 
 

@@ -406,8 +406,8 @@ def _held_activations(rank: int, store: str, out: str) -> None:
         with tracker, autocast_context(torch.device("cpu"), precision, autocast_caches_weights(model)):  # as a step
             loss = model(ids, segments, labels=ids, return_logits=False).loss
             current = next(iter(tracker.get_tracker_snapshot("current").values()))
-        loss.backward()
         held[f"{preset}|{name}|{precision}|{ac}"] = next(v for k, v in current.items() if "ACT" in str(k))
+        del loss  # no backward: what a forward holds is measured
     with open(f"{out}.{rank}", "w") as f:
         json.dump(held, f)
     dist.destroy_process_group()
