@@ -1,9 +1,11 @@
 """A step on this machine priced from measurement (`marinlm plan --hardware cpu`): the compute of
 the busiest rank from its operations (plan/ops.py) at costs measured here (plan/op_table.py),
 slowed as much as the layout's ranks slow each other on these cores (`measure_gloo`); what the
-layout adds, each FSDP2 unit's gather and reduction and the optimizer's step on its shards, timed
-in a gloo group of the layout's size holding the model as the real `parallelize` shards it
-(`measure_layout`); the other collectives counted at gloo's latency and bandwidth measured here."""
+layout adds timed in a gloo group of the layout's size holding the model as the real `parallelize`
+shards it (`measure_layout`): the real step on a short row, less that row's compute priced alike
+(FSDP2's and tensor parallel's exchanges and hooks, the step's reductions, the optimizer); for
+pipeline stages, each FSDP2 unit's gather and reduction and the optimizer's step, the other
+collectives counted at gloo's latency and bandwidth measured here."""
 
 from __future__ import annotations
 
@@ -328,6 +330,8 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
                 p.grad = p.detach() * 1e-3
             optimizers.append(build_optimizer(part, train.optim, "cpu"))
         measured["optimizer"] = _group_seconds(lambda: [o.step() for o in optimizers], group)
+        if dims.pp == 1:
+            measured |= _short_step_seconds(train, model, dims, precision, rows, optimizers[0])
         if dims.tp > 1:
             measured["tensor_parallel"] = _tensor_parallel_seconds(train, dims, parts, rows, precision)
         if rank == 0:
@@ -335,6 +339,41 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
                 json.dump(measured, f)
     finally:
         dist.destroy_process_group()
+
+
+# Tokens in the row of the short step: its compute is a small part of the step it is timed beside.
+SHORT_TOKENS = 8
+
+
+def _short_step_seconds(train, model, dims, precision: str, rows: int, optimizer) -> dict:
+    """{"short_step": seconds of the real step (train/step.py's `train_step`: forward and backward
+    of each micro-batch, the token and loss reductions, the gradient norm, the router statistics,
+    clipping, the optimizer) on the step's micro-batches, each cut to one row of SHORT_TOKENS
+    tokens, on every rank at once: what the layout costs a step apart from its tokens' compute}."""
+    import torch
+
+    from marinlm.plan.op_table import packed_segments
+    from marinlm.train.step import train_step
+
+    forwards = rows // (train.train.micro_batch or rows)
+    ids = torch.randint(0, train.model.vocab_size, (1, SHORT_TOKENS + 1), generator=torch.Generator().manual_seed(0))
+    row = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(1, SHORT_TOKENS)}
+    row["segment_ids"] = packed_segments(1, SHORT_TOKENS)
+    how = dict(device=torch.device("cpu"), precision=precision, grad_clip=train.train.grad_clip)
+    how |= dict(world_size=dims.batch_world, group=dims.batch_group, router_group=dims.router_group)
+    return {"short_step": _group_seconds(lambda: train_step(model, optimizer, [row] * forwards, **how))}
+
+
+def short_step_parts(layout: dict, short_compute: float, a2a_bytes: float, bandwidth: float) -> dict[str, float]:
+    """The step's parts apart from its tokens' compute, from `_short_step_seconds`: the optimizer as
+    timed alone, the rest of the short step less its own compute (`short_compute`, priced as the
+    step's is and slowed alike) as "layout" (FSDP2's and tensor parallel's exchanges and hooks, the
+    reductions, the all-to-alls' calls), and the expert all-to-alls' bytes beyond the short row's."""
+    parts = {"optimizer": layout["optimizer"]}
+    parts["layout"] = max(layout["short_step"] - layout["optimizer"] - short_compute, 0.0)
+    if a2a_bytes:
+        parts["expert_all_to_all"] = a2a_bytes / bandwidth
+    return parts
 
 
 def _tensor_parallel_seconds(train, dims, parts, rows: int, precision: str) -> list[float]:

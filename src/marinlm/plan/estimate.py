@@ -37,11 +37,13 @@ from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, context_bytes_a_token, inventory, weight_key
 from marinlm.plan.cpu_step import (
+    SHORT_TOKENS,
     collective_seconds,
     measurable_here,
     measure_gloo,
     measure_layout,
     measured_compute,
+    short_step_parts,
     tensor_parallel_share,
 )
 from marinlm.plan.exchanges import context_exchange_bytes, expert_exchanges
@@ -195,7 +197,7 @@ def plan_layout(
     gloo = measured and hardware.name == "cpu" and world > 1 and gloo_group  # gloo here: measured on the spot
     layout = measure_layout(train, parallel, world, rows) if gloo else None
     if measured:
-        priced = dataclasses.replace(train, model=tensor_parallel_share(model, dims.tp)) if dims.tp > 1 else train
+        priced = dataclasses.replace(train, parallel=parallel, model=tensor_parallel_share(model, dims.tp))
         compute = measured_compute(
             priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table, layout is None
         )
@@ -203,9 +205,9 @@ def plan_layout(
         if gloo:
             compute *= measure_gloo(world)[2]  # one thread a rank, the ranks sharing the cores
             comms = (
-                f"FSDP2's gathers and reductions and the optimizer's step timed in {world} gloo processes holding "
-                "the sharded model, the rest at gloo's latency and bandwidth measured here; the ranks' compute "
-                "slowed as much as they slow each other here"
+                f"what the layout adds timed in {world} gloo processes holding the sharded model (the real step on "
+                "a short row, less its compute; pipeline stages: FSDP2's gathers and reductions, the rest at gloo's "
+                "latency and bandwidth); the ranks' compute slowed as much as they slow each other here"
             )
         notes.append(
             "compute: the step's operations priced from costs measured here (plan/op_table.py); "
@@ -270,7 +272,14 @@ def plan_layout(
     if gloo:
         for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce", "tensor_parallel"):  # timed here instead
             step.pop(key, None)
-        step |= collective_seconds(dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
+        if "short_step" in layout:  # the real step on a short row, less its compute priced alike
+            short = dataclasses.replace(priced, data=dataclasses.replace(train.data, seq_len=SHORT_TOKENS))
+            how = (short, dims, world, precision, stage_layers, stage_shards, 1, accumulation, table, False)
+            short_compute = measure_gloo(world)[2] * measured_compute(*how)
+            step |= short_step_parts(layout, short_compute, a2a_bytes, measure_gloo(world)[1])
+        else:
+            how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
+            step |= collective_seconds(*how)
     # The stages idle in the schedule's bubble; the optimizer's step comes after it.
     busy = sum(v for k, v in step.items() if k != "optimizer")
     if bubble:
