@@ -389,7 +389,7 @@ def _held_activations(rank: int, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
-    held = {}
+    held, weights = {}, {}
     for preset, name, precision, ac in ACTIVATION_CASES:
         config, parallel = _activation_config(preset, precision, ac, name)
         dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
@@ -397,7 +397,11 @@ def _held_activations(rank: int, store: str, out: str) -> None:
             model = MarinForCausalLM(config.model)
         apply_kernels(model, torch.device("cpu"), precision, config.kernels)
         model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        key = repr(config.model)  # initialised once a model (small's truncated normals take seconds)
+        if key not in weights:
+            model.init_weights(seed=0)
+            weights[key] = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(weights[key])
         _parallelize(model, parallel, dims)
         rows = config.train.global_batch // dims.dp
         ids = torch.randint(0, config.model.vocab_size, (rows, 128), generator=torch.Generator().manual_seed(rank))
