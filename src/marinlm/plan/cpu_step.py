@@ -276,7 +276,7 @@ def _unit_reduce(params) -> object:
         group, size = mesh.get_group(axis), mesh.size(axis)
         if placement.is_shard():
             out, full = torch.empty(shard), torch.empty(shard * size)
-            steps.append(lambda out=out, full=full, group=group: dist.reduce_scatter_tensor(out, full, group=group))
+            steps.append(lambda out=out, full=full, group=group: dist.reduce_scatter_single(out, full, group=group))
         else:
             buffer = torch.empty(shard)
             steps.append(lambda buffer=buffer, group=group: dist.all_reduce(buffer, group=group))
@@ -395,7 +395,7 @@ def _tensor_parallel_seconds(train, dims, parts, rows: int, precision: str) -> l
     grads = torch.empty(replicated)
     return [
         _group_seconds(lambda: dist.all_gather_single(whole, piece, group=group), group),
-        _group_seconds(lambda: dist.reduce_scatter_tensor(piece, whole, group=group), group),
+        _group_seconds(lambda: dist.reduce_scatter_single(piece, whole, group=group), group),
         _group_seconds(lambda: dist.all_reduce(grads, group=group), group),
     ]
 
