@@ -50,8 +50,9 @@ def main() -> None:
         work, tokens = Path(tmp), Path(a.tokens)
         if not (tokens / "manifest.json").exists():
             tokens = make_tokens(work)
-        model = next((s.split("=", 1)[1] for s in a.set if s.startswith("--model=")), "tiny")
-        print(f"{model}, 8 x 256 tokens, fp32, {' '.join(a.set)}, {a.steps} steps a run; gloo on this CPU")
+        named = dict(s.split("=", 1) for s in a.set if "=" in s)
+        model, precision = named.get("--model", "tiny"), named.get("--train.precision", "fp32")
+        print(f"{model}, 8 x 256 tokens, {precision}, {' '.join(a.set)}, {a.steps} steps a run; gloo on this CPU")
         print(f"{'layout':<16}{'plan compute':>14}{'plan step':>11}{'real step':>11}{'plan / real':>13}")
         for name, (extra, procs) in chosen.items():
             step = planned(extra, procs)
