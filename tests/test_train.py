@@ -275,6 +275,9 @@ def test_resume_into_another_model_or_optimizer_is_refused(token_data, tmp_path,
         resume="auto",
     )
     assert trainer.step == 4
+    writer = trainer.sinks.tb
+    trainer.close()  # a trainer never fit closes its sinks: its TensorBoard thread flushed into removed folders
+    assert writer.all_writers is None and trainer.sinks.file.closed
     out = capsys.readouterr().out
     # Every change is named, the training loop's too (it used to be the first of model/optim/data only).
     assert (

@@ -110,7 +110,9 @@ class MetricSinks:
 
     def close(self, quiet: bool = False) -> None:
         """Close every sink; `quiet`: on the way out of a failing run, whose own error is the one to
-        see, errors of the sinks (a full disk again) are not raised."""
+        see, errors of the sinks (a full disk again) are not raised. Idempotent."""
+        if self.file.closed:
+            return
         errors = []
         try:
             self.file.close()

@@ -255,7 +255,11 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        """Give up the run folder (another job may write it now). Idempotent; also on collection."""
+        """Close the metric sinks and give up the run folder (another job may write it now).
+        Idempotent; also on collection. A trainer built and never fit left its TensorBoard writer's
+        thread flushing into a folder that may be gone."""
+        if getattr(self, "sinks", None) is not None:
+            self.sinks.close(quiet=True)
         if getattr(self, "replicas", None) is not None:
             self.replicas.shutdown()
             self.replicas = None
