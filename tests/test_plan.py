@@ -598,6 +598,30 @@ def test_a_gloo_layout_is_priced_from_its_real_step_on_a_short_row():
     assert plan.step["total"] == pytest.approx(plan.step["compute"] + layout["short_step"] - short_compute)
 
 
+def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
+    """`--hardware cpu`, one process, its blocks checkpointed: the operations priced from the table,
+    the optimizer's step timed, and the host's work beside the operations (Python, autograd, the
+    trainer's own) as the real step on a row of `SHORT_TOKENS` tokens less that row's own compute."""
+    from dataclasses import replace
+
+    from marinlm.plan.cpu_step import measure_alone
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=2", "--data.seq_len=64", "--train.precision=fp32"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    parallel = replace(config.parallel, activation_checkpointing="full")
+    layout = measure_alone(config, parallel, rows=2)
+    assert layout["short_step"] > layout["optimizer"] > 0
+    plan = plan_layout(config, parallel, 1, load_hardware("cpu"), Efficiency())
+    assert plan.step["optimizer"] == layout["optimizer"] and "layout" not in plan.step
+    short_compute = layout["short_step"] - layout["optimizer"] - plan.step["host"]
+    assert 0 < short_compute < plan.step["compute"]
+    assert plan.step["total"] == pytest.approx(plan.step["compute"] + layout["short_step"] - short_compute)
+    assert "host's work beside them" in " ".join(plan.notes)
+
+
 def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_group():
     """`--hardware cpu` under TP 2: its sequence gathers, reduce-scatters and the replicated
     weights' gradient all-reduce are timed in the tp group (what a pipeline stage's exchanges are

@@ -234,13 +234,17 @@ def _group_seconds(fn, group=None, repeats: int = 3) -> float:
     import torch
     import torch.distributed as dist
 
+    alone = not dist.is_initialized()  # `measure_alone`: no group to wait for
     fn()
     times = []
     for _ in range(repeats):
-        dist.barrier(group=group)
+        if not alone:
+            dist.barrier(group=group)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    if alone:
+        return statistics.median(times)
     slowest = torch.tensor([statistics.median(times)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest.item()
@@ -290,9 +294,6 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from marinlm.kernels import apply_kernels
-    from marinlm.model.transformer import MarinForCausalLM
-    from marinlm.optim import build_optimizer
     from marinlm.parallel import _parallelize
     from marinlm.parallel.mesh import ParallelDims
 
@@ -300,12 +301,7 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         dims = ParallelDims.resolve(parallel, world).build_mesh("cpu")
-        with torch.device("meta"):
-            model = MarinForCausalLM(train.model)
-        precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
-        apply_kernels(model, torch.device("cpu"), precision, train.kernels)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        model, precision = _built(train)
         parts, group, per_stage = [model], None, world // dims.pp
         if dims.pp > 1:  # this rank's stages, as shards.py cuts them; collectives timed within a stage
             from marinlm.parallel.pipeline_parallel import build_stage, pipeline_layout, stage_ids
@@ -324,11 +320,7 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
                 gather = _group_seconds(lambda unit=unit: (unit.unshard(), unit.reshard()), group)
                 reduce = _group_seconds(_unit_reduce(_own_parameters(unit, units)), group)
                 measured["units"].append([gather, reduce, unit is not part and parallel.reshard_after_forward])
-        optimizers = []
-        for part in parts:
-            for p in part.parameters():
-                p.grad = p.detach() * 1e-3
-            optimizers.append(build_optimizer(part, train.optim, "cpu"))
+        optimizers = [_optimizer(train, part) for part in parts]
         measured["optimizer"] = _group_seconds(lambda: [o.step() for o in optimizers], group)
         if dims.pp == 1:
             measured |= _short_step_seconds(train, model, dims, precision, rows, optimizers[0])
@@ -339,6 +331,55 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
                 json.dump(measured, f)
     finally:
         dist.destroy_process_group()
+
+
+def _built(train):
+    """(the model of `train`, initialised on this CPU with the run's kernels, the compute precision)."""
+    import torch
+
+    from marinlm.kernels import apply_kernels
+    from marinlm.model.transformer import MarinForCausalLM
+
+    with torch.device("meta"):
+        model = MarinForCausalLM(train.model)
+    precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision
+    apply_kernels(model, torch.device("cpu"), precision, train.kernels)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model, precision
+
+
+def _optimizer(train, part):
+    """The run's optimizer over `part`, its gradients set (a step has something to apply)."""
+    from marinlm.optim import build_optimizer
+
+    for p in part.parameters():
+        p.grad = p.detach() * 1e-3
+    return build_optimizer(part, train.optim, "cpu")
+
+
+def measure_here(train, parallel, world: int, rows: int) -> dict:
+    """`measure_layout` in `world` gloo processes; one process: `measure_alone`."""
+    return measure_layout(train, parallel, world, rows) if world > 1 else measure_alone(train, parallel, rows)
+
+
+def measure_alone(train, parallel, rows: int) -> dict:
+    """`measure_layout` for one process with this process's threads, as `marinlm train` runs
+    without torchrun: the optimizer's step and the real step on a short row ("short_step"),
+    timed here. Measured once a process for a config."""
+    from marinlm.parallel.mesh import ParallelDims
+
+    key = repr((train.model, train.optim, train.kernels, train.train.precision, parallel, 1, rows))
+    if key not in _LAYOUTS:
+        from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+
+        model, precision = _built(train)
+        apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every_n)
+        optimizer = _optimizer(train, model)
+        measured = {"optimizer": _group_seconds(optimizer.step)}
+        measured |= _short_step_seconds(train, model, ParallelDims.resolve(parallel, 1), precision, rows, optimizer)
+        _LAYOUTS[key] = measured
+    return _LAYOUTS[key]
 
 
 # Tokens in the row of the short step: its compute is a small part of the step it is timed beside.
@@ -364,13 +405,18 @@ def _short_step_seconds(train, model, dims, precision: str, rows: int, optimizer
     return {"short_step": _group_seconds(lambda: train_step(model, optimizer, [row] * forwards, **how))}
 
 
-def short_step_parts(layout: dict, short_compute: float, a2a_bytes: float, bandwidth: float) -> dict[str, float]:
-    """The step's parts apart from its tokens' compute, from `_short_step_seconds`: the optimizer as
-    timed alone, the rest of the short step less its own compute (`short_compute`, priced as the
-    step's is and slowed alike) as "layout" (FSDP2's and tensor parallel's exchanges and hooks, the
-    reductions, the all-to-alls' calls), and the expert all-to-alls' bytes beyond the short row's."""
+def short_step_parts(layout: dict, short_compute: float, a2a_bytes: float, world: int) -> dict[str, float]:
+    """The step's parts apart from its tokens' compute, from `_short_step_seconds` in `world`
+    processes: the optimizer as timed alone, the rest of the short step less its own compute
+    (`short_compute`, priced as the step's is, slowed as the ranks slow each other) as "layout"
+    (FSDP2's and tensor parallel's exchanges and hooks, the reductions, the all-to-alls' calls; one
+    process: "host", Python's, autograd's and the trainer's own work beside the operations), and
+    the expert all-to-alls' bytes beyond the short row's."""
+    _, bandwidth, slowed = measure_gloo(world) if world > 1 else (0.0, 0.0, 1.0)
     parts = {"optimizer": layout["optimizer"]}
-    parts["layout"] = max(layout["short_step"] - layout["optimizer"] - short_compute, 0.0)
+    parts["layout" if world > 1 else "host"] = max(
+        layout["short_step"] - layout["optimizer"] - slowed * short_compute, 0
+    )
     if a2a_bytes:
         parts["expert_all_to_all"] = a2a_bytes / bandwidth
     return parts

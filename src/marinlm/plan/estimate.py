@@ -41,7 +41,7 @@ from marinlm.plan.cpu_step import (
     collective_seconds,
     measurable_here,
     measure_gloo,
-    measure_layout,
+    measure_here,
     measured_compute,
     short_step_parts,
     tensor_parallel_share,
@@ -121,8 +121,8 @@ def plan_layout(
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
     gives a rank's local shards (default: the real parallelize() under a fake process group).
     `remote_share`: the routing's share of assignments sent to another expert-parallel rank
-    (`expert_exchanges`). `gloo_group`: on `--hardware cpu`, time what a layout of several ranks
-    adds in a gloo group of its size (`cpu_step.measure_layout`). Fault-tolerant replica groups
+    (`expert_exchanges`). `gloo_group`: on `--hardware cpu`, time here what a layout adds in a gloo
+    group of its size, or one process's host work (`cpu_step.measure_here`). Fault-tolerant replica groups
     are planned as HSDP's replicas, plus what torchft adds."""
     model = train.model
     fault_tolerant = parallel.fault_tolerance.groups > 1
@@ -194,14 +194,15 @@ def plan_layout(
     if measured and table is None and not measurable_here(model, micro_rows * seq):
         measured = False
         notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
-    gloo = measured and hardware.name == "cpu" and world > 1 and gloo_group  # gloo here: measured on the spot
-    layout = measure_layout(train, parallel, world, rows) if gloo else None
+    spot = measured and hardware.name == "cpu" and gloo_group and (world > 1 or table is None)  # timed here
+    gloo = spot and world > 1
+    layout = measure_here(train, parallel, world, rows) if spot else None
     if measured:
         priced = dataclasses.replace(train, parallel=parallel, model=tensor_parallel_share(model, dims.tp))
-        compute = measured_compute(
-            priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table, layout is None
-        )
+        how = (priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table)
+        compute = measured_compute(*how, layout is None)
         comms = "one process: no communication" if hardware.name == "cpu" else None
+        comms = f"{comms}; the host's work beside them timed on a short row" if spot else comms
         if gloo:
             compute *= measure_gloo(world)[2]  # one thread a rank, the ranks sharing the cores
             comms = (
@@ -269,14 +270,13 @@ def plan_layout(
     if offloaded:
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
-    if gloo:
+    if layout is not None:
         for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce", "tensor_parallel"):  # timed here instead
             step.pop(key, None)
         if "short_step" in layout:  # the real step on a short row, less its compute priced alike
             short = dataclasses.replace(priced, data=dataclasses.replace(train.data, seq_len=SHORT_TOKENS))
             how = (short, dims, world, precision, stage_layers, stage_shards, 1, accumulation, table, False)
-            short_compute = measure_gloo(world)[2] * measured_compute(*how)
-            step |= short_step_parts(layout, short_compute, a2a_bytes, measure_gloo(world)[1])
+            step |= short_step_parts(layout, measured_compute(*how), a2a_bytes, world)
         else:
             how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
             step |= collective_seconds(*how)
