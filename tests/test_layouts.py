@@ -3,16 +3,19 @@ layout against one process (gloo, 4 processes), in float64 over 6 steps and fp32
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from marinlm.config import ConfigError, save_config
+from marinlm.config import ConfigError, load_config, save_config
 from marinlm.jobs import run_training
 from marinlm.parallel import ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
+from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
 
 from conftest import ROOT, tiny_config, train_config
@@ -246,21 +249,42 @@ def layout_config(token_data, folder, name, parallel, precision, steps, checkpoi
 
 
 # Runs the configs it is given one after another in one process group: what `marinlm train` runs
-# for each (a trainer, its fit), without the start-up of a launch each.
+# for each (a trainer, its fit), without the start-up of a launch each. The first argument: resume.
 TRAIN_EACH = """
 import sys
 from marinlm.config import load_config
 from marinlm.parallel import shutdown_distributed
 from marinlm.train.config import TrainConfig
 from marinlm.train.trainer import Trainer
-for path in sys.argv[1:]:
-    trainer = Trainer(load_config(TrainConfig, path, []), "none")
+for path in sys.argv[2:]:
+    trainer = Trainer(load_config(TrainConfig, path, []), sys.argv[1])
     try:
         trainer.fit()
     finally:
         trainer.close()
 shutdown_distributed()
 """
+
+
+def train_each(folder, names: list[str], procs: int, resume: str = "none") -> str | None:
+    """Train the configs `folder`/<name>.yaml one after another in one torchrun launch of `procs`
+    processes (one: here); the launch's output if it failed."""
+    if procs == 1:
+        for name in names:
+            run_training(load_config(TrainConfig, str(folder / f"{name}.yaml"), []), resume=resume)
+        return None
+    (folder / "train_each.py").write_text(TRAIN_EACH)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
+    cmd += [f"--master_port={29591 + len(folder.name) % 8}", str(folder / "train_each.py"), resume]
+    out = subprocess.run(
+        [*cmd, *(str(folder / f"{name}.yaml") for name in names)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    return None if out.returncode == 0 else out.stdout[-3000:] + out.stderr[-3000:]
+
 
 _BATCHES: dict = {}
 
@@ -276,17 +300,7 @@ def batched_runs(token_data, tmp_path_factory, precision: str, steps: int, procs
         for name in names:
             capacity = name not in DROPLESS
             layout_config(token_data, folder, name, LAYOUTS[name], precision, steps, 0, layers_of(name), 0, capacity)
-        (folder / "train_each.py").write_text(TRAIN_EACH)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
-        cmd += [f"--master_port={29591 + len(folder.name) % 8}", str(folder / "train_each.py")]
-        out = subprocess.run(
-            [*cmd, *(str(folder / f"{name}.yaml") for name in names)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        _BATCHES[key] = folder if out.returncode == 0 else out.stdout[-3000:] + out.stderr[-3000:]
+        _BATCHES[key] = train_each(folder, names, procs) or folder
     if isinstance(_BATCHES[key], str):  # each case of a failed launch fails with its output, once run
         pytest.fail(f"the launch training {key} failed:\n{_BATCHES[key]}")
     return _BATCHES[key]
@@ -436,38 +450,63 @@ RESHARDS = {  # saved under -> resumed under (layout, processes, rows a forward 
 }
 
 
+_RESHARDS: dict = {}
+
+
+def reshard_runs(token_data, tmp_path_factory):
+    """The folder holding every case of `RESHARDS`, once a session: each saved run (a checkpoint
+    half-way) as `saved`, then each resumed run as `saved`-to-`name` (a copy of the saved run
+    without its last checkpoint); a launch for each phase and count of processes."""
+    if not _RESHARDS:
+        folder = tmp_path_factory.mktemp("reshards")
+        saved, resumed = {}, {}  # processes -> run names
+        for first, targets in RESHARDS.items():
+            layers = max(layers_of(n) for n in (first, *(n for n, _, _, _ in targets)))  # a layer a stage
+            capacity = first not in DROPLESS
+            how = dict(precision="fp64", steps=STEPS, num_layers=layers, capacity=capacity)
+            micro = 2 if first == "one" else 0  # as the pipeline it moves to
+            layout_config(
+                token_data, folder, first, LAYOUTS.get(first), checkpoint_every=STEPS // 2, micro=micro, **how
+            )
+            saved.setdefault(PROCESSES.get(first, 4) if first in LAYOUTS else 1, []).append(first)
+            for name, parallel, procs, micro in targets:
+                layout_config(
+                    token_data, folder, f"{first}-to-{name}", parallel, checkpoint_every=0, micro=micro, **how
+                )
+                resumed.setdefault(procs, []).append(f"{first}-to-{name}")
+        errors = [train_each(folder, names, procs) for procs, names in saved.items()]
+        for run in (run for runs in resumed.values() for run in runs):
+            shutil.copytree(folder / run.split("-to-")[0], folder / run)
+            shutil.rmtree(folder / run / "checkpoints" / f"step-{STEPS:08d}")
+        errors += (
+            [train_each(folder, names, procs, "auto") for procs, names in resumed.items()] if not any(errors) else []
+        )
+        _RESHARDS["folder"] = next((e for e in errors if e), folder)
+    if isinstance(_RESHARDS["folder"], str):
+        pytest.fail(f"a launch of the reshard runs failed:\n{_RESHARDS['folder']}")
+    return _RESHARDS["folder"]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("saved", list(RESHARDS))
-def test_a_checkpoint_moves_between_layouts(token_data, tmp_path, tmp_path_factory, saved):
+def test_a_checkpoint_moves_between_layouts(token_data, tmp_path_factory, saved):
     """Saved half-way under one layout, resumed under others with other world sizes: each carries
     on with the losses of the uninterrupted run, in float64. The uninterrupted run of a parallel
     layout is also its float64 parity check against one process (`STEPS` steps, 1e-9)."""
-    import json
-    import shutil
-
-    layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))  # a layer a stage
-    parallel, procs = LAYOUTS.get(saved), PROCESSES.get(saved, 4)
-    micro = 2 if saved == "one" else 0  # as the pipeline it moves to
-    capacity = saved not in DROPLESS
-    how = dict(num_layers=layers, capacity=capacity)
-    half = STEPS // 2
-    whole = layout_run(
-        token_data, tmp_path, "saved", parallel, "fp64", STEPS, nproc=procs, checkpoint_every=half, micro=micro, **how
-    )
+    folder = reshard_runs(token_data, tmp_path_factory)
+    whole, half = curves(folder / saved), STEPS // 2
     if saved in RESHARDED:
-        rows = FORWARD_ROWS.get(saved, 8)
+        layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))
+        rows, capacity = FORWARD_ROWS.get(saved, 8), saved not in DROPLESS
         assert_as_one_process(
-            whole, tmp_path / "saved", token_data, tmp_path_factory, "fp64", STEPS, 1e-9, layers, rows, capacity
+            whole, folder / saved, token_data, tmp_path_factory, "fp64", STEPS, 1e-9, layers, rows, capacity
         )
-    for name, parallel, procs, micro in RESHARDS[saved]:
-        shutil.copytree(tmp_path / "saved", tmp_path / name)
-        shutil.rmtree(tmp_path / name / "checkpoints" / f"step-{STEPS:08d}")
-        resumed = layout_run(
-            token_data, tmp_path, name, parallel, "fp64", STEPS, nproc=procs, fresh=False, micro=micro, **how
-        )
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
+    for name, _, _, _ in RESHARDS[saved]:
+        run = folder / f"{saved}-to-{name}"
+        summary = json.loads((run / "summary.json").read_text())
         assert summary["first_step"] == half, (name, summary)  # resumed, not trained again from the start
+        resumed = curves(run)
         for step in range(half + 1, STEPS + 1):
             assert resumed[step][0] == pytest.approx(whole[step][0], rel=1e-9), (name, step)
 
