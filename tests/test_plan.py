@@ -669,3 +669,29 @@ def test_autocast_keeps_no_weight_copies_where_fsdp_or_checkpointing_frees_them(
     assert autocast_caches_weights(model)
     apply_activation_checkpointing(model, "full", 1)
     assert not autocast_caches_weights(model)
+
+
+def test_the_experts_are_timed_as_each_layout_runs_them(monkeypatch):
+    """The op table times the fused kernel for a rank holding every expert, and what
+    `ExpertParallelExperts` runs for one holding a share (the reference's grouped GEMMs on the rows
+    it received), each on a new routing a call after warm-up routings: a step's counts are new."""
+    from marinlm.model.experts import RoutedExperts
+    from marinlm.plan.op_table import WARM_ROUTINGS, MeasuredTable
+    from marinlm.train.config import TrainConfig
+
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), [])
+    counts = []
+    run_experts = RoutedExperts.run_experts
+    monkeypatch.setattr(
+        RoutedExperts,
+        "run_experts",
+        lambda self, x, c, impl: counts.append(c.tolist()) or run_experts(self, x, c, impl),
+    )
+    E = config.model.moe.num_experts
+    MeasuredTable(config.model, "fp32", config.kernels, experts_local=E).experts(256)
+    assert counts == []  # the fused kernel, every expert here
+    MeasuredTable(config.model, "fp32", config.kernels, experts_local=E // 2).experts(256)
+    assert len(counts) > WARM_ROUTINGS and all(
+        len(c) == E // 2 and sum(c) == 256 * config.model.moe.top_k for c in counts
+    )
+    assert len({tuple(c) for c in counts}) == len(counts)  # a new routing each call

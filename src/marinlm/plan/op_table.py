@@ -30,6 +30,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # A step's operations read what others wrote long before, and write where others wrote: timed
 # operations cycle over copies of their operands this large in all, not one copy kept in cache.
 COLD_BYTES = 2**26
+# Routings the experts run before they are timed, as a run's first steps (`MeasuredTable.experts`).
+WARM_ROUTINGS = 8
 
 
 def packed_segments(rows: int, seq_len: int) -> torch.Tensor:
@@ -200,8 +202,13 @@ class MeasuredTable:
 
     def experts(self, tokens: int) -> tuple[float, float]:
         """(forward, forward + backward) of a rank's routed experts on the assignments of `tokens`
-        tokens, routed evenly (under expert parallel: the same number of assignments over its
-        `experts_local` experts)."""
+        tokens, routed at random, each call anew after `WARM_ROUTINGS` routings: a step's
+        per-expert counts are not the last step's, and a GEMM of a shape not seen before can cost
+        more (oneDNN builds its bf16 kernels for each new shape; the fused kernel's padded chunks
+        take a few shapes, which the warm-up builds, the grouped GEMMs one a count). Under expert
+        parallel, the same number of assignments over its `experts_local` experts, run as
+        `ExpertParallelExperts` runs what a rank receives (the reference's `run_experts` on rows
+        grouped by expert, not the fused kernel)."""
 
         def measure():
             from marinlm.kernels import apply_kernels
@@ -215,11 +222,26 @@ class MeasuredTable:
             experts = RoutedExperts(local, width, m.expert_dim, self.model.init_std)
             experts.reset_parameters()
             apply_kernels(experts, self.device, self.precision, self.kernels)
-            g = torch.Generator("cpu").manual_seed(0)
-            chosen = torch.rand(rows, local, generator=g, device="cpu").argsort(-1)[:, :k].to(self.device)
+            first = torch.arange(k).expand(rows, k)  # k different experts a row, from a random one on
             weights = torch.full((rows, k), 1.0 / k)
             x = torch.randn(rows, width, requires_grad=True)
-            return self._timed(lambda x: experts(x, chosen, weights)[0], (x,))
+
+            def routed(x):
+                return experts(x, (first + torch.randint(local, (rows, 1))) % local, weights)[0]
+
+            def received(x):  # expert parallel: a rank's received rows, as `ExpertParallelExperts` runs them
+                dtype = torch.get_autocast_dtype(self.device) if torch.is_autocast_enabled(self.device) else x.dtype
+                order = torch.randperm(rows * k)  # rows arrive by source, regrouped by expert, and back
+                counts = torch.bincount(torch.randint(local, (rows * k,)), minlength=local)
+                y = experts.run_experts(x.to(dtype)[order], counts, experts.resolve_impl(dtype))
+                return y.new_zeros(y.shape).index_copy(0, order, y).view(rows, k, -1).sum(1)
+
+            run = received if local < m.num_experts else routed
+            if local < m.num_experts:
+                x = torch.randn(rows * k, width, requires_grad=True)
+            for _ in range(WARM_ROUTINGS):  # a run's first steps: the shapes most routings share are built
+                run(x).float().sum().backward()
+            return self._timed(run, (x,))
 
         return self._memo(("experts", tokens), measure)
 
