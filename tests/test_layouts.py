@@ -453,6 +453,11 @@ RESHARDS = {  # saved under -> resumed under (layout, processes, rows a forward 
 _RESHARDS: dict = {}
 
 
+def reshard_layers(saved: str) -> int:
+    """Layers of a `RESHARDS` case: a layer a stage of every layout it moves between."""
+    return max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))
+
+
 def reshard_runs(token_data, tmp_path_factory):
     """The folder holding every case of `RESHARDS`, once a session: each saved run (a checkpoint
     half-way) as `saved`, then each resumed run as `saved`-to-`name` (a copy of the saved run
@@ -461,9 +466,7 @@ def reshard_runs(token_data, tmp_path_factory):
         folder = tmp_path_factory.mktemp("reshards")
         saved, resumed = {}, {}  # processes -> run names
         for first, targets in RESHARDS.items():
-            layers = max(layers_of(n) for n in (first, *(n for n, _, _, _ in targets)))  # a layer a stage
-            capacity = first not in DROPLESS
-            how = dict(precision="fp64", steps=STEPS, num_layers=layers, capacity=capacity)
+            how = dict(precision="fp64", steps=STEPS, num_layers=reshard_layers(first), capacity=first not in DROPLESS)
             micro = 2 if first == "one" else 0  # as the pipeline it moves to
             layout_config(
                 token_data, folder, first, LAYOUTS.get(first), checkpoint_every=STEPS // 2, micro=micro, **how
@@ -497,10 +500,18 @@ def test_a_checkpoint_moves_between_layouts(token_data, tmp_path_factory, saved)
     folder = reshard_runs(token_data, tmp_path_factory)
     whole, half = curves(folder / saved), STEPS // 2
     if saved in RESHARDED:
-        layers = max(layers_of(n) for n in (saved, *(n for n, _, _, _ in RESHARDS[saved])))
         rows, capacity = FORWARD_ROWS.get(saved, 8), saved not in DROPLESS
         assert_as_one_process(
-            whole, folder / saved, token_data, tmp_path_factory, "fp64", STEPS, 1e-9, layers, rows, capacity
+            whole,
+            folder / saved,
+            token_data,
+            tmp_path_factory,
+            "fp64",
+            STEPS,
+            1e-9,
+            reshard_layers(saved),
+            rows,
+            capacity,
         )
     for name, _, _, _ in RESHARDS[saved]:
         run = folder / f"{saved}-to-{name}"

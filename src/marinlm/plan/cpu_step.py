@@ -225,16 +225,15 @@ def collective_seconds(
     return parts
 
 
-def _group_seconds(fn, group=None, repeats: int = 3) -> float:
+def _group_seconds(fn, group=None, repeats: int = 3, alone: bool = False) -> float:
     """Median seconds of `fn()` run in step by every rank of `group` (a collective: they run it
-    alike), after one warm-up; the slowest rank's."""
+    alike), after one warm-up; the slowest rank's. `alone`: this process only, no group to wait for."""
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
 
-    alone = not dist.is_initialized()  # `measure_alone`: no group to wait for
     fn()
     times = []
     for _ in range(repeats):
@@ -376,7 +375,7 @@ def measure_alone(train, parallel, rows: int) -> dict:
         model, precision = _built(train)
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.checkpoint_every_n)
         optimizer = _optimizer(train, model)
-        measured = {"optimizer": _group_seconds(optimizer.step)}
+        measured = {"optimizer": _group_seconds(optimizer.step, alone=True)}
         measured |= _short_step_seconds(train, model, ParallelDims.resolve(parallel, 1), precision, rows, optimizer)
         _LAYOUTS[key] = measured
     return _LAYOUTS[key]
@@ -402,7 +401,8 @@ def _short_step_seconds(train, model, dims, precision: str, rows: int, optimizer
     row["segment_ids"] = packed_segments(1, SHORT_TOKENS)
     how = dict(device=torch.device("cpu"), precision=precision, grad_clip=train.train.grad_clip)
     how |= dict(world_size=dims.batch_world, group=dims.batch_group, router_group=dims.router_group)
-    return {"short_step": _group_seconds(lambda: train_step(model, optimizer, [row] * forwards, **how))}
+    step = lambda: train_step(model, optimizer, [row] * forwards, **how)  # noqa: E731
+    return {"short_step": _group_seconds(step, alone=dims.world == 1)}
 
 
 def short_step_parts(layout: dict, short_compute: float, a2a_bytes: float, world: int) -> dict[str, float]:

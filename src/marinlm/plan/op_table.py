@@ -224,7 +224,8 @@ class MeasuredTable:
             apply_kernels(experts, self.device, self.precision, self.kernels)
             first = torch.arange(k).expand(rows, k)  # k different experts a row, from a random one on
             weights = torch.full((rows, k), 1.0 / k)
-            x = torch.randn(rows, width, requires_grad=True)
+            shared = local < m.num_experts  # expert parallel: a rank holds a share of the experts
+            x = torch.randn(rows * k if shared else rows, width, requires_grad=True)
 
             def routed(x):
                 return experts(x, (first + torch.randint(local, (rows, 1))) % local, weights)[0]
@@ -236,9 +237,7 @@ class MeasuredTable:
                 y = experts.run_experts(x.to(dtype)[order], counts, experts.resolve_impl(dtype))
                 return y.new_zeros(y.shape).index_copy(0, order, y).view(rows, k, -1).sum(1)
 
-            run = received if local < m.num_experts else routed
-            if local < m.num_experts:
-                x = torch.randn(rows * k, width, requires_grad=True)
+            run = received if shared else routed
             for _ in range(WARM_ROUTINGS):  # a run's first steps: the shapes most routings share are built
                 run(x).float().sum().backward()
             return self._timed(run, (x,))
