@@ -143,6 +143,32 @@ def test_fused_experts(precision, impl, capacity):
     assert dropped[0] == dropped[1]
 
 
+@PRECISIONS
+@pytest.mark.parametrize("impl", ["auto", "chunked", "bmm", "loop"])
+def test_fused_experts_on_rows_grouped_by_expert(precision, impl):
+    """What a rank receives under expert parallel (rows already grouped by expert, no weights):
+    the kernel's `run_experts` against the reference's, with an expert that gets no row and one
+    that fills several chunks."""
+    torch.manual_seed(2)
+    experts = RoutedExperts(4, 32, 48, init_std=0.2, impl="auto")
+    experts.reset_parameters()
+    fast = kernel_of(experts)
+    fast.impl = impl
+    counts = torch.tensor([5, 0, 150, 21])
+    x = torch.randn(int(counts.sum()), 32)
+
+    def call(m, x):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        return m.run_experts(x.to(dtype), counts, m.resolve_impl(dtype))
+
+    if impl == "auto":  # a CPU with bf16 GEMMs runs the padded chunks; fp32 the grouped GEMM
+        cpu_bf16 = precision == "bf16" and not device_probes.emulated_bf16(torch.device("cpu"))
+        assert fast.resolve_impl(torch.bfloat16 if precision == "bf16" else torch.float32) == (
+            "chunked" if cpu_bf16 else "grouped_mm"
+        )
+    assert_same(run(experts, [x], precision, call), run(fast, [x], precision, call), precision)
+
+
 @pytest.mark.parametrize("capacity", [None, 9])
 def test_grouped_mm_experts_on_bf16_weights_take_torchs_autograd(monkeypatch, capacity):
     """With bf16 operands (a GPU under autocast, or bf16 weights) `grouped_mm` runs torch's own op

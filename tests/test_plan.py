@@ -673,8 +673,8 @@ def test_autocast_keeps_no_weight_copies_where_fsdp_or_checkpointing_frees_them(
 
 def test_the_experts_are_timed_as_each_layout_runs_them(monkeypatch):
     """The op table times the fused kernel for a rank holding every expert, and what
-    `ExpertParallelExperts` runs for one holding a share (the reference's grouped GEMMs on the rows
-    it received), each on a new routing a call after warm-up routings: a step's counts are new."""
+    `ExpertParallelExperts` runs for one holding a share (`run_experts` on the rows it received),
+    each on a new routing a call after warm-up routings: a step's counts are new."""
     from marinlm.model.experts import RoutedExperts
     from marinlm.plan.op_table import WARM_ROUTINGS, MeasuredTable
     from marinlm.train.config import TrainConfig

@@ -314,22 +314,17 @@ class FusedRoutedExperts(RoutedExperts):
         # projection: w * (h @ W_down) = (w * h) @ W_down. That scales F-wide rows instead of
         # D-wide outputs, and the combine becomes a plain sum over each token's k slots.
         w_P1 = _take(weights_NK.reshape(-1, 1).to(dtype), slot_P, pad=has_padding)  # padding rows: weight 0
-        experts = (self.gate_proj, self.up_proj, self.down_proj)
-        if gathered:  # not exactly one chunk per expert: each chunk's matrices
-            w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
-        else:  # otherwise the stacked matrices as they are
-            w_gate, w_up, w_down = (w.to(dtype) for w in experts)
         if padded:
-            x_CRD = x_PD.view(P // R, R, x_PD.shape[1])
-            h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up) * w_P1.view(P // R, R, 1)
-            y_PD = torch.bmm(h_CRF, w_down).view(P, w_down.shape[-1])
+            y_PD = self._chunks(x_PD, R, expert_C, gathered, dtype, w_P1)
         elif impl == "grouped_mm":
+            w_gate, w_up, w_down = (w.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
             offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
             if keep_A is not None:  # the zero rows after the kept ones go to the last expert
                 offsets_E[-1:].fill_(P)
             h_PF = F.silu(_grouped(x_PD, w_gate, offsets_E)) * _grouped(x_PD, w_up, offsets_E) * w_P1
             y_PD = _grouped(h_PF, w_down, offsets_E)
         else:  # loop
+            w_gate, w_up, w_down = (w.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
             pieces, start = [], 0
             for e, count in enumerate(counts_E.tolist()):
                 xe, we = x_PD[start : start + count], w_P1[start : start + count]
@@ -338,3 +333,44 @@ class FusedRoutedExperts(RoutedExperts):
             y_PD = torch.cat([*pieces, w_down.new_zeros(P - start, w_down.shape[2])])
         out_ND = _Combine.apply(y_PD, token_P, row_S, k, has_padding, keep_A is not None)
         return out_ND, dropped
+
+    def _chunks(self, x_PD, R, expert_C, gathered, dtype, w_P1=None) -> torch.Tensor:
+        """The padded kernels' SwiGLU: one batched matmul over the P / R chunks of R rows, chunk c
+        with expert expert_C[c]'s matrices (gathered beside it unless every expert has one chunk);
+        `w_P1`, where given, scales each row's hidden activations."""
+        experts = (self.gate_proj, self.up_proj, self.down_proj)
+        if gathered:
+            w_gate, w_up, w_down = (_ChunkWeights.apply(w, expert_C, dtype) for w in experts)
+        else:
+            w_gate, w_up, w_down = (w.to(dtype) for w in experts)
+        P = x_PD.shape[0]
+        x_CRD = x_PD.view(P // R, R, x_PD.shape[1])
+        h_CRF = F.silu(torch.bmm(x_CRD, w_gate)) * torch.bmm(x_CRD, w_up)
+        if w_P1 is not None:
+            h_CRF = h_CRF * w_P1.view(P // R, R, 1)
+        return torch.bmm(h_CRF, w_down).view(P, w_down.shape[-1])
+
+    def resolve_impl(self, dtype: torch.dtype) -> str:
+        """The kernel `run_experts` runs rows in `dtype` with (expert parallel asks for it)."""
+        return resolve_impl(self.impl, self.down_proj.device, tuple(self.down_proj.shape[1:]), dtype)
+
+    def run_experts(self, x_AD: torch.Tensor, counts_E: torch.Tensor, impl: str) -> torch.Tensor:
+        """The experts over rows already grouped by expert, expert e's a block of counts_E[e] rows
+        (what a rank receives under expert parallel). The padded kernels lay the blocks out in
+        whole chunks and gather the results back, both ways a gather (a `_Dispatch` and a
+        `_Combine` of one slot a row); `grouped_mm` and `loop` run as the reference's."""
+        if impl not in ("chunked", "bmm"):
+            return super().run_experts(x_AD, counts_E, impl)
+        E, A, device = counts_E.shape[0], x_AD.shape[0], counts_E.device
+        R, chunks_E, gathered = _chunk_plan(counts_E, None, impl == "bmm")
+        expert_A = torch.repeat_interleave(torch.arange(E, device=device), counts_E, output_size=A)
+        rank_A = torch.arange(A, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
+        row_A = (torch.cumsum(chunks_E, 0) - chunks_E)[expert_A] * R + rank_A
+        expert_C = torch.repeat_interleave(torch.arange(E, device=device), chunks_E)
+        P = expert_C.shape[0] * R
+        source_P = torch.full((P + 1,), A, dtype=row_A.dtype, device=device)
+        source_P[row_A] = torch.arange(A, device=device)
+        source_P = source_P[:P]  # A for a padding row: the zero row `_take` appends
+        x_PD = _Dispatch.apply(x_AD, source_P, row_A, 1, True, False, x_AD.dtype)
+        y_PD = self._chunks(x_PD, R, expert_C, gathered, x_AD.dtype)
+        return _Combine.apply(y_PD, source_P, row_A, 1, True, False)

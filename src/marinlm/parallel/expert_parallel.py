@@ -5,7 +5,8 @@ local experts, P = ep ranks, R rows received, D expert input width (the latent w
 
     route locally ─ sort assignments by expert ─ exchange per-expert counts (all_to_all)
       ─ rows to the ranks owning their experts (all_to_all_single, uneven splits, differentiable)
-      ─ receiver capacity ─ local experts, one grouped GEMM as in one process
+      ─ receiver capacity ─ local experts, by the module's `run_experts` (the kernel's padded
+        chunks or grouped GEMM, or the reference's)
       ─ rows back the same way ─ weighted combine
 
 Latent MoE sends latent-width rows (3,072 for the hero, half the model width).
@@ -108,7 +109,8 @@ def combine(y_KD: torch.Tensor, plan: Dispatch, group) -> torch.Tensor:
 
 class ExpertParallelExperts(RoutedExperts):
     """`RoutedExperts` with its experts spread over the ranks of `ep_mesh` (set by
-    `apply_expert_parallel`), each computing its own E/ep with the same grouped GEMM as one process."""
+    `apply_expert_parallel`), each computing its own E/ep with the module's `run_experts`: on the
+    fused kernel, the same padded chunks or grouped GEMM as one process."""
 
     ep_mesh = None
     capacity_factor: float | None = None

@@ -207,8 +207,8 @@ class MeasuredTable:
         more (oneDNN builds its bf16 kernels for each new shape; the fused kernel's padded chunks
         take a few shapes, which the warm-up builds, the grouped GEMMs one a count). Under expert
         parallel, the same number of assignments over its `experts_local` experts, run as
-        `ExpertParallelExperts` runs what a rank receives (the reference's `run_experts` on rows
-        grouped by expert, not the fused kernel)."""
+        `ExpertParallelExperts` runs what a rank receives (the kernel's `run_experts` on rows
+        grouped by expert, after the rows are regrouped)."""
 
         def measure():
             from marinlm.kernels import apply_kernels
