@@ -622,16 +622,18 @@ def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
     assert "host's work beside them" in " ".join(plan.notes)
 
 
-def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_group():
+def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_group(monkeypatch):
     """`--hardware cpu` under TP 2: its sequence gathers, reduce-scatters and the replicated
     weights' gradient all-reduce are timed in the tp group (what a pipeline stage's exchanges are
     priced from: each block's two a forward, as many in backward and again in a checkpointed block's
-    recomputed forward, and the head's); without stages, in the real step on a short row; the
-    compute is the op-priced share of a tp rank (a tp-th of the heads and hidden widths), not the
-    roofline, and a checkpointed forward is priced again."""
+    recomputed forward, and the head's); without stages, the real step on a short row plus those
+    exchanges' time at the micro-batch's size beyond the latency the short row's paid; the compute
+    is the op-priced share of a tp rank (a tp-th of the heads and hidden widths), not the roofline,
+    and a checkpointed forward is priced again."""
     from dataclasses import replace
 
-    from marinlm.plan.cpu_step import measure_layout, tensor_parallel_share
+    from marinlm.plan import estimate
+    from marinlm.plan.cpu_step import measure_gloo, measure_layout, tensor_parallel_share
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
     from marinlm.train.config import TrainConfig
@@ -644,14 +646,20 @@ def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_gr
     assert (
         share.moe.expert_dim * 2 == config.model.moe.expert_dim and share.moe.latent_dim == config.model.moe.latent_dim
     )
-    compute = {}
+    compute, counted = {}, []
+    parts = estimate.short_step_parts
+    monkeypatch.setattr(estimate, "short_step_parts", lambda *args: counted.append(args[4]) or parts(*args))
     for ac in ("none", "full"):
         parallel = replace(config.parallel, tensor_parallel=2, data_parallel_shard=1, activation_checkpointing=ac)
         layout = measure_layout(config, parallel, 2, rows=2)
         gather, scatter, replicated = layout["tensor_parallel"]
         assert gather > 0 and scatter > 0 and replicated > 0
         plan = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency())
-        assert "tensor_parallel" not in plan.step and plan.step["total"] > layout["short_step"] > 0
+        assert plan.step["total"] > layout["short_step"] > 0
+        exchanges = config.model.num_layers * 2 * (3 if ac == "full" else 2) + 1  # one micro-batch
+        latency = measure_gloo(2)[0]
+        assert counted[-1] == exchanges
+        assert plan.step["tensor_parallel"] == pytest.approx(exchanges * max(gather + scatter - 2 * latency, 0))
         assert any("priced from costs measured here" in note for note in plan.notes)
         compute[ac] = plan.step["compute"]
     # the recomputed forward: about a third more (a forward of the blocks, not of the head and loss)

@@ -186,6 +186,13 @@ def measure_gloo(world: int) -> tuple[float, float, float]:
     return _GLOO[world]
 
 
+def tensor_parallel_exchanges(shards: dict, recompute: float) -> float:
+    """A micro-batch's sequence gathers (each with its reduce-scatter) under tensor parallel: each
+    block's two a forward, as many in backward and again in a recomputed forward, and the head's."""
+    blocks = len({n.split(".")[1] for n in shards if n.startswith("layers.")})
+    return blocks * 2 * (2 + recompute) + 1
+
+
 def collective_seconds(
     dims,
     world: int,
@@ -215,9 +222,8 @@ def collective_seconds(
     parts["optimizer"] = layout["optimizer"]
     if "tensor_parallel" in layout:
         gather, scatter, replicated = layout["tensor_parallel"]
-        blocks = len({n.split(".")[1] for n in shards if n.startswith("layers.")})
-        exchanges = (blocks * 2 * (2 + recompute) + 1) * (gather + scatter)  # a block's two, the head's one
-        parts["tensor_parallel"] = forwards * (exchanges + replicated)
+        exchanges = tensor_parallel_exchanges(shards, recompute)
+        parts["tensor_parallel"] = forwards * (exchanges * (gather + scatter) + replicated)
     if a2a_calls:
         parts["expert_all_to_all"] = a2a_calls * latency + a2a_bytes / bandwidth
     routed = any(n.endswith("router.weight") for n in shards)  # every layer's statistics in two reductions
@@ -405,20 +411,27 @@ def _short_step_seconds(train, model, dims, precision: str, rows: int, optimizer
     return {"short_step": _group_seconds(step, alone=dims.world == 1)}
 
 
-def short_step_parts(layout: dict, short_compute: float, a2a_bytes: float, world: int) -> dict[str, float]:
+def short_step_parts(
+    layout: dict, short_compute: float, a2a_bytes: float, world: int, tp_exchanges: float = 0.0
+) -> dict[str, float]:
     """The step's parts apart from its tokens' compute, from `_short_step_seconds` in `world`
     processes: the optimizer as timed alone, the rest of the short step less its own compute
     (`short_compute`, priced as the step's is, slowed as the ranks slow each other) as "layout"
     (FSDP2's and tensor parallel's exchanges and hooks, the reductions, the all-to-alls' calls; one
     process: "host", Python's, autograd's and the trainer's own work beside the operations), and
-    the expert all-to-alls' bytes beyond the short row's."""
-    _, bandwidth, slowed = measure_gloo(world) if world > 1 else (0.0, 0.0, 1.0)
+    what grows with the tokens beyond the short row's: the expert all-to-alls' bytes, and tensor
+    parallel's `tp_exchanges` sequence gathers and reduce-scatters as timed at a micro-batch's
+    size, less the latency of each that the short row's own exchanges paid."""
+    latency, bandwidth, slowed = measure_gloo(world) if world > 1 else (0.0, 0.0, 1.0)
     parts = {"optimizer": layout["optimizer"]}
     parts["layout" if world > 1 else "host"] = max(
         layout["short_step"] - layout["optimizer"] - slowed * short_compute, 0
     )
     if a2a_bytes:
         parts["expert_all_to_all"] = a2a_bytes / bandwidth
+    if tp_exchanges and "tensor_parallel" in layout:
+        gather, scatter, _ = layout["tensor_parallel"]
+        parts["tensor_parallel"] = tp_exchanges * max(gather + scatter - 2 * latency, 0.0)
     return parts
 
 

@@ -44,6 +44,7 @@ from marinlm.plan.cpu_step import (
     measure_here,
     measured_compute,
     short_step_parts,
+    tensor_parallel_exchanges,
     tensor_parallel_share,
 )
 from marinlm.plan.exchanges import context_exchange_bytes, expert_exchanges
@@ -127,9 +128,8 @@ def plan_layout(
     model = train.model
     fault_tolerant = parallel.fault_tolerance.groups > 1
     if fault_tolerant:
-        parallel = dataclasses.replace(
-            parallel, data_parallel_replicate=parallel.fault_tolerance.groups, fault_tolerance=FaultToleranceConfig()
-        )
+        groups = parallel.fault_tolerance.groups
+        parallel = dataclasses.replace(parallel, data_parallel_replicate=groups, fault_tolerance=FaultToleranceConfig())
     dims = ParallelDims.resolve(parallel, world)
     if hasattr(train, "method"):  # a fine-tuning config: QLoRA runs in one process
         from marinlm.finetune.config import check_processes
@@ -276,7 +276,8 @@ def plan_layout(
         if "short_step" in layout:  # the real step on a short row, less its compute priced alike
             short = dataclasses.replace(priced, data=dataclasses.replace(train.data, seq_len=SHORT_TOKENS))
             how = (short, dims, world, precision, stage_layers, stage_shards, 1, accumulation, table, False)
-            step |= short_step_parts(layout, measured_compute(*how), a2a_bytes, world)
+            exchanges = accumulation * tensor_parallel_exchanges(stage_shards[0], recompute) if dims.tp > 1 else 0
+            step |= short_step_parts(layout, measured_compute(*how), a2a_bytes, world, exchanges)
         else:
             how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
             step |= collective_seconds(*how)
@@ -379,9 +380,8 @@ def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
     if moe.capacity_factor is None:
         return sent, sent
     if moe.capacity == "per_expert":
-        return sent, min(
-            dims.ep * sent, local * expert_capacity(tokens * dims.ep, moe.top_k, moe.num_experts, moe.capacity_factor)
-        )
+        kept = local * expert_capacity(tokens * dims.ep, moe.top_k, moe.num_experts, moe.capacity_factor)
+        return sent, min(dims.ep * sent, kept)
     # The expert group's ranks send ep x sent assignments: that many sender shards' worth, so many
     # domains' worth; each of the rank's receivers (local / El of them) keeps its chunks from each.
     G, El = moe.capacity_groups, moe.num_experts // moe.capacity_groups
