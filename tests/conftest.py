@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ CONFIGS = ROOT / "configs"
 SHARED_DATA = Path(os.environ.get("MARINLM_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """`torchrun` with `nproc` local processes, its rendezvous on a port the OS picks
+    (`--standalone`): launches from tests running side by side never share a port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def shared_data(*parts: str) -> Path:

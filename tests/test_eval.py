@@ -20,7 +20,7 @@ from marinlm.loading import LoadedModel
 from marinlm.tokenizer import MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
 
-from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, train_config
+from conftest import SAMPLE_TEXTS, build, shared_data, tiny_config, torchrun_command, train_config
 
 
 @pytest.fixture(scope="module")
@@ -711,7 +711,6 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     """In-training evaluation of an FSDP run (it used to be refused with world size > 1): every rank
     takes part in each forward; the logged scores equal `marinlm eval` of the same checkpoint."""
     import subprocess
-    import sys
 
     from marinlm.config import save_config
     from marinlm.loading import load_model
@@ -724,9 +723,8 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     tasks = ["arc_easy", "piqa", "val", f"bpb:{tmp_path / 'text.txt'}"]
     hook = {"every_n_steps": 2, "tasks": tasks, "limit": 5, "data_dir": str(tmp_path / "tasks")}
     save_config(train_config(token_data, tmp_path / "run", train={"steps": 2}, eval=hook), tmp_path / "run.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29537"]
     out = subprocess.run(
-        [*cmd, "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")],
+        [*torchrun_command(2), "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -744,7 +742,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     # `marinlm eval` under torchrun: the checkpoint loaded sharded (FSDP2), the items dealt over ranks.
     evaluate = ["eval", str(tmp_path / "run"), "--tasks", *tasks, "--limit", "5", "--data-dir", str(tmp_path / "tasks")]
     out = subprocess.run(
-        [*cmd, "-m", "marinlm.cli", *evaluate, "--output", str(tmp_path / "sharded.json")],
+        [*torchrun_command(2), "-m", "marinlm.cli", *evaluate, "--output", str(tmp_path / "sharded.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,

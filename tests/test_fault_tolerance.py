@@ -21,7 +21,7 @@ from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.fault_tolerance import load_local_state, local_state
 from marinlm.train.metrics import read_metrics
 
-from conftest import ROOT, build, tiny_config, train_config
+from conftest import ROOT, build, tiny_config, torchrun_command, train_config
 
 
 def _step(model, optimizer, seed: int) -> None:
@@ -66,9 +66,8 @@ def test_fault_tolerance_settings_are_checked_by_key():
     assert from_dict(ParallelConfig, {"fault_tolerance": {"groups": 2, "group": 1}}).fault_tolerance.group == 1
 
 
-def _launch(config: Path, procs: int, port: int, log: Path, *extra) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}"]
-    cmd += ["-m", "marinlm.cli", "train", str(config), "--resume=auto", *extra]
+def _launch(config: Path, procs: int, log: Path, *extra) -> subprocess.Popen:
+    cmd = [*torchrun_command(procs), "-m", "marinlm.cli", "train", str(config), "--resume=auto", *extra]
     # Two one-rank torchruns share the cores: one thread each (torchrun sets it only for several ranks)
     env = os.environ | {"RUST_LOG": "error", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
@@ -131,8 +130,7 @@ def test_two_groups_train_as_hsdp_and_a_killed_group_rejoins_from_its_peer(token
     )
     save_config(hsdp, tmp_path / "hsdp.yaml")
     reference = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29523"]
-        + ["-m", "marinlm.cli", "train", str(tmp_path / "hsdp.yaml")],
+        [*torchrun_command(2), "-m", "marinlm.cli", "train", str(tmp_path / "hsdp.yaml")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -147,10 +145,7 @@ def test_two_groups_train_as_hsdp_and_a_killed_group_rejoins_from_its_peer(token
     lighthouse = _lighthouse(29519)
     try:
         logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
-        procs = [
-            _launch(tmp_path / "ft.yaml", 1, 29520 + g, logs[g], f"--parallel.fault_tolerance.group={g}")
-            for g in (0, 1)
-        ]
+        procs = [_launch(tmp_path / "ft.yaml", 1, logs[g], f"--parallel.fault_tolerance.group={g}") for g in (0, 1)]
         while max(_logged(tmp_path / "ft" / "replica-1"), default=0) < 3:
             assert procs[1].poll() is None, logs[1].read_text()[-3000:]
             time.sleep(0.05)
@@ -159,7 +154,7 @@ def test_two_groups_train_as_hsdp_and_a_killed_group_rejoins_from_its_peer(token
         procs[1].wait()
         killed_at = max(_logged(tmp_path / "ft" / "replica-1"))
         time.sleep(3.0)  # past the lighthouse's heartbeat timeout: group 0 goes on alone first
-        procs[1] = _launch(tmp_path / "ft.yaml", 1, 29522, logs[1], "--parallel.fault_tolerance.group=1")
+        procs[1] = _launch(tmp_path / "ft.yaml", 1, logs[1], "--parallel.fault_tolerance.group=1")
         for proc, log in zip(procs, logs):
             _done(proc, log)
     finally:
@@ -189,7 +184,7 @@ def test_a_group_without_a_lighthouse_stops_with_a_message_and_leaves_no_run_fol
     ft = {"groups": 2, "lighthouse": "http://localhost:29518", "timeout_s": 2}  # nothing listens there
     save_config(train_config(token_data, tmp_path / "run", parallel={"fault_tolerance": ft}), tmp_path / "ft.yaml")
     log = tmp_path / "group0.log"
-    proc = _launch(tmp_path / "ft.yaml", 1, 29517, log)
+    proc = _launch(tmp_path / "ft.yaml", 1, log)
     assert proc.wait(timeout=300) == 1
     assert "error: parallel.fault_tolerance.lighthouse: no lighthouse answered at http://localhost:29518" in (
         log.read_text()
@@ -215,13 +210,13 @@ def test_a_lost_lighthouse_stops_the_groups_and_they_resume_exactly(token_data, 
     )
     save_config(config, tmp_path / "ft.yaml")
 
-    def groups(port: int, *extra):
+    def groups(*extra):
         logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
         group = "--parallel.fault_tolerance.group="
-        return [_launch(tmp_path / "ft.yaml", 1, port + g, logs[g], f"{group}{g}", *extra) for g in (0, 1)], logs
+        return [_launch(tmp_path / "ft.yaml", 1, logs[g], f"{group}{g}", *extra) for g in (0, 1)], logs
 
     first = _lighthouse(29516)
-    procs, logs = groups(29512)
+    procs, logs = groups()
     while max(_logged(tmp_path / "ft" / "replica-0"), default=0) < 5:
         assert procs[0].poll() is None, logs[0].read_text()[-3000:]
         time.sleep(0.05)
@@ -235,7 +230,7 @@ def test_a_lost_lighthouse_stops_the_groups_and_they_resume_exactly(token_data, 
     last = int(saved[-1].split("-")[1])
     second = _lighthouse(29516)
     try:
-        procs, logs = groups(29514, f"--train.steps={last + 3}")
+        procs, logs = groups(f"--train.steps={last + 3}")
         for proc, log in zip(procs, logs):
             _done(proc, log)
     finally:

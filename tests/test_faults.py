@@ -625,13 +625,13 @@ def test_every_logged_key_after_a_resume_under_expert_parallel_equals_an_unbroke
         parallel={"expert_parallel": 2},
     )
     save_config(config, tmp_path / "straight.yaml")
-    torchrun_train(tmp_path / "straight.yaml", port=29547)
+    torchrun_train(tmp_path / "straight.yaml")
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-00000004", resumed / "checkpoints" / "step-00000004")
     shutil.copy(tmp_path / "straight" / "metrics.jsonl", resumed / "metrics.jsonl")  # steps 5-6 go on resume
     config.run_dir = str(resumed)
     save_config(config, tmp_path / "resumed.yaml")
-    torchrun_train(tmp_path / "resumed.yaml", port=29548)
+    torchrun_train(tmp_path / "resumed.yaml")
     straight, again = read_metrics(tmp_path / "straight"), read_metrics(resumed)
     a2a = [r["ep/a2a_bytes"] for r in straight if "ep/a2a_bytes" in r]
     assert len(a2a) == 6 and max(a2a) < 1.2 * min(a2a), a2a  # per step, validation's traffic not in it

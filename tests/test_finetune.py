@@ -31,7 +31,7 @@ from marinlm.tokenizer import CHAT_TEMPLATE, MarinTokenizer, train_bpe
 from marinlm.train.config import TrainConfig
 from marinlm.train.run_folder import save_run
 
-from conftest import CONFIGS, SAMPLE_TEXTS, build, randomize_identity_inits, shared_data, tiny_config
+from conftest import CONFIGS, SAMPLE_TEXTS, build, randomize_identity_inits, shared_data, tiny_config, torchrun_command
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -533,7 +533,6 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
     frozen router biases and wrote the first stage's adapters only, and tensor parallel split the
     base layers under the adapters but not the adapters."""
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -556,15 +555,8 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
         == 0
     )
     two = finetune_args(base_run, files, tmp_path / "two", "lora", steps=3, **common) + layout
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={29671 + len(tmp_path.name) % 40}",
-    ]
     done = subprocess.run(
-        [*cmd, "-m", "marinlm.cli", "finetune", config_file, *two],
+        [*torchrun_command(2), "-m", "marinlm.cli", "finetune", config_file, *two],
         cwd=ROOT,
         capture_output=True,
         text=True,

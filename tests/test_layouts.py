@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from marinlm.parallel.mesh import ParallelDims
 from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
 
-from conftest import ROOT, tiny_config, train_config
+from conftest import ROOT, tiny_config, torchrun_command, train_config
 
 
 def dims(world: int, **degrees) -> ParallelDims:
@@ -78,10 +77,9 @@ def test_degrees_that_do_not_split_the_model_name_the_key():
     dims(4).check_model(model)
 
 
-def torchrun(config_path, nproc: int, port: int, *extra) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
+def torchrun(config_path, nproc: int, *extra) -> None:
     out = subprocess.run(
-        [*cmd, "-m", "marinlm.cli", "train", str(config_path), *extra],
+        [*torchrun_command(nproc), "-m", "marinlm.cli", "train", str(config_path), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -223,7 +221,7 @@ def layout_run(
         run_training(config, resume="none" if fresh else "auto")
     else:
         resume = [] if fresh else ["--resume=auto"]
-        torchrun(folder / f"{name}.yaml", nproc, 29541 + len(folder.name) % 50, *resume)
+        torchrun(folder / f"{name}.yaml", nproc, *resume)
     return curves(folder / name)
 
 
@@ -274,8 +272,7 @@ def train_each(folder, names: list[str], procs: int, resume: str = "none") -> st
             run_training(load_config(TrainConfig, str(folder / f"{name}.yaml"), []), resume=resume)
         return None
     (folder / "train_each.py").write_text(TRAIN_EACH)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
-    cmd += [f"--master_port={29591 + len(folder.name) % 8}", str(folder / "train_each.py"), resume]
+    cmd = [*torchrun_command(procs), str(folder / "train_each.py"), resume]
     out = subprocess.run(
         [*cmd, *(str(folder / f"{name}.yaml") for name in names)],
         cwd=ROOT,

@@ -24,7 +24,7 @@ from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer
 from marinlm.utils.io import folder_lock
 
-from conftest import ROOT, tiny_config, train_config
+from conftest import ROOT, tiny_config, torchrun_command, train_config
 
 # Every test here but a few trains a model: the whole file is the slow tier (`make test`).
 pytestmark = pytest.mark.slow
@@ -41,10 +41,9 @@ def cli(config_path, *extra, env=None):
     )
 
 
-def torchrun_train(config_path, port: int) -> None:
+def torchrun_train(config_path) -> None:
     """`marinlm train` under torchrun with 2 gloo processes; fails the test with the output tail."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
-    cmd += ["-m", "marinlm.cli", "train", str(config_path)]
+    cmd = [*torchrun_command(2), "-m", "marinlm.cli", "train", str(config_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -734,7 +733,7 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
     single = cli(tmp_path / "single.yaml")
     out, _ = single.communicate(timeout=300)
     assert single.returncode == 0, out
-    torchrun_train(tmp_path / "fsdp.yaml", port=29531)
+    torchrun_train(tmp_path / "fsdp.yaml")
     a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 4
     for step in a:
@@ -934,7 +933,7 @@ def test_fsdp_options_zero2_sharded_init(token_data, tmp_path):
         parallel={"reshard_after_forward": False, "activation_checkpointing": "full"},
     )
     save_config(config, tmp_path / "run.yaml")
-    torchrun_train(tmp_path / "run.yaml", port=29533)
+    torchrun_train(tmp_path / "run.yaml")
     values = losses(tmp_path / "run")
     assert len(values) == 3 and all(math.isfinite(v) for v in values.values())
     assert values[3] < values[1]
