@@ -244,6 +244,14 @@ def _chunk_plan(
     return R, torch.ones_like(counts_E) if z is None else chunks_ZE[z], gathered
 
 
+def _chunk_rows(chunks_E: torch.Tensor, expert_A: torch.Tensor, rank_A: torch.Tensor, R: int):
+    """The padded kernels' layout: (the row of each assignment, its expert's chunks first, then by
+    its rank in its expert's queue; the expert of each chunk; the P rows of all chunks)."""
+    row_A = (torch.cumsum(chunks_E, 0) - chunks_E)[expert_A] * R + rank_A
+    expert_C = torch.repeat_interleave(torch.arange(chunks_E.shape[0], device=chunks_E.device), chunks_E)
+    return row_A, expert_C, expert_C.shape[0] * R
+
+
 class FusedRoutedExperts(RoutedExperts):
     """The reference experts' parameters, run by the kernels above (`impl` any of auto,
     grouped_mm, chunked, bmm, loop)."""
@@ -295,9 +303,7 @@ class FusedRoutedExperts(RoutedExperts):
         gathered = False  # whether each chunk gets its expert's matrices gathered beside it
         if padded:
             R, chunks_E, gathered = _chunk_plan(counts_E, capacity if impl == "bmm" else None, impl == "bmm")
-            row_A = ((torch.cumsum(chunks_E, 0) - chunks_E)[expert_sorted_A]) * R + rank_A
-            expert_C = torch.repeat_interleave(torch.arange(E, device=counts_E.device), chunks_E)
-            P = expert_C.shape[0] * R
+            row_A, expert_C, P = _chunk_rows(chunks_E, expert_sorted_A, rank_A, R)
         else:  # the kept rows in expert order (all S without a capacity); then a zero row per drop
             row_A, P = (torch.cumsum(counts_E, 0) - counts_E)[expert_sorted_A] + rank_A, S
         has_padding = padded or keep_A is not None
@@ -365,9 +371,7 @@ class FusedRoutedExperts(RoutedExperts):
         R, chunks_E, gathered = _chunk_plan(counts_E, None, impl == "bmm")
         expert_A = torch.repeat_interleave(torch.arange(E, device=device), counts_E, output_size=A)
         rank_A = torch.arange(A, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
-        row_A = (torch.cumsum(chunks_E, 0) - chunks_E)[expert_A] * R + rank_A
-        expert_C = torch.repeat_interleave(torch.arange(E, device=device), chunks_E)
-        P = expert_C.shape[0] * R
+        row_A, expert_C, P = _chunk_rows(chunks_E, expert_A, rank_A, R)
         source_P = torch.full((P + 1,), A, dtype=row_A.dtype, device=device)
         source_P[row_A] = torch.arange(A, device=device)
         source_P = source_P[:P]  # A for a padding row: the zero row `_take` appends

@@ -419,9 +419,9 @@ def short_step_parts(
     (`short_compute`, priced as the step's is, slowed as the ranks slow each other) as "layout"
     (FSDP2's and tensor parallel's exchanges and hooks, the reductions, the all-to-alls' calls; one
     process: "host", Python's, autograd's and the trainer's own work beside the operations), and
-    what grows with the tokens beyond the short row's: the expert all-to-alls' bytes, and tensor
-    parallel's `tp_exchanges` sequence gathers and reduce-scatters as timed at a micro-batch's
-    size, less the latency of each that the short row's own exchanges paid."""
+    what grows with the tokens beyond the short row's: the expert all-to-alls' bytes, and, where
+    the layout timed them (tensor parallel), `tp_exchanges` sequence gathers and reduce-scatters
+    at a micro-batch's size, less the latency of each that the short row's own exchanges paid."""
     latency, bandwidth, slowed = measure_gloo(world) if world > 1 else (0.0, 0.0, 1.0)
     parts = {"optimizer": layout["optimizer"]}
     parts["layout" if world > 1 else "host"] = max(
@@ -429,7 +429,7 @@ def short_step_parts(
     )
     if a2a_bytes:
         parts["expert_all_to_all"] = a2a_bytes / bandwidth
-    if tp_exchanges and "tensor_parallel" in layout:
+    if "tensor_parallel" in layout:  # timed under tensor parallel only
         gather, scatter, _ = layout["tensor_parallel"]
         parts["tensor_parallel"] = tp_exchanges * max(gather + scatter - 2 * latency, 0.0)
     return parts

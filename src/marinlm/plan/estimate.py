@@ -276,7 +276,7 @@ def plan_layout(
         if "short_step" in layout:  # the real step on a short row, less its compute priced alike
             short = dataclasses.replace(priced, data=dataclasses.replace(train.data, seq_len=SHORT_TOKENS))
             how = (short, dims, world, precision, stage_layers, stage_shards, 1, accumulation, table, False)
-            exchanges = accumulation * tensor_parallel_exchanges(stage_shards[0], recompute) if dims.tp > 1 else 0
+            exchanges = accumulation * tensor_parallel_exchanges(stage_shards[0], recompute)  # priced under tp
             step |= short_step_parts(layout, measured_compute(*how), a2a_bytes, world, exchanges)
         else:
             how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
