@@ -389,10 +389,12 @@ def _held_activations(rank: int, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
-    held, weights = {}, {}
+    held, weights, meshes = {}, {}, {}
     for preset, name, precision, ac in ACTIVATION_CASES:
         config, parallel = _activation_config(preset, precision, ac, name)
-        dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
+        if name not in meshes:  # one mesh a layout: each mesh adds process groups that later cases pay for
+            meshes[name] = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
+        dims = meshes[name]
         with torch.device("meta"):
             model = MarinForCausalLM(config.model)
         apply_kernels(model, torch.device("cpu"), precision, config.kernels)
@@ -506,9 +508,9 @@ def _held_by_pipeline_stages(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     cpu, held = torch.device("cpu"), {}
+    dims = ParallelDims.resolve(_pipeline_config(*PIPELINE_CASES[0])[1], 4).build_mesh("cpu")  # one for all cases
     for precision, ac in PIPELINE_CASES:
         config, parallel = _pipeline_config(precision, ac)
-        dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
         with torch.device("meta"):
             model = MarinForCausalLM(config.model)
         apply_kernels(model, cpu, precision, config.kernels)
