@@ -507,10 +507,11 @@ def _held_by_pipeline_stages(rank: int, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
-    cpu, held = torch.device("cpu"), {}
-    dims = ParallelDims.resolve(_pipeline_config(*PIPELINE_CASES[0])[1], 4).build_mesh("cpu")  # one for all cases
+    cpu, held, dims = torch.device("cpu"), {}, None
     for precision, ac in PIPELINE_CASES:
         config, parallel = _pipeline_config(precision, ac)
+        if dims is None:  # one mesh for every case: they differ in precision and checkpointing only
+            dims = ParallelDims.resolve(parallel, 4).build_mesh("cpu")
         with torch.device("meta"):
             model = MarinForCausalLM(config.model)
         apply_kernels(model, cpu, precision, config.kernels)
