@@ -168,10 +168,12 @@ class MeasuredTable:
 
         return self._best(forward), self._best(both)
 
-    def _model(self, layers: int):
+    def _model(self, layer: int):
+        """The model cut after block `layer` (one more where a last layer is global: `layer` keeps its kind)."""
         from marinlm.kernels import apply_kernels
         from marinlm.model.transformer import MarinForCausalLM
 
+        layers = min(layer + 2, self.model.num_layers)
         config = dataclasses.replace(self.model, num_layers=layers, vocab_size=8, tie_embeddings=False)
         with torch.device("meta"):
             model = MarinForCausalLM(config)
@@ -186,7 +188,7 @@ class MeasuredTable:
         def measure():
             c = self.model
             layer = next(i for i in range(c.num_layers) if c.is_global_layer(i) == is_global)
-            model = self._model(layer + 1)
+            model = self._model(layer)
             attn = model.layers[layer].attn
             a = c.attention
             kv = a.global_kv_heads() if is_global else a.num_kv_heads
