@@ -706,3 +706,46 @@ def test_the_experts_are_timed_as_each_layout_runs_them(monkeypatch):
         len(c) == E // 2 and sum(c) == 256 * config.model.moe.top_k for c in counts
     )
     assert len({tuple(c) for c in counts}) == len(counts)  # a new routing each call
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_blocks_timed_memory_work_is_what_the_op_trace_files_and_is_charged_a_pass(monkeypatch, precision):
+    """On a CPU the blocks' memory-bound work is timed as a block runs it (`MeasuredTable.block_memory`):
+    with a clock that ticks once a reading, what it times in one block of each kind, forward and
+    backward, is the operations the op trace of a full-size step files under that kind and pass
+    (GEMMs, views, attention's core and the routed experts left out of both); `price_step` charges a
+    block's forward once, twice when the block is checkpointed, and its backward once."""
+    import itertools
+
+    from marinlm.plan.activations import layer_kind
+    from marinlm.plan.op_table import MeasuredTable
+    from marinlm.plan.ops import _KernelTimer, _trace_ops, price_step
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=2", "--data.seq_len=64", f"--train.precision={precision}"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    model, rows, seq = config.model, 2, 64
+    full = _trace_ops(model, config.optim, precision, config.kernels, full_size=(rows, seq))
+    kinds = [layer_kind(model, i) for i in range(model.num_layers)]
+    ticks = itertools.count()
+    monkeypatch.setattr(_KernelTimer, "clock", staticmethod(lambda: next(ticks)))
+    table = MeasuredTable(model, precision, config.kernels)
+    for i in range(model.num_layers):  # a block keeps its kind in the model the table cuts after it
+        assert layer_kind(table._model(i).config, i) == kinds[i]
+    for kind in set(kinds):
+        forward, backward = table.block_memory(kind, rows, seq)
+        # The forward's context (RoPE tables, masks) is built once a forward, in its first block: not a block's
+        assert forward * kinds.count(kind) == pytest.approx(full.calls[f"{kind}/forward"], rel=0.1), kind
+        assert forward * (kinds.count(kind) - 1) < 0.9 * full.calls[f"{kind}/forward"]
+        assert backward * kinds.count(kind) == full.calls[f"{kind}/backward"], kind
+    monkeypatch.undo()
+    for kind in set(kinds):  # stated seconds: a forward 1, a backward 100
+        table._cache[("block_memory", kind, rows, seq)] = (1.0, 100.0)
+    charged = {}
+    for recompute in (0.0, 1.0):
+        part = price_step(
+            config, table, full, rows=rows, forwards=1, layers=range(model.num_layers), recompute=recompute
+        )
+        charged[recompute] = part["memory"]
+    assert charged[1.0] - charged[0.0] == pytest.approx(model.num_layers * 1.0)
+    assert charged[0.0] > model.num_layers * 101.0

@@ -4,8 +4,9 @@
 shape, with the threads this process has (torchrun gives each rank one): a GEMM by (M, K, N) and
 dtype; attention's core, the routed experts and the LM head with loss as the model's own modules
 (with the run's kernels) run them, forward and backward, and the forward alone (a checkpointed
-block runs it again); memory-bound work by an elementwise add of the same bytes (in cache or not); an operation's
-dispatch on the host by a chain of small operations recorded for autograd, forward and backward.
+block runs it again); a block's memory-bound work as one block of its kind runs it, forward and backward (on a CPU);
+other memory-bound work by an elementwise add of the same bytes (in cache or not); an operation's dispatch on the
+host by a chain of small operations recorded for autograd, forward and backward.
 Each time is the best of a few repeats after a warm-up: the machine's speed, not its load.
 
 The table is for the hardware it runs on (`marinlm plan --hardware cpu`); a GPU's would be written
@@ -262,6 +263,49 @@ class MeasuredTable:
             return self._timed(lambda h, w: loss(h, w, labels)[0], (h, w))
 
         return self._memo(("loss", tokens), measure)
+
+    def block_memory(self, kind: str, rows: int, seq_len: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the memory-bound operations of one block of `kind` (plan/
+        activations.py `layer_kind`) on `rows` rows: the model's own block run forward and backward
+        under the run's autocast, each operation timed as it runs there (norms, SConv, RoPE, gates,
+        residuals, autocast's casts: the casts and strided reads that an add of the same bytes does
+        not price), the GEMMs, attention's core and the routed experts left out (priced by shape);
+        the best of a few runs, each operation's kernel only (its dispatch is priced apart)."""
+
+        def measure():
+            from marinlm.model.attention import Attention
+            from marinlm.model.experts import RoutedExperts
+            from marinlm.plan.activations import layer_kind
+            from marinlm.plan.ops import _KernelTimer
+
+            c = self.model
+            layer = next(i for i in range(c.num_layers) if layer_kind(c, i) == kind)
+            model = self._model(layer)
+            block = model.layers[layer]
+            timer = _KernelTimer()
+            for module in block.modules():
+                if isinstance(module, Attention):
+                    module.attend = timer.region(module.attend, "priced")
+                elif isinstance(module, RoutedExperts):
+                    module.forward = timer.region(module.forward, "priced")
+            run = timer.region(block.forward, "block")
+            ids = torch.zeros(rows, seq_len, dtype=torch.long)
+            ctx = model.context(ids, packed_segments(rows, seq_len).to(self.device), None, None, None)
+            x = torch.randn(rows, seq_len, c.d_model, requires_grad=True)
+            autocast = torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+            times = []
+            for _ in range(4):  # the first builds what later calls reuse (the context's tables: once a forward)
+                x.grad = None
+                block.zero_grad(set_to_none=True)  # a step's gradients are new tensors, not sums into old ones
+                timer.seconds.clear()
+                with timer:
+                    with autocast:
+                        out = run(x, ctx)[0]
+                    out.float().sum().backward()
+                times.append((timer.seconds.get("block/forward", 0.0), timer.seconds.get("block/backward", 0.0)))
+            return min(t[0] for t in times[1:]), min(t[1] for t in times[1:])
+
+        return self._memo(("block_memory", kind, rows, seq_len), measure)
 
     def elementwise(self, nbytes: float) -> float:
         """Seconds of one memory-bound operation moving `nbytes` (an add: two reads, one write),

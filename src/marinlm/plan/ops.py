@@ -16,12 +16,16 @@ proxy of plan/activations.py, whose widths differ), the sizes from the config.
   of such operations, each paying one dispatch on the host.
 
 `MeasuredTable` (plan/op_table.py) prices them: seconds by shape for GEMMs and composites, the
-seconds of an operation moving the same bytes for the rest, and seconds a dispatch.
+seconds of an operation moving the same bytes for the rest, and seconds a dispatch. On a CPU the
+blocks' memory-bound work is timed whole, as a block of each kind runs it at the step's shape
+(`MeasuredTable.block_memory`): there casts, strided reads and transcendental functions cost up
+to several times an add of the same bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +146,26 @@ class _Recorder(TorchDispatchMode):
                 name = _classify(t.shape[-1], {k: self.table[k] for k in WIDE if k in self.table})
             key, value = (name, nbytes / self.tokens / self.table[name]) if name else ("unknown", nbytes / self.tokens)
             bucket[key] = bucket.get(key, 0.0) + value
+        return out
+
+
+class _KernelTimer(_Recorder):
+    """Seconds of the memory-bound operations' kernels by region and pass (`MeasuredTable.block_memory`):
+    GEMMs, views and what runs under the label "priced" not counted."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        super().__init__({}, 1, set())
+        self.seconds: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = self.clock()
+        out = func(*args, **(kwargs or {}))
+        took = self.clock() - start
+        label = self.label
+        if label != "priced" and func not in GEMM_OPS and not func.is_view:
+            self.seconds[label] = self.seconds.get(label, 0.0) + took
         return out
 
 
@@ -302,12 +326,15 @@ def price_step(
     fwd_dispatch, view_dispatch = table.dispatch
     dispatch = max(fwd_dispatch - table.elementwise(48), 0.0)  # autograd's share, beyond a small kernel
 
-    def memory(label: str, share: float = 1.0) -> None:
-        """The label's operations, each at the mean bytes an operation moves, and their dispatch."""
+    def memory(label: str, share: float = 1.0, seconds: float | None = None) -> None:
+        """The label's operations (`seconds` where timed whole, else each at the mean bytes an operation
+        moves), and their dispatch."""
         calls = inv.calls.get(label, 0.0)
         units = inv.bytes_per_token.get(label, {})
         nbytes = tokens * sum(u * width.get(name, 1.0) for name, u in units.items())
-        if calls:
+        if seconds is not None:
+            part["memory"] += share * seconds
+        elif calls:
             part["memory"] += share * calls * table.elementwise(nbytes / calls)
         part["dispatch"] += share * (calls * dispatch + inv.views.get(label, 0.0) * view_dispatch)
 
@@ -321,8 +348,11 @@ def price_step(
         if kind != "dense":
             fwd, both = table.experts(tokens)
             part["experts"] += both + recompute * fwd
-        memory(f"{kind}/forward", 1 + recompute)
-        memory(f"{kind}/backward")
+        # On a CPU a block's memory-bound work is timed as the block runs it; a GPU's kernels queue
+        # behind one another, so there it is priced by bytes.
+        timed = table.block_memory(kind, rows, seq) if table.device == "cpu" else (None, None)
+        memory(f"{kind}/forward", 1 + recompute, timed[0])
+        memory(f"{kind}/backward", 1.0, timed[1])
     memory("outside/forward")
     memory("outside/backward")
     if head:
