@@ -1,28 +1,27 @@
 """Per-rank memory and per-step time of one layout of a training config on one kind of hardware.
 
 Memory, per rank (the first rank of each pipeline stage; the others of a stage hold the same):
-- weights, gradients: the local shards `parallelize()` makes (plan/shards.py), fp32 (a fine-tuning
-  config: gradients and optimizer state of what trains only, plan/finetune.py);
-- optimizer state: per local weight, MuonH's momentum (1 copy) or Adam's two moments, fp32; in
-  host memory under `parallel.offload: optimizer` (and weights and gradients too under `all`);
-- activations: what autograd saves (plan/activations.py) for the rank's tokens (under context
-  parallel a 1/cp share of each row, with the keys and values each layer gathers and the masks of
-  the keys its chunks reach), divided by tp (sequence parallel), times the microbatches a pipeline
-  stage holds at once (1F1B: pp - stage), with full activation checkpointing only the blocks'
-  inputs and the forward's context (ids, positions, RoPE tables, masks) plus one block;
-- buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert
-  all-to-all's send and receive rows; tensor parallel's gathered activations; torch's pipeline
-  stage's receive buffers and kept outputs; the QB router's margins, kept for the step;
+- weights, gradients: the local shards `parallelize()` makes (plan/shards.py), fp32 (a fine-tuning config:
+  gradients and optimizer state of what trains only, plan/finetune.py); optimizer state: per local weight,
+  MuonH's momentum (1 copy) or Adam's two moments, fp32; in host memory under `parallel.offload: optimizer`
+  (and weights and gradients too under `all`);
+- activations: what autograd saves (plan/activations.py) for the rank's tokens (under context parallel a 1/cp
+  share of each row, with the keys and values each layer gathers and the masks of the keys its chunks reach),
+  divided by tp (sequence parallel), times the microbatches a pipeline stage holds at once (1F1B: pp - stage),
+  with full activation checkpointing only the blocks' inputs and the forward's context (ids, positions, RoPE
+  tables, masks) plus one block;
+- buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert all-to-all's
+  send and receive rows; tensor parallel's gathered activations; torch's pipeline stage's receive buffers and
+  kept outputs; the QB router's margins, kept for the step;
 - temporaries: one block's activations again (their gradients in backward).
 
-Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (5
-calls a layer: the counts, dispatch and combine forward, and the two gradients' exchanges; 3 more
-in a checkpointed block's recomputed forward; `expert_exchanges`) over NVLink when its group fits in an
-NVLink domain, else the network, not overlapped; context parallel's exchanges of keys, values and
-SConv halos (forward, their gradients back, and again in a recomputed forward), not overlapped
-(the exchange waits before attention); FSDP/HSDP traffic of which `overlap` is hidden;
-tensor-parallel collectives; optimizer-state copies to the host and back; all divided by (1 -
-bubble) under pipelining.
+Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (5 calls a layer:
+the counts, dispatch and combine forward, and the two gradients' exchanges; 3 more in a checkpointed block's
+recomputed forward; `expert_exchanges`) over NVLink when its group fits in an NVLink domain, else the network,
+not overlapped; context parallel's exchanges of keys, values and SConv halos (forward, their gradients back, and
+again in a recomputed forward), not overlapped (the exchange waits before attention); FSDP/HSDP traffic of which
+`overlap` is hidden; tensor-parallel collectives; optimizer-state copies to the host and back; all divided by
+(1 - bubble) under pipelining (gloo ranks sharing cores: the bubble's compute at the stage's ranks' contention).
 """
 
 from __future__ import annotations
@@ -225,13 +224,13 @@ def plan_layout(
         )
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += a2a_bytes
-        step["expert_all_to_all"] = a2a_bytes / (_bandwidth(hardware, link) * eff.all_to_all)
+        step["expert_all_to_all"] = a2a_bytes / (getattr(hardware, f"{link}_bandwidth") * eff.all_to_all)
     if dims.cp > 1:
         volume = rows * context_exchange_bytes(model, seq, dims.cp, act_bytes) * (2 + recompute) * local_layers
         volume /= model.num_layers * dims.tp  # the bytes above are the whole model's; tp ranks hold a share of heads
         link = "nvlink" if dims.cp * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
-        step["context_exchange"] = volume / (_bandwidth(hardware, link) * eff.all_to_all)
+        step["context_exchange"] = volume / (getattr(hardware, f"{link}_bandwidth") * eff.all_to_all)
     fsdp_bytes = sum(r.device.get("fsdp_gathered_block", 0.0) for r in ranks[:1]) / 2  # one block, fp32
     fsdp = dims.dp_shard * dims.cp  # FSDP2 shards over the cp ranks too
     shard_group = fsdp * dims.tp
@@ -241,7 +240,7 @@ def plan_layout(
         volume = passes * fsdp_bytes * local_layers * (fsdp - 1) / fsdp
         link = "nvlink" if shard_group <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
-        step["fsdp"] = volume / (_bandwidth(hardware, link) * eff.collectives) * (1 - eff.overlap)
+        step["fsdp"] = volume / (getattr(hardware, f"{link}_bandwidth") * eff.collectives) * (1 - eff.overlap)
     if dims.dp_replicate > 1:
         grads = ranks[0].device.get("gradients", 0.0)
         volume = 2 * grads * (dims.dp_replicate - 1) / dims.dp_replicate
@@ -265,7 +264,7 @@ def plan_layout(
         volume = 2 * tokens_rank * model.d_model * act_bytes
         link = "nvlink" if world // dims.pp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
-        step["pipeline_sends"] = volume / (_bandwidth(hardware, link) * eff.collectives)
+        step["pipeline_sends"] = volume / (getattr(hardware, f"{link}_bandwidth") * eff.collectives)
     offloaded = sum(ranks[0].host.values())
     if offloaded:
         traffic["host"] += 2 * offloaded
@@ -281,8 +280,10 @@ def plan_layout(
         else:
             how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
             step |= collective_seconds(*how)
-    # The stages idle in the schedule's bubble; the optimizer's step comes after it.
-    busy = sum(v for k, v in step.items() if k != "optimizer")
+    # The stages idle in the schedule's bubble, where on shared cores the world / pp ranks still
+    # computing slow each other less; the optimizer's step comes after it.
+    shared = compute * (1 - measure_gloo(world // dims.pp)[2] / measure_gloo(world)[2]) if bubble and gloo else 0
+    busy = sum(v for k, v in step.items() if k != "optimizer") - shared
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
     step["total"] = sum(step.values())
@@ -318,10 +319,6 @@ def plan_layout(
 def forwards_a_step(dims, rows: int, micro_rows: int, microbatches: int) -> int:
     """Forwards a rank runs a step: its rows' micro-batches, or the pipeline's microbatches."""
     return rows // micro_rows if dims.pp == 1 else microbatches
-
-
-def _bandwidth(hardware: Hardware, link: str) -> float:
-    return hardware.nvlink_bandwidth if link == "nvlink" else hardware.network_bandwidth
 
 
 def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
