@@ -350,12 +350,15 @@ def _layout_worker(rank: int, world: int, store: str, result: str, train, parall
 
 
 def _built(train):
-    """(the model of `train`, initialised on this CPU with the run's kernels, the compute precision)."""
+    """(the model of `train`, initialised on this CPU with the run's kernels, the compute precision),
+    in a process whose allocator is set as the trainer sets it."""
     import torch
 
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
+    from marinlm.utils.perf import tune_cpu_allocator
 
+    tune_cpu_allocator()
     with torch.device("meta"):
         model = MarinForCausalLM(train.model)
     precision = "bf16" if train.train.precision in ("bf16", "auto") else train.train.precision

@@ -353,7 +353,11 @@ _TABLES: dict[tuple, MeasuredTable] = {}
 
 def measured_table(model: MarinConfig, precision: str, kernels: KernelConfig, experts_local: int = 0) -> MeasuredTable:
     """One `MeasuredTable` a model, precision, kernels and thread count in this process (each
-    measurement is made once)."""
+    measurement is made once), measured with the allocator set as the trainer sets it: glibc's
+    default returns large blocks to the OS, and its threshold moves with what the process did before."""
+    from marinlm.utils.perf import tune_cpu_allocator
+
+    tune_cpu_allocator()
     key = (repr(model), precision, repr(kernels), experts_local, torch.get_num_threads())
     if key not in _TABLES:
         _TABLES[key] = MeasuredTable(model, precision, kernels, experts_local=experts_local)
