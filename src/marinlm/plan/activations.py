@@ -129,7 +129,6 @@ def inventory(
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
-    from marinlm.plan.op_table import packed_segments
 
     proxy_config, T = proxy(config)
     B = 2
@@ -308,3 +307,12 @@ def activation_bytes(
         "masks": mask_elements * rows if gpu or cp > 1 else 0.0,  # bool, local and global
         "context_halo": halos * rows,
     }
+
+
+def packed_segments(rows: int, seq_len: int) -> torch.Tensor:
+    """Segment ids of rows packed from documents of random lengths (a new one at each position with
+    probability 1 / min(1024, seq_len / 2)), as a loader of packed documents gives them."""
+    g = torch.Generator("cpu").manual_seed(0)
+    starts = torch.rand(rows, seq_len, generator=g, device="cpu") < 1 / min(1024, seq_len // 2)
+    starts[:, 0] = True
+    return torch.cumsum(starts.long(), 1)

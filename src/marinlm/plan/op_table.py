@@ -26,6 +26,7 @@ import torch
 
 from marinlm.kernels.config import KernelConfig
 from marinlm.model.config import MarinConfig
+from marinlm.plan.activations import layer_kind, packed_segments
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # A step's operations read what others wrote long before, and write where others wrote: timed
@@ -33,15 +34,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLD_BYTES = 2**26
 # Routings the experts run before they are timed, as a run's first steps (`MeasuredTable.experts`).
 WARM_ROUTINGS = 8
-
-
-def packed_segments(rows: int, seq_len: int) -> torch.Tensor:
-    """Segment ids of rows packed from documents of random lengths (a new one at each position with
-    probability 1 / min(1024, seq_len / 2)), as a loader of packed documents gives them."""
-    g = torch.Generator("cpu").manual_seed(0)
-    starts = torch.rand(rows, seq_len, generator=g, device="cpu") < 1 / min(1024, seq_len // 2)
-    starts[:, 0] = True
-    return torch.cumsum(starts.long(), 1)
 
 
 def best_seconds(fn, min_seconds: float = 0.02, repeats: int = 3, device: str = "cpu") -> float:
@@ -275,7 +267,6 @@ class MeasuredTable:
         def measure():
             from marinlm.model.attention import Attention
             from marinlm.model.experts import RoutedExperts
-            from marinlm.plan.activations import layer_kind
             from marinlm.plan.ops import _KernelTimer
 
             c = self.model

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from marinlm.kernels.config import KernelConfig
 from marinlm.model.config import MarinConfig
-from marinlm.plan.activations import _classify, layer_kind, proxy, widths
+from marinlm.plan.activations import _classify, layer_kind, packed_segments, proxy, widths
 
 aten = torch.ops.aten
 # Priced by shape (GEMMs), so not by the bytes they move.
@@ -208,7 +208,6 @@ def _trace_ops(
     from marinlm.model.loss import NextTokenLoss
     from marinlm.model.transformer import MarinForCausalLM
     from marinlm.optim import build_optimizer
-    from marinlm.plan.op_table import packed_segments
     from marinlm.train.step import train_step
 
     proxy_config, T = proxy(config)
