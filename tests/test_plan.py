@@ -625,6 +625,37 @@ def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
     assert "host's work beside them" in " ".join(plan.notes)
 
 
+def test_on_shared_cores_the_pipeline_bubble_computes_at_its_stage_ranks_contention(monkeypatch):
+    """`--hardware cpu`, PP 2 on 2 gloo ranks: the step's compute is slowed as much as all its ranks
+    slow each other on these cores, but in the schedule's bubble one stage idles and leaves the cores
+    to the other's ranks: the bubble's compute is priced at the contention of world / pp ranks. Here
+    the ranks are stated to slow each other 3x together and not at all alone."""
+    from dataclasses import replace
+
+    from marinlm.parallel.pipeline_parallel import bubble_fraction
+    from marinlm.plan import estimate
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=4", "--data.seq_len=64", "--train.precision=fp32"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    parallel = replace(config.parallel, pipeline_parallel=2, data_parallel_shard=1)
+    measured = estimate.measure_gloo
+    steps = {}
+    for together in (3.0, 1.0):
+        slowed = {2: together, 1: 1.0}
+        monkeypatch.setattr(estimate, "measure_gloo", lambda w, s=slowed: (*measured(2)[:2], s[w]))
+        steps[together] = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency()).step
+    bubble = bubble_fraction(parallel.pipeline_schedule, 2, 4, 1)
+    for together, step in steps.items():
+        busy = sum(v for k, v in step.items() if k not in ("optimizer", "pipeline_bubble", "total"))
+        idle = busy - step["compute"] * (1 - 1 / together)
+        assert step["pipeline_bubble"] == pytest.approx(idle * bubble / (1 - bubble))
+    assert steps[3.0]["compute"] == pytest.approx(3 * steps[1.0]["compute"])
+    assert steps[3.0]["pipeline_bubble"] < 3 * steps[1.0]["pipeline_bubble"]
+
+
 def test_a_tensor_parallel_layout_is_priced_from_its_collectives_timed_in_its_group(monkeypatch):
     """`--hardware cpu` under TP 2: its sequence gathers, reduce-scatters and the replicated
     weights' gradient all-reduce are timed in the tp group (what a pipeline stage's exchanges are
