@@ -265,20 +265,14 @@ class MeasuredTable:
         the best of a few runs, each operation's kernel only (its dispatch is priced apart)."""
 
         def measure():
-            from marinlm.model.attention import Attention
-            from marinlm.model.experts import RoutedExperts
-            from marinlm.plan.ops import _KernelTimer
+            from marinlm.plan.ops import _KernelTimer, mark_priced
 
             c = self.model
             layer = next(i for i in range(c.num_layers) if layer_kind(c, i) == kind)
             model = self._model(layer)
             block = model.layers[layer]
             timer = _KernelTimer()
-            for module in block.modules():
-                if isinstance(module, Attention):
-                    module.attend = timer.region(module.attend, "priced")
-                elif isinstance(module, RoutedExperts):
-                    module.forward = timer.region(module.forward, "priced")
+            mark_priced(timer, block)
             run = timer.region(block.forward, "block")
             ids = torch.zeros(rows, seq_len, dtype=torch.long)
             ctx = model.context(ids, packed_segments(rows, seq_len).to(self.device), None, None, None)
@@ -348,8 +342,8 @@ def measured_table(model: MarinConfig, precision: str, kernels: KernelConfig, ex
     default returns large blocks to the OS, and its threshold moves with what the process did before."""
     from marinlm.utils.perf import tune_cpu_allocator
 
-    tune_cpu_allocator()
     key = (repr(model), precision, repr(kernels), experts_local, torch.get_num_threads())
     if key not in _TABLES:
+        tune_cpu_allocator()
         _TABLES[key] = MeasuredTable(model, precision, kernels, experts_local=experts_local)
     return _TABLES[key]

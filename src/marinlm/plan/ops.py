@@ -169,6 +169,20 @@ class _KernelTimer(_Recorder):
         return out
 
 
+def mark_priced(recorder: _Recorder, model: nn.Module) -> None:
+    """Count nothing under `recorder` in what is priced by shape: attention's core, the routed
+    experts, the LM head and loss."""
+    from marinlm.model.attention import Attention
+    from marinlm.model.experts import RoutedExperts
+    from marinlm.model.loss import NextTokenLoss
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend = recorder.region(module.attend, "priced")
+        elif isinstance(module, RoutedExperts | NextTokenLoss):
+            module.forward = recorder.region(module.forward, "priced")
+
+
 def _grads(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
@@ -203,9 +217,6 @@ def _trace_ops(
     """`trace_ops`; `full_size` (rows, sequence): trace `config` itself at that size instead of
     its proxy (a check of the proxy's scaling, tests/test_plan.py)."""
     from marinlm.kernels import apply_kernels
-    from marinlm.model.attention import Attention
-    from marinlm.model.experts import RoutedExperts
-    from marinlm.model.loss import NextTokenLoss
     from marinlm.model.transformer import MarinForCausalLM
     from marinlm.optim import build_optimizer
     from marinlm.train.step import train_step
@@ -225,11 +236,7 @@ def _trace_ops(
     params = list(model.parameters())
     shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}
     recorder = _Recorder(widths(proxy_config, T) | {"vocab": proxy_config.vocab_size}, B * T, shapes)
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.attend = recorder.region(module.attend, "priced")
-        elif isinstance(module, RoutedExperts | NextTokenLoss):
-            module.forward = recorder.region(module.forward, "priced")
+    mark_priced(recorder, model)
     for i, block in enumerate(model.layers):
         block.forward = recorder.region(block.forward, layer_kind(proxy_config, i))
     model.forward = recorder.region(model.forward, "outside")

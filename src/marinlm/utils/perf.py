@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -41,6 +42,7 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", s
             return best
 
 
+@functools.cache  # a process setting: once is enough (finding libc runs a subprocess)
 def tune_cpu_allocator() -> bool:
     """Keep large freed blocks in glibc's heap instead of returning them to the OS.
 
