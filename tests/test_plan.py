@@ -625,6 +625,50 @@ def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
     assert "host's work beside them" in " ".join(plan.notes)
 
 
+def test_the_ranks_contention_is_timed_on_the_steps_own_forward_and_backward(monkeypatch, tmp_path):
+    """`measure_contention` times the trainer's forward and backward of a micro-batch of the run's
+    model (its rows, sequence and precision), alone and on every rank at once, and returns their
+    ratio, never under the ranks over the cores; one rank is 1 and nothing is timed. Timings and the
+    group's result are stated here, so nothing depends on this host's speed."""
+    import os
+
+    from marinlm.plan import contention
+    from marinlm.train import step as train_step_module
+    from marinlm.train.config import TrainConfig
+
+    overrides = ["--train.global_batch=4", "--data.seq_len=32", "--train.precision=bf16"]
+    config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
+    seen = []
+    monkeypatch.setattr(
+        train_step_module, "forward_backward", lambda model, batches, **how: seen.append((model, batches, how))
+    )
+    contention._micro_step(config, 3)()
+    ((model, batches, how),) = seen
+    assert model.config == config.model and how["precision"] == "bf16" and how["global_tokens"] == 3 * 32
+    assert [tuple(batches[0][k].shape) for k in ("input_ids", "labels", "loss_mask")] == [(3, 32)] * 3
+
+    spawned = []
+
+    def spawn(fn, args, nprocs):
+        assert fn is contention._worker and nprocs == args[0] == 4 and args[3] is config and args[4] == 2
+        spawned.append(nprocs)
+        with open(args[2], "w") as f:
+            f.write(repr(stated["together"]))
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setattr(contention, "_best_seconds", lambda fn: stated["alone"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    floor = max(4 / cores, 1.0)
+    monkeypatch.setattr(contention, "_MEASURED", {})
+    stated = {"alone": 0.5, "together": 0.5 * (floor + 1.5)}
+    assert contention.measure_contention(config, 4, 2) == pytest.approx(floor + 1.5)
+    stated["together"] = 0.1  # faster together than alone: the floor
+    assert contention.measure_contention(config, 4, 2) == pytest.approx(floor + 1.5)  # measured once
+    monkeypatch.setattr(contention, "_MEASURED", {})
+    assert contention.measure_contention(config, 4, 2) == pytest.approx(floor)
+    assert contention.measure_contention(config, 1, 2) == 1.0 and spawned == [4, 4]
+
+
 def test_on_shared_cores_the_pipeline_bubble_computes_at_its_stage_ranks_contention(monkeypatch):
     """`--hardware cpu`, PP 2 on 2 gloo ranks: the step's compute is slowed as much as all its ranks
     slow each other on these cores, but in the schedule's bubble one stage idles and leaves the cores
@@ -641,11 +685,10 @@ def test_on_shared_cores_the_pipeline_bubble_computes_at_its_stage_ranks_content
     overrides = ["--train.global_batch=4", "--data.seq_len=64", "--train.precision=fp32"]
     config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
     parallel = replace(config.parallel, pipeline_parallel=2, data_parallel_shard=1)
-    measured = estimate.measure_gloo
     steps = {}
     for together in (3.0, 1.0):
         slowed = {2: together, 1: 1.0}
-        monkeypatch.setattr(estimate, "measure_gloo", lambda w, s=slowed: (*measured(2)[:2], s[w]))
+        monkeypatch.setattr(estimate, "measure_contention", lambda train, w, rows, s=slowed: s[w])
         steps[together] = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency()).step
     bubble = bubble_fraction(parallel.pipeline_schedule, 2, 4, 1)
     for together, step in steps.items():

@@ -1,6 +1,6 @@
 """A step on this machine priced from measurement (`marinlm plan --hardware cpu`): the compute of
 the busiest rank from its operations (plan/ops.py) at costs measured here (plan/op_table.py),
-slowed as much as the layout's ranks slow each other on these cores (`measure_gloo`); what the
+slowed as much as the layout's ranks slow each other on these cores (plan/contention.py); what the
 layout adds timed in a gloo group of the layout's size holding the model as the real `parallelize`
 shards it (`measure_layout`): the real step on a short row, less that row's compute priced alike
 (FSDP2's and tensor parallel's exchanges and hooks, the step's reductions, the optimizer); for
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 from marinlm.optim.marin import param_kind
 
@@ -123,77 +122,30 @@ def _gloo_worker(rank: int, world: int, store: str, result: str) -> None:
         for _ in range(5):
             dist.all_gather(gathered, large)
         seconds = (time.perf_counter() - start) / 5
-        dist.barrier()
-        together = _burst_seconds(group=True)
         if rank == 0:
             bandwidth = large.nbytes * (world - 1) / max(seconds - latency, 1e-9)
             with open(result, "w") as f:
-                json.dump([latency, bandwidth, together], f)
+                json.dump([latency, bandwidth], f)
     finally:
         dist.destroy_process_group()
 
 
-def _burst_seconds(runs: int = 40, group: bool = False) -> float:
-    """Mean seconds of a fixed piece of work (GEMMs and a memory-bound add) in this process, the best
-    of 3 tries; with `group`, every rank of the default group running it at once from a barrier,
-    till the last is done (one rank alone can finish early while the others wait for a core)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    a, b = torch.randn(256, 256), torch.randn(2**20)
-
-    def work():
-        for _ in range(4):
-            a @ a
-        b.add(b)
-
-    work()
-    tries = []
-    for _ in range(3):
-        if group:
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(runs):
-            work()
-        seconds = torch.tensor([(time.perf_counter() - start) / runs])
-        if group:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        tries.append(seconds.item())
-    return min(tries)
+_GLOO: dict[int, tuple[float, float]] = {}
 
 
-_GLOO: dict[int, tuple[float, float, float]] = {}
-
-
-def measure_gloo(world: int) -> tuple[float, float, float]:
-    """(seconds a small collective takes, bytes a second a rank receives in a large all-gather,
-    how many times slower a rank computes while all `world` compute than alone: `_burst_seconds` on
-    every rank at once, till the last is done, against this process before the group starts, and
-    never less than `world` over the cores) of `world` gloo processes on this machine, one thread
-    each, measured once a process."""
+def measure_gloo(world: int) -> tuple[float, float]:
+    """(seconds a small collective takes, bytes a second a rank receives in a large all-gather) of
+    `world` gloo processes on this machine, one thread each, measured once a process."""
     import json
     import tempfile
 
-    import torch
     import torch.multiprocessing as mp
 
     if world not in _GLOO:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            alone = _burst_seconds()  # before the group starts, alone on the machine
-        finally:
-            torch.set_num_threads(threads)
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_gloo_worker, args=(world, f"{tmp}/store", f"{tmp}/result.json"), nprocs=world)
             with open(f"{tmp}/result.json") as f:
-                latency, bandwidth, together = json.load(f)
-        # Never less than the ranks over the cores they share: a rank of one thread runs at most
-        # cores / world of the time (a load elsewhere on the host can make `alone` look slow).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _GLOO[world] = (latency, bandwidth, max(together / alone, world / cores, 1.0))
+                _GLOO[world] = tuple(json.load(f))
     return _GLOO[world]
 
 
@@ -223,7 +175,7 @@ def collective_seconds(
     and the replicated weights' gradients summed a backward; the expert all-to-alls, the loss, the
     gradient norm and the router statistics (every layer's ranges, then sums) at the latency and bandwidth of
     `measure_gloo`."""
-    latency, bandwidth, _ = measure_gloo(world)
+    latency, bandwidth = measure_gloo(world)
     parts: dict[str, float] = {"fsdp": 0.0}
     # Under pipeline parallel the stage keeps its units gathered through backward
     # (torch.distributed.pipelining sets reshard_after_backward False) and reduces once a step.
@@ -430,17 +382,15 @@ def short_step_parts(
 ) -> dict[str, float]:
     """The step's parts apart from its tokens' compute, from `_short_step_seconds` in `world`
     processes: the optimizer as timed alone, the rest of the short step less its own compute
-    (`short_compute`, priced as the step's is, slowed as the ranks slow each other) as "layout"
+    (`short_compute`, priced as the step's is and slowed as the ranks slow each other) as "layout"
     (FSDP2's and tensor parallel's exchanges and hooks, the reductions, the all-to-alls' calls; one
     process: "host", Python's, autograd's and the trainer's own work beside the operations), and
     what grows with the tokens beyond the short row's: the expert all-to-alls' bytes, and, where
     the layout timed them (tensor parallel), `tp_exchanges` sequence gathers and reduce-scatters
     at a micro-batch's size, less the latency of each that the short row's own exchanges paid."""
-    latency, bandwidth, slowed = measure_gloo(world) if world > 1 else (0.0, 0.0, 1.0)
+    latency, bandwidth = measure_gloo(world) if world > 1 else (0.0, 0.0)
     parts = {"optimizer": layout["optimizer"]}
-    parts["layout" if world > 1 else "host"] = max(
-        layout["short_step"] - layout["optimizer"] - slowed * short_compute, 0
-    )
+    parts["layout" if world > 1 else "host"] = max(layout["short_step"] - layout["optimizer"] - short_compute, 0)
     if a2a_bytes:
         parts["expert_all_to_all"] = a2a_bytes / bandwidth
     if "tensor_parallel" in layout:  # timed under tensor parallel only

@@ -35,11 +35,11 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, context_bytes_a_token, inventory, weight_key
+from marinlm.plan.contention import measure_contention
 from marinlm.plan.cpu_step import (
     SHORT_TOKENS,
     collective_seconds,
     measurable_here,
-    measure_gloo,
     measure_here,
     measured_compute,
     short_step_parts,
@@ -195,15 +195,16 @@ def plan_layout(
         notes.append("compute: too large to measure its operations on this machine; the roofline prices it")
     spot = measured and hardware.name == "cpu" and gloo_group and (world > 1 or table is None)  # timed here
     gloo = spot and world > 1
-    layout = measure_here(train, parallel, world, rows) if spot else None
+    layout, slowed = measure_here(train, parallel, world, rows) if spot else None, 1.0
     if measured:
         priced = dataclasses.replace(train, parallel=parallel, model=tensor_parallel_share(model, dims.tp))
         how = (priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table)
         compute = measured_compute(*how, layout is None)
         comms = "one process: no communication" if hardware.name == "cpu" else None
         comms = f"{comms}; the host's work beside them timed on a short row" if spot else comms
-        if gloo:
-            compute *= measure_gloo(world)[2]  # one thread a rank, the ranks sharing the cores
+        if gloo:  # one thread a rank, the ranks sharing the cores
+            slowed = measure_contention(priced, world, micro_rows)
+            compute *= slowed
             comms = (
                 f"what the layout adds timed in {world} gloo processes holding the sharded model (the real step on "
                 "a short row, less its compute; pipeline stages: FSDP2's gathers and reductions, the rest at gloo's "
@@ -276,13 +277,15 @@ def plan_layout(
             short = dataclasses.replace(priced, data=dataclasses.replace(train.data, seq_len=SHORT_TOKENS))
             how = (short, dims, world, precision, stage_layers, stage_shards, 1, accumulation, table, False)
             exchanges = accumulation * tensor_parallel_exchanges(stage_shards[0], recompute)  # priced under tp
-            step |= short_step_parts(layout, measured_compute(*how), a2a_bytes, world, exchanges)
+            short_compute = measure_contention(short, world, 1) * measured_compute(*how)  # slowed on its own work
+            step |= short_step_parts(layout, short_compute, a2a_bytes, world, exchanges)
         else:
             how = (dims, world, stage_shards[0], accumulation, a2a_calls, a2a_bytes, layout, recompute)
             step |= collective_seconds(*how)
     # The stages idle in the schedule's bubble, where on shared cores the world / pp ranks still
     # computing slow each other less; the optimizer's step comes after it.
-    shared = compute * (1 - measure_gloo(world // dims.pp)[2] / measure_gloo(world)[2]) if bubble and gloo else 0
+    alone = measure_contention(priced, world // dims.pp, micro_rows) if bubble and gloo else slowed
+    shared = compute * (1 - alone / slowed)
     busy = sum(v for k, v in step.items() if k != "optimizer") - shared
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
