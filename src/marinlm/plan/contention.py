@@ -11,8 +11,8 @@ import os
 
 
 def _micro_step(train, rows: int):
-    """A function running one forward and backward of `rows` rows of the run's model, as the trainer
-    does (its precision and kernels; packed documents as the planner's tables use), and the model."""
+    """A function running one forward and backward of `rows` rows of the run's model as the trainer
+    does (its precision and kernels; rows of packed documents, as the planner's tables time them)."""
     import torch
 
     from marinlm.plan.cpu_step import _built
