@@ -632,7 +632,7 @@ def test_the_ranks_contention_is_timed_on_the_steps_own_forward_and_backward(mon
     group's result are stated here, so nothing depends on this host's speed."""
     import os
 
-    from marinlm.plan import contention
+    from marinlm.plan import contention, op_table
     from marinlm.train import step as train_step_module
     from marinlm.train.config import TrainConfig
 
@@ -656,7 +656,7 @@ def test_the_ranks_contention_is_timed_on_the_steps_own_forward_and_backward(mon
             f.write(repr(stated["together"]))
 
     monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
-    monkeypatch.setattr(contention, "_best_seconds", lambda fn: stated["alone"])
+    monkeypatch.setattr(op_table, "best_seconds", lambda fn: stated["alone"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     floor = max(4 / cores, 1.0)
     monkeypatch.setattr(contention, "_MEASURED", {})

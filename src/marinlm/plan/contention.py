@@ -28,9 +28,9 @@ def _micro_step(train, rows: int):
     return lambda: forward_backward(model, [batch], **how)
 
 
-def _best_seconds(fn, tries: int = 3, group: bool = False) -> float:
-    """The best of `tries` timings of `fn()` after a warm-up; with `group`, each try starts at a
-    barrier of the default group and lasts till its slowest rank is done."""
+def _group_best_seconds(fn, tries: int = 3) -> float:
+    """The best of `tries` runs of `fn()` on every rank of the default group after a warm-up, each
+    from a barrier till its slowest rank is done (`op_table.best_seconds` times one process alone)."""
     import time
 
     import torch
@@ -39,13 +39,11 @@ def _best_seconds(fn, tries: int = 3, group: bool = False) -> float:
     fn()
     best = float("inf")
     for _ in range(tries):
-        if group:
-            dist.barrier()
+        dist.barrier()
         start = time.perf_counter()
         fn()
         seconds = torch.tensor([time.perf_counter() - start])
-        if group:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         best = min(best, seconds.item())
     return best
 
@@ -57,7 +55,7 @@ def _worker(rank: int, world: int, store: str, result: str, train, rows: int) ->
     torch.set_num_threads(1)  # as torchrun runs each rank
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        seconds = _best_seconds(_micro_step(train, rows), group=True)
+        seconds = _group_best_seconds(_micro_step(train, rows))
         if rank == 0:
             with open(result, "w") as f:
                 f.write(repr(seconds))
@@ -78,6 +76,8 @@ def measure_contention(train, world: int, rows: int) -> float:
     import torch
     import torch.multiprocessing as mp
 
+    from marinlm.plan.op_table import best_seconds
+
     if world <= 1:
         return 1.0
     key = repr((train.model, train.kernels, train.train.precision, train.data.seq_len, world, rows))
@@ -85,7 +85,7 @@ def measure_contention(train, world: int, rows: int) -> float:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            alone = _best_seconds(_micro_step(train, rows))
+            alone = best_seconds(_micro_step(train, rows))
         finally:
             torch.set_num_threads(threads)
         with tempfile.TemporaryDirectory() as tmp:

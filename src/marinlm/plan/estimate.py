@@ -284,8 +284,8 @@ def plan_layout(
             step |= collective_seconds(*how)
     # The stages idle in the schedule's bubble, where on shared cores the world / pp ranks still
     # computing slow each other less; the optimizer's step comes after it.
-    alone = measure_contention(priced, world // dims.pp, micro_rows) if bubble and gloo else slowed
-    shared = compute * (1 - alone / slowed)
+    stage = measure_contention(priced, world // dims.pp, micro_rows) if bubble and gloo else slowed
+    shared = compute * (1 - stage / slowed)
     busy = sum(v for k, v in step.items() if k != "optimizer") - shared
     if bubble:
         step["pipeline_bubble"] = busy * bubble / (1 - bubble)
