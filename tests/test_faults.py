@@ -612,8 +612,8 @@ def test_a_disk_that_fills_between_saves_leaves_a_run_that_resumes_exactly(token
 def test_every_logged_key_after_a_resume_under_expert_parallel_equals_an_unbroken_runs(token_data, tmp_path):
     """`ep/a2a_bytes` on the first step after a resume was divided by the absolute step (53,350 for
     ~266,752), and the step after each validation counted validation's all-to-all traffic (794,112
-    against ~260,000), `ep/rows_received_max_over_mean` likewise. EP 2 on gloo, resumed from the
-    step-4 checkpoint, with validation at steps 2, 4 and 6."""
+    against ~260,000), the load imbalance (then `ep/rows_received_max_over_mean`) likewise. EP 2 on
+    gloo, resumed from the step-4 checkpoint, with validation at steps 2, 4 and 6."""
     from test_train import torchrun_train
 
     config = train_config(

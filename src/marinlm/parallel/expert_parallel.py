@@ -139,11 +139,11 @@ class ExpertParallelExperts(RoutedExperts):
         # Rows leaving this rank for others, both ways: dispatch sends its rows, combine the results.
         remote = (sent_away + plan.num_received - plan.recv_P[me]) * row_bytes
         header = (P - 1) * (self.num_experts // P + 1) * 8  # int64 counts, to each other rank
-        count = [sum(plan.send_P), plan.num_received, sent_away, remote + header, 3]
+        count = [sum(plan.send_P), plan.num_received, sent_away, remote + header, 3, plan.order_K.numel()]
         self.traffic += torch.tensor(count, dtype=torch.float64)
         if not y_AD.requires_grad:
             return y_AD
-        return _CountBackward.apply(y_AD, self.traffic, torch.tensor([0, 0, 0, remote, 2], dtype=torch.float64))
+        return _CountBackward.apply(y_AD, self.traffic, torch.tensor([0, 0, 0, remote, 2, 0], dtype=torch.float64))
 
 
 class _CountBackward(torch.autograd.Function):
@@ -187,9 +187,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, tensor_parallel: int = 1) -
             module.__class__ = expert_parallel_class(type(module))
             module.ep_mesh = ep_mesh
             module.capacity_factor = model.config.moe.capacity_factor
-            # Rows sent, received and sent to other ranks, bytes to other ranks, all-to-all calls
-            # (`_count_traffic`).
-            module.traffic = torch.zeros(5, dtype=torch.float64)
+            # Rows sent, received and sent to other ranks, bytes to other ranks, all-to-all calls,
+            # rows kept for the local experts (`_count_traffic`).
+            module.traffic = torch.zeros(6, dtype=torch.float64)
             # An expert's gradient sums its whole group's tokens, where a dense weight's holds one
             # data rank's (summed over its tp ranks), and FSDP2 then averages each over its own data
             # ranks: tp/ep puts them level.
@@ -219,17 +219,20 @@ def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:
     """MoE traffic of the training steps since the last call, reduced over `group`: the bytes all
     ranks sent to other ranks in all-to-alls (dispatch, combine and the expert counts, forward,
     recomputed forward and backward), this rank's all-to-all calls, the share of assignments sent
-    to another rank, and the load imbalance (the busiest rank's received rows over the mean).
-    Empty without expert parallelism."""
+    to another rank, and the load imbalance: each MoE layer's busiest rank's kept rows (those its
+    experts compute) over the mean rank's, averaged over the layers (`marinlm plan --routing`'s
+    slowest receiver). Empty without expert parallelism."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     if not layers or not dist.is_initialized():
         return {}
-    mine = torch.stack([m.traffic for m in layers]).sum(0)
+    per_layer = torch.stack([m.traffic for m in layers])
     for m in layers:
         m.traffic.zero_()
+    mine = per_layer.sum(0)
     total = mine.clone()
     dist.all_reduce(total, group=group)
-    busiest = mine[1].clone()
+    kept, busiest = per_layer[:, 5].clone(), per_layer[:, 5].clone()
+    dist.all_reduce(kept, group=group)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=group)
     world = dist.get_world_size(group)
     return {
@@ -238,7 +241,7 @@ def expert_traffic(model: nn.Module, group=None) -> dict[str, float]:
         # Of the assignments sent, the share whose expert sits on another rank: the routing's part
         # in the bytes (marinlm plan's `remote_share`).
         "ep/remote_share": float(total[2] / total[0].clamp_min(1)),
-        "ep/rows_received_max_over_mean": float(busiest * world / total[1].clamp_min(1)),
+        "ep/kept_rows_max_over_mean": float((busiest * world / kept.clamp_min(1)).mean()),
     }
 
 
