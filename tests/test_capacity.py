@@ -213,7 +213,7 @@ def test_the_plan_sizes_the_experts_receive_buffers_by_the_same_rule():
     from marinlm.config import load_config
     from marinlm.model.config import MarinConfig
     from marinlm.parallel.mesh import ParallelDims
-    from marinlm.plan.estimate import expert_rows
+    from marinlm.plan.routing import expert_rows
 
     from conftest import ROOT
 

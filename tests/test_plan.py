@@ -182,8 +182,10 @@ def test_the_planned_expert_all_to_alls_are_those_a_real_run_makes(token_data, t
     from dataclasses import replace
 
     from marinlm.config import save_config
+    from marinlm.parallel.mesh import ParallelDims
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.plan.routing import logged_loads, route
     from marinlm.train.metrics import read_metrics
     from test_train import torchrun_train
 
@@ -202,6 +204,7 @@ def test_the_planned_expert_all_to_alls_are_those_a_real_run_makes(token_data, t
     logged = [r for r in read_metrics(tmp_path / "run") if "ep/a2a_bytes" in r]
     assert [r["step"] for r in logged] == [1, 2, 3]
     hardware, parallel = load_hardware("cpu"), replace(config.parallel, data_parallel_shard=2)
+    dims = ParallelDims.resolve(parallel, 2)
     balanced = plan_layout(config, parallel, 2, hardware, Efficiency())
     layers = config.model.num_layers
     assert balanced.all_to_all_calls == (8 if ac == "full" else 5) * layers
@@ -210,6 +213,11 @@ def test_the_planned_expert_all_to_alls_are_those_a_real_run_makes(token_data, t
         assert r["ep/a2a_calls"] == planned.all_to_all_calls
         assert r["ep/a2a_bytes"] == pytest.approx(2 * planned.all_to_all_bytes, rel=1e-12)
         assert r["ep/a2a_bytes"] == pytest.approx(2 * balanced.all_to_all_bytes, rel=0.1)
+    # The load imbalance the run logs is the one `--routing` plans from its logged loads: the step's
+    # whole group of assignments, each layer's busiest rank's kept rows over the mean rank's.
+    routed = route(config.model.moe, logged_loads(tmp_path / "run", config.model.moe.num_experts), 128, dims)
+    imbalance = [r["ep/kept_rows_max_over_mean"] for r in logged]
+    assert routed.slowest == pytest.approx(sum(imbalance) / len(imbalance), rel=1e-9) and routed.slowest > 1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -224,7 +224,7 @@ def _plan(args, overrides) -> int:
         train = load_finetune_config(args.config, overrides)
     else:
         train = load_config(TrainConfig, args.config, overrides)
-    run_plan(train, args.hardware, args.layout, args.search, Path(args.out), args.gpus)
+    run_plan(train, args.hardware, args.layout, args.search, Path(args.out), args.gpus, args.routing)
     return 0
 
 
@@ -288,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--search", action="store_true", help="also rank other layouts of the same number of GPUs")
     plan.add_argument("--gpus", type=_positive(int, "an integer"), default=None, help="GPUs to search over")
+    plan.add_argument(
+        "--routing",
+        default=None,
+        help="price drops and the slowest expert receiver from a run's logged expert loads (its folder), "
+        "skew=S (shares ~ rank^-S) or balanced; default: balanced load, no drops",
+    )
     plan.add_argument("--out", default="runs/plan", help="folder for plan.md, plan.json and plan.png")
     plan.set_defaults(func=_plan, takes_overrides=True)
 

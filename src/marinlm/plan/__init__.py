@@ -3,10 +3,13 @@
     marinlm plan configs/train/marin-535b-a23b.yaml --hardware gb200-nvl72
     marinlm plan CONFIG --hardware h100-sxm --layout dp_shard=8,ep=8,pp=24,microbatches=32,ac=full
     marinlm plan CONFIG --hardware gb200-nvl72 --search
+    marinlm plan CONFIG --hardware gb200-nvl72 --routing runs/NAME   (or skew=1.0, balanced)
 
 The config's model is built on `meta` under a fake process group of the cluster's size and sharded
 by the real `parallelize()` (plan/shards.py); memory and step time follow (plan/estimate.py). The
 layout is the config's `parallel` section unless `--layout` overrides it; `--search` ranks others.
+`--routing` prices the capacity rule's drops and the slowest receiver from a routing histogram
+(plan/routing.py); without it the experts' load is balanced.
 Writes plan.json and plan.md (with a chart of per-rank memory) to `--out`.
 """
 
@@ -63,17 +66,21 @@ def world_of(parallel) -> int:
     )
 
 
-def run_plan(train, hardware_name: str, layout: str | None, search: bool, out: Path, gpus: int | None = None) -> dict:
+def run_plan(
+    train, hardware_name: str, layout: str | None, search: bool, out: Path, gpus: int | None = None, routing=None
+) -> dict:
     """Plan `train` (a TrainConfig) and write the report; returns plan.json's content."""
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
     from marinlm.plan.report import write_report
+    from marinlm.plan.routing import parse_routing
     from marinlm.plan.search import search_layouts
 
     hardware = load_hardware(hardware_name)
     efficiency = Efficiency()
     parallel = parse_layout(layout, train.parallel) if layout else train.parallel
     world = world_of(parallel)
-    chosen = plan_layout(train, parallel, world, hardware, efficiency)
-    alternatives = search_layouts(train, gpus or world, hardware, efficiency, chosen) if search else []
+    loads = parse_routing(routing, train.model.moe.num_experts)
+    chosen = plan_layout(train, parallel, world, hardware, efficiency, routing=loads)
+    alternatives = search_layouts(train, gpus or world, hardware, efficiency, chosen, routing=loads) if search else []
     return write_report(train, hardware, efficiency, chosen, alternatives, out)

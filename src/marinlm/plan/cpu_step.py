@@ -49,11 +49,12 @@ def tensor_parallel_share(model, tp: int):
 
 
 def measured_compute(
-    train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table, optimizer: bool = True
+    train, dims, world, precision, stage_layers, stage_shards, rows, forwards, table, optimizer=True, experts=1.0
 ) -> float:
     """Seconds of the busiest pipeline stage's compute, `forwards` forwards of `rows` rows, its
     operations priced by a table measured here (plan/ops.py, plan/op_table.py) with one thread a
-    rank, as torchrun gives each; without the optimizer's step unless `optimizer`."""
+    rank, as torchrun gives each; without the optimizer's step unless `optimizer`; the routed
+    experts' time times `experts`, the slowest receiver's rows over balanced (plan/routing.py)."""
     import torch
 
     from marinlm.plan.op_table import measured_table
@@ -89,6 +90,7 @@ def measured_compute(
                 tensors=len(shards),
                 matrices=matrices,
             )
+            part["experts"] *= experts
             if not optimizer:
                 part.pop("optimizer")
             seconds.append(step_seconds(part, table.device))

@@ -15,7 +15,8 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   kept outputs; the QB router's margins, kept for the step;
 - temporaries: one block's activations again (their gradients in backward).
 
-Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak; the expert all-to-all (5 calls a layer:
+Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak (given a routing histogram, the routed
+experts' at the slowest receiver's kept rows, plan/routing.py); the expert all-to-all (5 calls a layer:
 the counts, dispatch and combine forward, and the two gradients' exchanges; 3 more in a checkpointed block's
 recomputed forward; `expert_exchanges`) over NVLink when its group fits in an NVLink domain, else the network,
 not overlapped; context parallel's exchanges of keys, values and SConv halos (forward, their gradients back, and
@@ -49,6 +50,7 @@ from marinlm.plan.cpu_step import (
 from marinlm.plan.exchanges import context_exchange_bytes, expert_exchanges
 from marinlm.plan.finetune import Training, training
 from marinlm.plan.hardware import Efficiency, Hardware
+from marinlm.plan.routing import RoutingLoads, capacity_notes, expert_rows, route, routing_note
 from marinlm.plan.shards import local_shards, tensor_parallel_activations
 
 FP32 = 4
@@ -90,6 +92,7 @@ class LayoutPlan:
     # Expert all-to-alls a step per rank, and the bytes they send to other ranks (in `traffic` too).
     all_to_all_calls: float = 0.0
     all_to_all_bytes: float = 0.0
+    routing: dict | None = None  # plan/routing.py's `Routed`, when a routing histogram is given
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -117,13 +120,16 @@ def plan_layout(
     remote_share: float | None = None,
     table=None,
     gloo_group: bool = True,
+    routing: RoutingLoads | None = None,
 ) -> LayoutPlan:
     """Plan `train` (a TrainConfig) under `parallel` on `world` ranks of `hardware`. `shards_of`
     gives a rank's local shards (default: the real parallelize() under a fake process group).
     `remote_share`: the routing's share of assignments sent to another expert-parallel rank
-    (`expert_exchanges`). `gloo_group`: on `--hardware cpu`, time here what a layout adds in a gloo
-    group of its size, or one process's host work (`cpu_step.measure_here`). Fault-tolerant replica groups
-    are planned as HSDP's replicas, plus what torchft adds."""
+    (`expert_exchanges`). `routing`: a routing histogram (plan/routing.py) for the capacity rule's
+    drops and the slowest receiver; None keeps balanced load. `gloo_group`: on `--hardware cpu`,
+    time here what a layout adds in a gloo group of its size, or one process's host work
+    (`cpu_step.measure_here`). Fault-tolerant replica groups are planned as HSDP's replicas, plus
+    what torchft adds."""
     model = train.model
     fault_tolerant = parallel.fault_tolerance.groups > 1
     if fault_tolerant:
@@ -162,11 +168,16 @@ def plan_layout(
         bubble = bubble_fraction(layout.schedule, dims.pp, microbatches, layout.per_rank)
         stage_layers = layout.stages
     fit = training(train)
+    moe = any(model.is_moe_layer(i) for i in range(model.num_layers))
+    routed = route(model.moe, routing, micro_rows * seq // dims.cp, dims) if routing is not None and moe else None
+    load = routed.slowest * (1 - routed.dropped) if routed else 1.0  # the slowest receiver's rows / balanced
+    receiver = load if routed else None
     ranks, stage_shards = [], []
     for stage in range(dims.pp):
         rank = stage * (world // dims.pp)
         shards = shards_of(model, parallel, world, rank, rows, seq)
-        plan = _rank_memory(train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit)
+        how = (train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit, receiver)
+        plan = _rank_memory(*how)
         ranks.append(plan)
         stage_shards.append(shards)
     if fit.method != "full":
@@ -186,6 +197,13 @@ def plan_layout(
     # Frozen weights skip their weight-gradient GEMMs, a third of their training FLOPs (fine-tuning).
     frozen = 1 - min(max(r.trained_fraction for r in ranks), 1.0)
     compute = max(stage_flops) * (1 + recompute / 3 - frozen / 3) / (hardware.peak_bf16_flops * eff.compute)
+    local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
+    moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
+    if routed:  # the experts' GEMMs wait for the slowest receiver's kept rows
+        expert_flops = 18 * model.moe.top_k * (model.moe.latent_dim or model.d_model) * model.moe.expert_dim
+        extra = expert_flops * tokens_rank / dims.tp * moe_layers * (load - 1) * (1 + recompute / 3)
+        compute += extra / (hardware.peak_bf16_flops * eff.compute)
+        notes.append(routing_note(routed, dims.ep))
     accumulation = forwards_a_step(dims, rows, micro_rows, microbatches)
     gloo_tp = dims.tp > 1 and hardware.name == "cpu" and world > 1 and gloo_group  # its collectives timed
     measured = (hardware.name == "cpu" or table is not None) and (dims.tp == 1 or gloo_tp)
@@ -199,7 +217,7 @@ def plan_layout(
     if measured:
         priced = dataclasses.replace(train, parallel=parallel, model=tensor_parallel_share(model, dims.tp))
         how = (priced, dims, world, precision, stage_layers, stage_shards, micro_rows, accumulation, table)
-        compute = measured_compute(*how, layout is None)
+        compute = measured_compute(*how, layout is None, experts=load)
         comms = "one process: no communication" if hardware.name == "cpu" else None
         comms = f"{comms}; the host's work beside them timed on a short row" if spot else comms
         if gloo:  # one thread a rank, the ranks sharing the cores
@@ -214,15 +232,12 @@ def plan_layout(
             "compute: the step's operations priced from costs measured here (plan/op_table.py); "
             + (comms or "communication at the profile's bandwidths and efficiencies")
         )
-    local_layers = max(len(stage_layers[s]) for s in range(dims.pp)) if dims.pp > 1 else model.num_layers
-    moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i)) * local_layers / model.num_layers
     traffic = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     step = {"compute": compute}
     a2a_bytes = a2a_calls = 0.0
     if dims.ep > 1:
-        a2a_bytes, a2a_calls = expert_exchanges(
-            model, dims, tokens_rank, accumulation, act_bytes, recompute, moe_layers, remote_share
-        )
+        how = (model, dims, tokens_rank, accumulation, act_bytes, recompute, moe_layers, remote_share)
+        a2a_bytes, a2a_calls = expert_exchanges(*how, travels=routed.travels if routed else 1.0)
         link = "nvlink" if dims.ep * dims.tp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += a2a_bytes
         step["expert_all_to_all"] = a2a_bytes / (getattr(hardware, f"{link}_bandwidth") * eff.all_to_all)
@@ -316,6 +331,7 @@ def plan_layout(
         host_per_node_bytes=host_node,
         host_fits=host_node <= hardware.host_memory_bytes,
         notes=notes,
+        routing=routed.to_json() if routed else None,
     )
 
 
@@ -338,60 +354,8 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
     }
 
 
-def capacity_notes(moe, tokens: int, dims) -> list[str]:
-    """What the capacity rule keeps on this layout, and whether the rule can run on it."""
-    if moe.capacity_factor is None or moe.capacity != "receiver_pooled":
-        return []
-    G, shards = moe.capacity_groups, moe.capacity_groups * moe.capacity_domains
-    shard, chunk = _pooled_receiver(moe, tokens * moe.top_k, dims)
-    notes = [
-        f"capacity (receiver_pooled, factor {moe.capacity_factor}): {shards} sender shards of {shard:,} "
-        f"assignments a layer; each of a domain's {G} receivers keeps up to {moe.capacity_chunks} x {chunk:,} "
-        f"rows ({moe.num_experts // G} experts), dropping once its load passes {moe.capacity_factor}x its fair share"
-    ]
-    if shards % dims.dp:
-        notes.append(
-            f"to train on this layout, set model.moe.capacity_domains so that {G} x domains is a multiple of the "
-            f"{dims.dp} data-parallel ranks (each rank holds whole sender shards)"
-        )
-    return notes
-
-
-def _pooled_receiver(moe, sent: int, dims) -> tuple[int, int]:
-    """Under receiver_pooled, with each data rank sending `sent` assignments a forward: a sender
-    shard's assignments, and the rows a chunk of a receiver keeps at balanced load."""
-    from marinlm.model.experts import pooled_chunk_rows
-
-    G = moe.capacity_groups
-    shard = max(-(-sent * dims.dp // (G * moe.capacity_domains)), 1)
-    return shard, int(pooled_chunk_rows(shard * G, moe.num_experts, G, moe.capacity_chunks, moe.capacity_factor, shard))
-
-
-def expert_rows(moe, tokens: int, dims) -> tuple[int, int]:
-    """Rows a rank sends to the experts and receives from other ranks in one forward of `tokens`
-    tokens, each way (dispatch, then combine back), under the model's capacity rule at balanced
-    load: a rank sends each assignment once; it receives its experts' fair share, at most what
-    the rule keeps (receiver_pooled: its receivers' chunks, `pooled_chunk_rows`; per_expert: the
-    per-expert cap), or the fair share itself, dropless."""
-    from marinlm.model.experts import expert_capacity
-
-    sent = tokens * moe.top_k
-    local = moe.num_experts // dims.ep
-    if moe.capacity_factor is None:
-        return sent, sent
-    if moe.capacity == "per_expert":
-        kept = local * expert_capacity(tokens * dims.ep, moe.top_k, moe.num_experts, moe.capacity_factor)
-        return sent, min(dims.ep * sent, kept)
-    # The expert group's ranks send ep x sent assignments: that many sender shards' worth, so many
-    # domains' worth; each of the rank's receivers (local / El of them) keeps its chunks from each.
-    G, El = moe.capacity_groups, moe.num_experts // moe.capacity_groups
-    shard, chunk = _pooled_receiver(moe, sent, dims)
-    domains = max(dims.ep * sent / (shard * G), 1.0)
-    return sent, min(dims.ep * sent, math.ceil(max(local / El, 1) * moe.capacity_chunks * chunk * domains))
-
-
 def _rank_memory(
-    train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit: Training
+    train, parallel, dims, hardware, inv, shards, rank, stage, micro_rows, act_bytes, fit: Training, load=None
 ) -> RankPlan:
     model = train.model
     local = {name: math.prod(s["shape"]) for name, s in shards.items()}
@@ -478,6 +442,8 @@ def _rank_memory(
     if dims.ep > 1:
         latent = model.moe.latent_dim or model.d_model
         sent, received = expert_rows(model.moe, tokens, dims)
+        if load is not None:  # a routing histogram: the slowest receiver's kept rows, at most the rule's
+            received = min(sent * load, dims.ep * sent if model.moe.capacity_factor is None else received)
         plan.device["all_to_all_buffers"] = 2 * (sent + received) * latent * act_bytes
     if dims.tp > 1:
         plan.device["tensor_parallel_buffers"] = 2 * tokens * model.d_model * act_bytes

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 
 def expert_exchanges(
-    model, dims, tokens: int, forwards: int, act_bytes: int, recompute: float, moe_layers: float, remote_share=None
+    model,
+    dims,
+    tokens: int,
+    forwards: int,
+    act_bytes: int,
+    recompute: float,
+    moe_layers: float,
+    remote_share=None,
+    travels: float = 1.0,
 ) -> tuple[float, float]:
     """(bytes a rank sends to other ranks, all-to-all calls) a step under expert parallel, as
     parallel/expert_parallel.py runs them: per MoE layer and forward, the experts' counts (int64,
@@ -13,10 +21,11 @@ def expert_exchanges(
     `act_bytes`), and in backward the two gradients' exchanges; a checkpointed block's
     recomputed forward exchanges all three again. Each assignment travels once each way;
     `remote_share` is the share of them whose expert sits on another rank: (ep - 1) / ep where
-    every rank routes alike (whatever the skew across experts), or a run's measured share."""
+    every rank routes alike (whatever the skew across experts), or a run's measured share;
+    `travels` the share of assignments sent at all (receiver_pooled sends kept ones only)."""
     share = (dims.ep - 1) / dims.ep if remote_share is None else remote_share
     latent = model.moe.latent_dim or model.d_model
-    rows = tokens * model.moe.top_k * share / forwards  # remote assignments of one forward
+    rows = tokens * model.moe.top_k * share * travels / forwards  # remote assignments of one forward
     header = (dims.ep - 1) * (model.moe.num_experts // dims.ep + 1) * 8
     forward = 2 * rows * latent * act_bytes + header
     per_forward = forward * (1 + recompute) + 2 * rows * latent * act_bytes

@@ -101,8 +101,9 @@ def candidates(model_config, gpus: int, hardware) -> list[dict]:
     return found
 
 
-def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3) -> list:
-    """The `top` fastest layouts that fit, planned from the real parallelize(), fastest first."""
+def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3, routing=None) -> list:
+    """The `top` fastest layouts that fit, planned from the real parallelize(), fastest first
+    (`routing`: a routing histogram, plan/routing.py)."""
     from marinlm.plan.activations import inventory
     from marinlm.plan.estimate import plan_layout as plan
 
@@ -114,12 +115,11 @@ def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3)
         parallel = dataclasses.replace(train.parallel, **layout)
         try:
             # A quick pass: no gloo group timed for each candidate (`--hardware cpu`); the best are.
-            estimate = plan(
-                train, parallel, gpus, hardware, efficiency, shards_of=rule_shards, inv=inv, gloo_group=False
-            )
+            how = dict(shards_of=rule_shards, inv=inv, gloo_group=False, routing=routing)
+            estimate = plan(train, parallel, gpus, hardware, efficiency, **how)
         except (ConfigError, ValueError):
             continue  # a degree that does not divide the model, the batch or the stages
         quick.append((estimate.step["total"] if estimate.fits and estimate.host_fits else math.inf, parallel))
     quick.sort(key=lambda item: item[0])
     best = [parallel for seconds, parallel in quick[:top] if seconds < math.inf]
-    return [plan_layout(train, parallel, gpus, hardware, efficiency, inv=inv) for parallel in best]
+    return [plan_layout(train, parallel, gpus, hardware, efficiency, inv=inv, routing=routing) for parallel in best]
