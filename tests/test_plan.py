@@ -577,15 +577,31 @@ def test_the_planned_pipeline_stages_hold_what_real_gloo_stages_hold(tmp_path):
             assert one_fewer != pytest.approx(real, rel=0.05), (stage, precision, ac)
 
 
-def test_a_gloo_layout_is_priced_from_its_real_step_on_a_short_row():
+def _stated_costs(monkeypatch, layout: dict) -> None:
+    """The plan's timings stated, so that its arithmetic is checked whatever the host's speed: the
+    layout's short step, a step's operations (0.5 s; the short row's 0.02 s), the ranks slowing
+    each other 2x (a short row 1.5x), gloo's latency and bandwidth."""
+    import marinlm.plan.cpu_step as cpu_step
+    import marinlm.plan.estimate as estimate
+
+    monkeypatch.setattr(estimate, "measure_here", lambda *args: layout)
+    monkeypatch.setattr(estimate, "measured_compute", lambda train, *a, **k: 0.02 if train.data.seq_len == 8 else 0.5)
+    monkeypatch.setattr(
+        estimate, "measure_contention", lambda train, world, rows: 1.0 if world == 1 else 1.5 + 0.5 * (rows > 1)
+    )
+    monkeypatch.setattr(cpu_step, "measure_gloo", lambda world: (1e-4, 1e9))
+
+
+def test_a_gloo_layout_is_priced_from_its_real_step_on_a_short_row(monkeypatch):
     """`--hardware cpu` under FSDP 2: what the layout adds is the real step (`train_step`: FSDP2's
     gathers, reductions and hooks, the reductions, the optimizer) timed in two gloo processes
     holding the model sharded by the real `parallelize`, on a row of `SHORT_TOKENS` tokens, less
     that row's own compute priced as the step's is; the optimizer as timed alone. (Each FSDP2
-    unit's gather and reduction are timed too: pipeline stages are priced from them.)"""
+    unit's gather and reduction are timed too: pipeline stages are priced from them.) The timings
+    vary with the host's load, so the plan's sums are checked on stated ones."""
     from dataclasses import replace
 
-    from marinlm.plan.cpu_step import measure_layout
+    from marinlm.plan.cpu_step import SHORT_TOKENS, measure_layout
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
     from marinlm.train.config import TrainConfig
@@ -598,21 +614,22 @@ def test_a_gloo_layout_is_priced_from_its_real_step_on_a_short_row():
     layers = config.model.num_layers
     assert [resharded for _, _, resharded in layout["units"]] == [False] + [True] * layers  # the root first
     assert all(gather > 0 and reduce > 0 for gather, reduce, _ in layout["units"])
-    assert layout["short_step"] > layout["optimizer"] > 0
+    assert layout["short_step"] > 0 and layout["optimizer"] > 0
+    assert SHORT_TOKENS == 8
+    _stated_costs(monkeypatch, {"short_step": 0.3, "optimizer": 0.1, "units": layout["units"]})
     plan = plan_layout(config, parallel, 2, load_hardware("cpu"), Efficiency())
-    assert plan.step["optimizer"] == layout["optimizer"]
     assert "fsdp" not in plan.step and "optimizer_collectives" not in plan.step
-    # The short row's own compute, taken off: more than nothing, less than the step's 2 rows of 64
-    # (not in proportion: each operation's dispatch costs the same on 8 tokens as on 128).
-    short_compute = layout["short_step"] - layout["optimizer"] - plan.step["layout"]
-    assert 0 < short_compute < plan.step["compute"]
-    assert plan.step["total"] == pytest.approx(plan.step["compute"] + layout["short_step"] - short_compute)
+    # The step's operations slowed 2x; the short row's own compute (0.02 s slowed 1.5x) taken off.
+    assert plan.step["compute"] == 0.5 * 2.0 and plan.step["optimizer"] == 0.1
+    assert plan.step["layout"] == pytest.approx(0.3 - 0.1 - 0.02 * 1.5)
+    assert plan.step["total"] == pytest.approx(1.0 + 0.3 - 0.02 * 1.5)
 
 
-def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
+def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row(monkeypatch):
     """`--hardware cpu`, one process, its blocks checkpointed: the operations priced from the table,
     the optimizer's step timed, and the host's work beside the operations (Python, autograd, the
-    trainer's own) as the real step on a row of `SHORT_TOKENS` tokens less that row's own compute."""
+    trainer's own) as the real step on a row of `SHORT_TOKENS` tokens less that row's own compute
+    (the plan's sums on stated timings, as above)."""
     from dataclasses import replace
 
     from marinlm.plan.cpu_step import measure_alone
@@ -624,12 +641,12 @@ def test_one_process_is_priced_with_its_host_work_timed_on_a_short_row():
     config = load_config(TrainConfig, str(ROOT / "configs" / "train" / "tiny.yaml"), overrides)
     parallel = replace(config.parallel, activation_checkpointing="full")
     layout = measure_alone(config, parallel, rows=2)
-    assert layout["short_step"] > layout["optimizer"] > 0
+    assert layout["short_step"] > 0 and layout["optimizer"] > 0
+    _stated_costs(monkeypatch, {"short_step": 0.3, "optimizer": 0.1})
     plan = plan_layout(config, parallel, 1, load_hardware("cpu"), Efficiency())
-    assert plan.step["optimizer"] == layout["optimizer"] and "layout" not in plan.step
-    short_compute = layout["short_step"] - layout["optimizer"] - plan.step["host"]
-    assert 0 < short_compute < plan.step["compute"]
-    assert plan.step["total"] == pytest.approx(plan.step["compute"] + layout["short_step"] - short_compute)
+    assert plan.step["optimizer"] == 0.1 and "layout" not in plan.step
+    assert plan.step["compute"] == 0.5 and plan.step["host"] == pytest.approx(0.3 - 0.1 - 0.02)
+    assert plan.step["total"] == pytest.approx(0.5 + 0.3 - 0.02)
     assert "host's work beside them" in " ".join(plan.notes)
 
 
