@@ -1,7 +1,7 @@
 """Parallelism applied to a model built on `meta`: one file per technique, composed by `parallelize`.
 
 Order, as in torchtitan: context parallel, tensor parallel, expert parallel, activation
-checkpointing, compile, then FSDP2/HSDP; pipeline parallelism cuts the model into stages first and
+checkpointing, compile, activation offload, then FSDP2/HSDP; pipeline parallelism cuts the model into stages first and
 applies the rest to each stage. The layout (`mesh.py`) is checked against the world and the model
 before anything is built.
 """
@@ -66,6 +66,9 @@ class ParallelConfig:
     # CPUOffloadPolicy, parameters, gradients and optimizer state on the host; none.
     offload: str = "none"
     activation_checkpointing: str = "none"  # none | full (every block) | every_n
+    # The checkpointed blocks' inputs in pinned host memory between forward and backward
+    # (parallel/activation_checkpoint.py), as Marin offloads its remat residuals at long sequences.
+    offload_activations: bool = False
     checkpoint_every_n: int = 2
     compile: bool = False  # torch.compile each block (regional compilation, parallel/compile.py)
     # With compile on a GPU: each compiled block's forward and backward captured as CUDA graphs.
@@ -97,6 +100,11 @@ class ParallelConfig:
             self.activation_checkpointing in ("none", "full", "every_n"),
             "activation_checkpointing",
             f"must be none, full or every_n, got {self.activation_checkpointing!r}",
+        )
+        check(
+            not self.offload_activations or self.activation_checkpointing != "none",
+            "offload_activations",
+            "needs activation_checkpointing full or every_n: it keeps the checkpointed blocks' inputs on the host",
         )
         check(self.checkpoint_every_n >= 1, "checkpoint_every_n", f"must be >= 1, got {self.checkpoint_every_n}")
         check(self.offload in OFFLOADS, "offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
@@ -155,7 +163,7 @@ def autocast_caches_weights(model: nn.Module) -> bool:
 
 
 def _parallelize(model: nn.Module, config: ParallelConfig, dims: ParallelDims) -> nn.Module:
-    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
     from marinlm.parallel.compile import apply_compile
     from marinlm.parallel.context_parallel import apply_context_parallel
     from marinlm.parallel.expert_parallel import apply_data_parallel_rows, apply_expert_parallel
@@ -177,6 +185,8 @@ def _parallelize(model: nn.Module, config: ParallelConfig, dims: ParallelDims) -
         # Our own exchanges (expert, tensor and context parallel) may split a block's graph.
         whole = not (dims.tp_enabled or dims.ep_enabled or dims.cp_enabled)
         apply_compile(model, fullgraph=whole, cuda_graphs=config.cuda_graphs)
+    if config.offload_activations:
+        apply_activation_offload(model)
     if dims.launched:  # under torchrun (any number of ranks)
         experts = None
         if dims.ep_enabled:  # experts shard over the data ranks left beside ep

@@ -31,6 +31,7 @@ LAYOUT_KEYS = {
     "microbatches": "microbatches",
     "stages_per_rank": "stages_per_rank",
     "offload": "offload",
+    "offload_activations": "offload_activations",  # 1 or 0: the checkpointed blocks' inputs on the host
     "ac": "activation_checkpointing",
     "ft": "fault_tolerance",  # replica groups on torchft, planned as HSDP's replicas plus what torchft adds
 }
@@ -44,7 +45,14 @@ def parse_layout(text: str, base):
         if key not in LAYOUT_KEYS or not value:
             raise ConfigError("--layout", f"{item!r}: give key=value with keys {', '.join(LAYOUT_KEYS)}")
         field = LAYOUT_KEYS[key]
-        changes[field] = value if field in ("pipeline_schedule", "offload", "activation_checkpointing") else int(value)
+        if field == "offload_activations":
+            if value not in ("0", "1", "true", "false"):
+                raise ConfigError("--layout", f"{item!r}: give offload_activations=1 or 0")
+            changes[field] = value in ("1", "true")
+        elif field in ("pipeline_schedule", "offload", "activation_checkpointing"):
+            changes[field] = value
+        else:
+            changes[field] = int(value)
     if "fault_tolerance" in changes:
         from marinlm.parallel import FaultToleranceConfig
 

@@ -9,7 +9,7 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   share of each row, with the keys and values each layer gathers and the masks of the keys its chunks reach),
   divided by tp (sequence parallel), times the microbatches a pipeline stage holds at once (1F1B: pp - stage),
   with full activation checkpointing only the blocks' inputs and the forward's context (ids, positions, RoPE
-  tables, masks) plus one block;
+  tables, masks) plus one block; the blocks' inputs in host memory under `parallel.offload_activations`;
 - buffers: FSDP2's gathered block (fp32) with one prefetched, its unsharded gradient; the expert all-to-all's
   send and receive rows; tensor parallel's gathered activations; torch's pipeline stage's receive buffers and
   kept outputs; the QB router's margins, kept for the step;
@@ -21,7 +21,8 @@ the counts, dispatch and combine forward, and the two gradients' exchanges; 3 mo
 recomputed forward; `expert_exchanges`) over NVLink when its group fits in an NVLink domain, else the network,
 not overlapped; context parallel's exchanges of keys, values and SConv halos (forward, their gradients back, and
 again in a recomputed forward), not overlapped (the exchange waits before attention); FSDP/HSDP traffic of which
-`overlap` is hidden; tensor-parallel collectives; optimizer-state copies to the host and back; all divided by
+`overlap` is hidden; tensor-parallel collectives; optimizer-state copies to the host and back, and offloaded
+activations' each forward (on the compute stream: not overlapped); all divided by
 (1 - bubble) under pipelining (gloo ranks sharing cores: the bubble's compute at the stage's ranks' contention).
 """
 
@@ -281,10 +282,15 @@ def plan_layout(
         link = "nvlink" if world // dims.pp <= hardware.gpus_per_nvlink_domain else "network"
         traffic[link] += volume
         step["pipeline_sends"] = volume / (getattr(hardware, f"{link}_bandwidth") * eff.collectives)
-    offloaded = sum(ranks[0].host.values())
+    offloaded = sum(v for k, v in ranks[0].host.items() if k != "activations")
     if offloaded:
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
+    if parallel.offload_activations:  # each forward's offloaded inputs out and back, on the compute stream
+        held = max(r.host.get("activations", 0.0) / (dims.pp - r.stage if dims.pp > 1 else 1) for r in ranks)
+        volume = 2 * held * accumulation
+        traffic["host"] += volume
+        step["activation_offload"] = volume / (hardware.host_link_bandwidth * eff.host_link)
     if layout is not None:
         for key in ("fsdp", "expert_all_to_all", "hsdp_all_reduce", "tensor_parallel"):  # timed here instead
             step.pop(key, None)
@@ -350,6 +356,7 @@ def describe(parallel: ParallelConfig, dims: ParallelDims) -> dict:
         "pp": dims.pp,
         "pipeline_schedule": parallel.pipeline_schedule if dims.pp > 1 else None,
         "offload": parallel.offload,
+        "offload_activations": parallel.offload_activations,
         "activation_checkpointing": parallel.activation_checkpointing,
     }
 
@@ -396,6 +403,8 @@ def _rank_memory(
     elif parallel.activation_checkpointing == "every_n":
         kept = len(layers) - math.ceil(len(layers) / parallel.checkpoint_every_n)
     inputs = (len(layers) - kept) * tokens * model.d_model * max(act_bytes, FP32)
+    # Offloaded, they wait on the host (every microbatch in flight) and one comes back at a time.
+    offloaded = inputs / dims.tp * in_flight if parallel.offload_activations else 0.0
     # Autocast's bf16 weight copies (`Inventory.weight_copies`): its cache is off under FSDP2 (any
     # launched layout) or checkpointing (`parallel.autocast_caches_weights`); on, it holds every
     # block's; checkpointed blocks save none.
@@ -428,7 +437,9 @@ def _rank_memory(
         held += tokens * model.d_model * FP32 * in_flight
     if stage > 0:  # its first block's input is the buffer it received (`pipeline_buffers`)
         held -= tokens * model.d_model * FP32 * in_flight
-    plan.device["activations"] = held + copies  # what a forward leaves for the backward
+    plan.device["activations"] = held + copies - offloaded  # what a forward leaves for the backward
+    if offloaded:
+        plan.host["activations"] = offloaded
     if kept < len(layers):  # one checkpointed block at a time, recomputed in backward
         plan.device["recomputed_block"] = recomputed
     # FSDP2's all-gathered block (fp32) and the next one prefetched; the block's unsharded gradients.
