@@ -287,8 +287,8 @@ def plan_layout(
         traffic["host"] += 2 * offloaded
         step["host_copies"] = 2 * offloaded / (hardware.host_link_bandwidth * eff.host_link)
     if parallel.offload_activations:  # each forward's offloaded inputs out and back, on the compute stream
-        held = max(r.host.get("activations", 0.0) / (dims.pp - r.stage if dims.pp > 1 else 1) for r in ranks)
-        volume = 2 * held * accumulation
+        a_forward = max(r.host.get("activations", 0.0) / (dims.pp - r.stage if dims.pp > 1 else 1) for r in ranks)
+        volume = 2 * a_forward * accumulation
         traffic["host"] += volume
         step["activation_offload"] = volume / (hardware.host_link_bandwidth * eff.host_link)
     if layout is not None:

@@ -1,22 +1,25 @@
 """What the router's imbalance costs a step, under the capacity rule the model applies.
 
 A routing histogram is each MoE layer's share of assignments by expert: read off a run's logged
-loads, a histogram a logged step (`marinlm train` writes `router/layer_i/load`, counted before
+loads, one histogram a logged step (`marinlm train` writes `router/layer_i/load`, counted before
 capacity drops, to TensorBoard; the skew moves from step to step, and a sum over steps would
 smooth it away), or a stated skew (`skew=S`: shares falling as rank^-S, placed on the experts in
-a seeded random order; `balanced` is S = 0). A forward's counts are drawn from each histogram
-(multinomial: per sender shard under `receiver_pooled`, over the expert group under
-`per_expert`) and cut by the model's own rule (`group_capacity`, `pooled_accept`), which gives:
+a seeded random order; `balanced` is S = 0). For each layer, a forward's counts are drawn (per
+sender shard under `receiver_pooled`, over the expert group under `per_expert`): from each logged
+step without replacement, so that a forward the size of the logged step gets the step's own
+counts back; from a stated skew multinomially, `DRAWS` times. They are cut by the model's own
+rule (`expert_capacity` as the expert group applies it, `pooled_accept`), which gives:
 
 - the share of assignments dropped;
 - the rows that cross the all-to-all: under `receiver_pooled` only kept rows travel; under
   `per_expert` every row travels and the receiver drops (its zero rows still come back);
-- the slowest receiver: the expert-parallel rank whose experts keep the most rows of a forward,
-  drawn again from the kept shares for the expert group's assignments. Every rank waits for it at
-  the combine, so a layer's expert GEMMs take its rows, not the mean rank's.
+- the slowest receiver: the expert-parallel rank whose experts keep the most rows of a forward
+  (`ep/kept_rows_max_over_mean` in a run's metrics). Every rank waits for it at the combine, so a
+  layer's expert GEMMs take its rows, not the mean rank's.
 
-Draws are independent assignments: a row's tokens routing alike, or a domain's rows, drop more
-than this says. Without a histogram the plan keeps balanced load and no drops (`expert_rows`).
+The draws split a step's assignments at random: where an expert group routes a part of the step's
+rows, a row's tokens routing alike make it drop more and its busiest rank fuller than this says.
+Without a histogram the plan keeps balanced load and no drops (`expert_rows`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 
 from marinlm.config import ConfigError
 
-DRAWS = 4  # forwards drawn a layer
+DRAWS = 4  # forwards drawn a layer from a stated skew
 
 
 @dataclass(frozen=True)
