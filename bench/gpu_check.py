@@ -24,6 +24,8 @@ all on an H100/H200:
   step time and memory of a ~1B hero-shaped single-GPU bf16 step priced from it, against that step
   run eagerly here (seconds, allocator peak).
 - offload: optimizer-only offload's device-memory saving in MuonH steps, and its losses.
+- act_offload: `parallel.offload_activations` under full checkpointing: the device memory a forward
+  leaves and a step's time with and without it, against the plan's bytes on the host and copy time.
 - finetune: LoRA SFT on the GPU (grouped expert adapters on its grouped GEMM; QLoRA too where
   bitsandbytes is installed), then the peft adapter over the exported base against the merged model.
 
@@ -558,6 +560,78 @@ def part_offload(device: str, dry: bool) -> None:
     )
 
 
+def part_act_offload(device: str, dry: bool) -> None:
+    """`parallel.offload_activations`, a ~1B hero-shaped model with every block checkpointed, bf16:
+    what a forward leaves allocated and a step's time with and without the blocks' inputs on the
+    host, against the plan's bytes moved to the host and its time for their copies."""
+    import dataclasses
+
+    from marinlm.config import load_config
+    from marinlm.model import MarinForCausalLM
+    from marinlm.parallel import ParallelConfig, parallelize
+    from marinlm.parallel.mesh import ParallelDims
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.train.config import TrainConfig
+    from mfu import model_config
+
+    rows, seq = (2, 128) if dry else (4, 4096)
+    model_cfg = dataclasses.replace(model_config("hero", dry), max_seq_len=seq)
+    model_cfg.moe.capacity_factor = None
+    overrides = ["--train.precision=bf16", f"--data.seq_len={seq}", f"--train.global_batch={rows}"]
+    train = load_config(
+        TrainConfig, ROOT / "configs" / "train" / "tiny.yaml", [*overrides, f"--model.max_seq_len={seq}"]
+    )
+    train = dataclasses.replace(train, model=model_cfg)
+    ids = torch.randint(0, model_cfg.vocab_size, (rows, seq), device=device)
+    measured = {}
+    for offload in (False, True):
+        parallel = ParallelConfig(data_parallel_shard=1, activation_checkpointing="full", offload_activations=offload)
+        with torch.device("meta"):
+            model = MarinForCausalLM(model_cfg)
+        model = parallelize(model, parallel, ParallelDims.resolve(parallel, 1))
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+
+        def step(model=model):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry):
+                loss = model(ids, labels=ids, return_logits=False).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        sync(device)
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry):
+            loss = model(ids, labels=ids, return_logits=False).loss
+        sync(device)
+        left = (torch.cuda.memory_allocated() if device == "cuda" else 0) - before
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        measured[offload] = (left, timed(step, device, repeats=2 if dry else 5), loss.item())
+        del model, loss
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    hardware = load_hardware("cpu" if dry else ("h200" if "H200" in torch.cuda.get_device_name() else "h100-sxm"))
+    plan = plan_layout(
+        train,
+        dataclasses.replace(
+            train.parallel, data_parallel_shard=1, activation_checkpointing="full", offload_activations=True
+        ),
+        1,
+        hardware,
+        Efficiency(),
+    )
+    (kept, t0, l0), (left, t1, l1) = measured[False], measured[True]
+    host = plan.ranks[0].host["activations"]
+    summary(
+        f"activation offload, hero-shaped {rows}x{seq} bf16, AC full: forward leaves {kept / 2**30:.2f} -> "
+        f"{left / 2**30:.2f} GiB (saved {(kept - left) / 2**30:.2f}, planned {host / 2**30:.2f} "
+        f"on the host); step {t0 * 1e3:.0f} -> {t1 * 1e3:.0f} ms (+{(t1 - t0) * 1e3:.0f}, planned copies "
+        f"{plan.step['activation_offload'] * 1e3:.0f} ms); loss {l0:.4f} / {l1:.4f}"
+    )
+
+
 def part_finetune(device: str, dry: bool) -> None:
     """LoRA SFT on the device (bf16, the grouped expert adapters on the GPU's grouped GEMM), and
     QLoRA where bitsandbytes is installed; then the peft adapter over the exported base against the
@@ -651,6 +725,7 @@ PARTS = {
     "plan": part_plan,
     "ops": part_ops,
     "offload": part_offload,
+    "act_offload": part_act_offload,
     "finetune": part_finetune,
 }
 
