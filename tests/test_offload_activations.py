@@ -92,3 +92,29 @@ def test_offloading_activations_needs_checkpointing_and_a_layout_says_it_plainly
     assert parse_layout("offload_activations=0", ParallelConfig()).offload_activations is False
     with pytest.raises(ConfigError, match="--layout: 'offload_activations=yes': give offload_activations=1 or 0"):
         parse_layout("offload_activations=yes", ParallelConfig())
+
+
+def test_the_search_offloads_activations_where_a_layout_fits_only_so():
+    """With device memory between what the layouts need with their blocks' inputs on the device and
+    on the host, only offloaded layouts fit, and the search finds them."""
+    from marinlm.plan.estimate import plan_layout
+    from marinlm.plan.hardware import Efficiency, load_hardware
+    from marinlm.plan.search import candidates, rule_shards, search_layouts
+
+    train = _train_config("bf16")
+    train = dataclasses.replace(train, train=dataclasses.replace(train.train, global_batch=4))
+    h100, eff = load_hardware("h100-sxm"), Efficiency()
+    fullest = {False: [], True: []}
+    for layout in candidates(train.model, 4, h100):
+        for offload in (False, True):
+            parallel = dataclasses.replace(train.parallel, **layout, offload_activations=offload)
+            try:
+                plan = plan_layout(train, parallel, 4, h100, eff, shards_of=rule_shards)
+            except (ConfigError, ValueError):
+                continue
+            fullest[offload].append(max(r.device_total for r in plan.ranks))
+    assert min(fullest[True]) < min(fullest[False])
+    tight = dataclasses.replace(h100, memory_bytes=(min(fullest[True]) + min(fullest[False])) / 2)
+    found = search_layouts(train, 4, tight, eff, None)
+    assert found and all(p.fits and p.layout["offload_activations"] for p in found)
+    assert all("activation_offload" in p.step for p in found)

@@ -103,7 +103,8 @@ def candidates(model_config, gpus: int, hardware) -> list[dict]:
 
 def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3, routing=None) -> list:
     """The `top` fastest layouts that fit, planned from the real parallelize(), fastest first
-    (`routing`: a routing histogram, plan/routing.py)."""
+    (`routing`: a routing histogram, plan/routing.py). A candidate that does not fit is planned
+    again with its checkpointed blocks' inputs on the host (`offload_activations`)."""
     from marinlm.plan.activations import inventory
     from marinlm.plan.estimate import plan_layout as plan
 
@@ -117,6 +118,9 @@ def search_layouts(train, gpus: int, hardware, efficiency, chosen, top: int = 3,
             # A quick pass: no gloo group timed for each candidate (`--hardware cpu`); the best are.
             how = dict(shards_of=rule_shards, inv=inv, gloo_group=False, routing=routing)
             estimate = plan(train, parallel, gpus, hardware, efficiency, **how)
+            if not estimate.fits and parallel.activation_checkpointing != "none" and not parallel.offload_activations:
+                parallel = dataclasses.replace(parallel, offload_activations=True)
+                estimate = plan(train, parallel, gpus, hardware, efficiency, **how)
         except (ConfigError, ValueError):
             continue  # a degree that does not divide the model, the batch or the stages
         quick.append((estimate.step["total"] if estimate.fits and estimate.host_fits else math.inf, parallel))
