@@ -93,7 +93,7 @@ def logged_loads(run_dir: Path, num_experts: int, last: int = 20) -> RoutingLoad
     if len({len(steps) for steps in layers}) > 1:
         raise ConfigError("--routing", f"{folder}: its layers logged different numbers of steps' loads")
     counts = np.rint(np.array(layers)).astype(np.int64)
-    source = f"{run_dir}: loads of its last {len(layers[0])} logged steps"
+    source = f"{run_dir}: {len(layers)} MoE layers' loads at each of its last {len(layers[0])} logged steps"
     return RoutingLoads(counts / counts.sum(-1, keepdims=True), source, counts)
 
 
@@ -177,9 +177,10 @@ def _forward_counts(rng, loads: RoutingLoads, layer: int, draw: int, need: int, 
 
 def routing_note(routed: Routed, ep: int) -> str:
     receiver = f"; the slowest of {ep} expert ranks keeps {routed.slowest:.3f}x the mean rank's rows" if ep > 1 else ""
+    whose = "the slowest receiver's kept rows" if ep > 1 else "the kept rows"
     return (
         f"routing ({routed.source}): {100 * routed.dropped:.3f}% of assignments dropped a forward (worst layer "
-        f"{100 * routed.worst_layer:.3f}%){receiver}; the experts' GEMMs priced at the slowest receiver's kept rows"
+        f"{100 * routed.worst_layer:.3f}%){receiver}; the experts' GEMMs priced at {whose}"
     )
 
 
