@@ -8,7 +8,7 @@ a seeded random order; `balanced` is S = 0). For each layer, a forward's counts 
 sender shard under `receiver_pooled`, over the expert group under `per_expert`): from each logged
 step without replacement, so that a forward the size of the logged step gets the step's own
 counts back; from a stated skew multinomially, `DRAWS` times. They are cut by the model's own
-rule (`expert_capacity` as the expert group applies it, `pooled_accept`), which gives:
+rule (`group_capacity`, `pooled_accept`), which gives:
 
 - the share of assignments dropped;
 - the rows that cross the all-to-all: under `receiver_pooled` only kept rows travel; under
@@ -119,18 +119,21 @@ def route(moe, loads: RoutingLoads, tokens: int, dims, seed: int = 0) -> Routed:
     import torch
 
     from marinlm.model.experts import pooled_accept
+    from marinlm.parallel.expert_parallel import group_capacity
 
     rng = np.random.default_rng(seed)
     E, k = moe.num_experts, moe.top_k
     group = dims.ep * tokens * k  # assignments an expert group's ranks send a forward
     pooled = moe.capacity_factor is not None and moe.capacity == "receiver_pooled"
+    if pooled:
+        G, S = moe.capacity_groups, moe.capacity_groups * moe.capacity_domains
+        shard, _ = _pooled_receiver(moe, tokens * k, dims)
+    cap = math.inf if moe.capacity_factor is None else group_capacity(moe.capacity_factor, group, E)
     layers, slowest = [], []
     for layer in range(loads.shares.shape[0]):
         dropped, draws = 0.0, DRAWS if loads.counts is None else loads.shares.shape[1]  # each logged step once
         for draw in range(draws):
             if pooled:
-                G, S = moe.capacity_groups, moe.capacity_groups * moe.capacity_domains
-                shard, _ = _pooled_receiver(moe, tokens * k, dims)
                 counts_SE = _forward_counts(rng, loads, layer, draw, shard, S)
                 kept_SE = pooled_accept(torch.from_numpy(counts_SE), G, moe.capacity_chunks, moe.capacity_factor, shard)
                 kept_SE = kept_SE.double().numpy()
@@ -139,7 +142,6 @@ def route(moe, loads: RoutingLoads, tokens: int, dims, seed: int = 0) -> Routed:
                 kept, total = kept_SE.sum(), counts_SE.sum()
             else:
                 counts_E = _forward_counts(rng, loads, layer, draw, group, 1)[0]
-                cap = math.inf if moe.capacity_factor is None else _group_capacity(moe.capacity_factor, group, E)
                 received = np.minimum(counts_E, cap).astype(np.float64)
                 kept, total = received.sum(), group
             dropped += 1 - kept / total
@@ -182,12 +184,6 @@ def routing_note(routed: Routed, ep: int) -> str:
         f"routing ({routed.source}): {100 * routed.dropped:.3f}% of assignments dropped a forward (worst layer "
         f"{100 * routed.worst_layer:.3f}%){receiver}; the experts' GEMMs priced at {whose}"
     )
-
-
-def _group_capacity(factor: float, assignments: int, num_experts: int) -> int:
-    from marinlm.model.experts import expert_capacity
-
-    return expert_capacity(assignments, 1, num_experts, factor)  # ceil(factor x assignments / experts)
 
 
 def capacity_notes(moe, tokens: int, dims) -> list[str]:
