@@ -115,6 +115,38 @@ def test_every_block_type_compiles_whole(name, precision, packed):
             assert error <= tolerance, f"{name} {kind}: tensor {i} off by {error:.2e} of its largest value"
 
 
+@pytest.mark.parametrize("name", ["tiny", "hero"])
+def test_checkpointed_blocks_compile_whole(name):
+    """Full activation checkpointing under compile (`parallelize`'s order: checkpoint, then compile
+    each wrapped block whole): the first block writes the forward's rope tables and masks into the
+    context inside its checkpoint, the later ones read them; the model's loss and every gradient
+    equal eager checkpointing's, with no graph break."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+    from marinlm.parallel.compile import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = model_of(name, "fp32")
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, "full")
+    ids = torch.randint(0, eager.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    results = []
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):  # as a fresh process
+        apply_compile(compiled, fullgraph=True, backend="aot_eager")
+        for model in (eager, compiled):
+            out = model(ids, segments(2, 64), labels=ids, return_logits=False)
+            out.loss.backward()
+            results.append([out.loss.detach(), *(p.grad for p in model.parameters())])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        scale = a.abs().max().clamp_min(1e-6)
+        assert ((b - a).abs().max() / scale).item() <= 1e-5, f"{name}: tensor {i}"
+
+
 def test_flex_attention_forward_equals_the_reference():
     """FlexAttention's forward (compiled: torch runs it on CPU only so) against the reference
     attention in fp32 and bf16: global layers, windows shorter (6) and longer (24) than most packed
