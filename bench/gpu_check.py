@@ -516,11 +516,12 @@ def part_ops(device: str, dry: bool) -> None:
     step = marinlm_step(model, "eager", device, ids, None)
     seconds, peak = time_steps(step, device, warmup=2, steps=3 if dry else 10)
     reserved = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
-    planned, memory = plan.step["total"], plan.ranks[0].device_total / 2**30
+    planned, memory, held = plan.step["total"], plan.ranks[0].device_total / 2**30, plan.reserved_bytes / 2**30
     summary(
         f"plan of a hero-shaped {rows}x{seq} bf16 single-{device} step from the op table ({len(entries)} ops): "
         f"{planned * 1e3:.0f} ms against {seconds * 1e3:.0f} ms run ({planned / seconds:.3f}); memory planned "
-        f"{memory:.2f} GiB against allocator peak {peak:.2f} GiB allocated, {reserved:.2f} reserved"
+        f"{memory:.2f} GiB live, {held:.2f} reserved (plan/allocator.py) against allocator peak {peak:.2f} GiB "
+        f"allocated, {reserved:.2f} reserved ({held / reserved:.3f})"
     )
 
 

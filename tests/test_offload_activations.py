@@ -95,7 +95,7 @@ def test_offloading_activations_needs_checkpointing_and_a_layout_says_it_plainly
 
 
 def test_the_search_offloads_activations_where_a_layout_fits_only_so():
-    """With device memory between what the layouts need with their blocks' inputs on the device and
+    """With device memory between what the layouts reserve with their blocks' inputs on the device and
     on the host, only offloaded layouts fit, and the search finds them."""
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
@@ -112,7 +112,7 @@ def test_the_search_offloads_activations_where_a_layout_fits_only_so():
                 plan = plan_layout(train, parallel, 4, h100, eff, shards_of=rule_shards)
             except (ConfigError, ValueError):
                 continue
-            fullest[offload].append(max(r.device_total for r in plan.ranks))
+            fullest[offload].append(plan.reserved_bytes)  # what the verdict weighs
     assert min(fullest[True]) < min(fullest[False])
     tight = dataclasses.replace(h100, memory_bytes=(min(fullest[True]) + min(fullest[False])) / 2)
     found = search_layouts(train, 4, tight, eff, None)

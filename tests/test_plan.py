@@ -122,6 +122,7 @@ def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
     """`marinlm plan configs/train/marin-535b-a23b.yaml --hardware gb200-nvl72` with the config's
     own layout (704 ranks, 11 replicas of a 64-way expert group, optimizer state on the host)."""
     from marinlm.plan import run_plan
+    from marinlm.plan.allocator import reserved_bytes
     from marinlm.train.config import TrainConfig
 
     train = load_config(TrainConfig, str(ROOT / "configs" / "train" / "marin-535b-a23b.yaml"), [])
@@ -139,12 +140,17 @@ def test_the_hero_plan_shows_six_experts_a_rank_and_a_verdict(tmp_path, capsys):
     assert rank0["local_parameters"] == pytest.approx(total / 64, rel=1e-3)
     assert rank0["device"]["weights"] == rank0["device"]["gradients"] == 4 * rank0["local_parameters"]
     assert rank0["host"]["optimizer_state"] >= rank0["device"]["weights"]  # MuonH 1 copy, Adam 2
-    # The verdict is the number behind it: the fullest rank's bytes against the GPU's.
-    fullest = max(sum(r["device"].values()) for r in chosen["ranks"])
+    # The verdict is the number behind it: the fullest rank's reserved bytes (its weights and optimizer state,
+    # and the rest of its live bytes times the allocator's overhead on the step) against the GPU's.
+    factor = chosen["allocator_overhead"]
+    assert 1.0 < factor < 2.0
+    fullest = max(reserved_bytes(r["device"], factor) for r in chosen["ranks"])
+    live = max(sum(r["device"].values()) for r in chosen["ranks"])
+    assert chosen["reserved_bytes"] == pytest.approx(fullest, rel=1e-9) and fullest > live
     assert chosen["fits"] == (fullest <= 186e9) and chosen["headroom_bytes"] == pytest.approx(186e9 - fullest, rel=1e-3)
     out = capsys.readouterr().out
     verdict = "fits" if chosen["fits"] else "does not fit"
-    assert f"{verdict}: {fullest / 2**30:,.1f} " in out
+    assert f"{verdict}: {fullest / 2**30:,.1f} GiB reserved ({live / 2**30:,.1f} GiB live)" in out
     for name in ("plan.md", "plan.json", "plan.png"):
         assert (tmp_path / name).stat().st_size > 0
 

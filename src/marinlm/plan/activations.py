@@ -119,19 +119,21 @@ def _classify(per_token: float, table: dict[str, float]) -> str | None:
     return None
 
 
-def inventory(
-    config: MarinConfig, precision: str, kernels: KernelConfig | None = None, kernels_device: str = "cpu"
-) -> Inventory:
-    """Run one training forward of the proxy of `config` in `precision` (fp32 or bf16 autocast) and
-    file its saved tensors. `kernels`: the run's (default: auto), its loss chunks scaled to the
-    proxy; `kernels_device`: whose kernels the estimate stands for ("cpu" swaps in the CPU kernels
-    `kernels` asks for; "cuda" keeps the reference modules, as CUDA's are)."""
+def build_proxy(
+    config: MarinConfig, precision: str, kernels: KernelConfig | None, kernels_device: str, depth: bool = False
+):
+    """The proxy model of `config` (`proxy`), initialised, with the run's kernels (`inventory`); `depth`: with
+    `config`'s layers (count, and which are dense and global) rather than one of each kind. Returns the model,
+    its config and its sequence length."""
     from marinlm.kernels import apply_kernels
     from marinlm.model.transformer import MarinForCausalLM
-    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
 
     proxy_config, T = proxy(config)
-    B = 2
+    if depth:
+        a = proxy_config.attention
+        proxy_config.num_layers = config.num_layers
+        a.global_every, a.last_layer_global = config.attention.global_every, config.attention.last_layer_global
+        proxy_config.moe.first_k_dense = config.moe.first_k_dense
     with torch.device("meta"):
         model = MarinForCausalLM(proxy_config)
     kernels = kernels or KernelConfig()
@@ -139,6 +141,20 @@ def inventory(
     apply_kernels(model, "cpu", precision, kernels if kernels_device == "cpu" else kernels.reference())
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
+    return model, proxy_config, T
+
+
+def inventory(
+    config: MarinConfig, precision: str, kernels: KernelConfig | None = None, kernels_device: str = "cpu"
+) -> Inventory:
+    """Run one training forward of the proxy of `config` in `precision` (fp32 or bf16 autocast) and
+    file its saved tensors. `kernels`: the run's (default: auto), its loss chunks scaled to the
+    proxy; `kernels_device`: whose kernels the estimate stands for ("cpu" swaps in the CPU kernels
+    `kernels` asks for; "cuda" keeps the reference modules, as CUDA's are)."""
+    from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    model, proxy_config, T = build_proxy(config, precision, kernels, kernels_device)
+    B = 2
     table = widths(proxy_config, T)
     N = B * T
     ids = torch.randint(0, proxy_config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))

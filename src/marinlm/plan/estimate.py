@@ -14,6 +14,8 @@ Memory, per rank (the first rank of each pipeline stage; the others of a stage h
   send and receive rows; tensor parallel's gathered activations; torch's pipeline stage's receive buffers and
   kept outputs; the QB router's margins, kept for the step;
 - temporaries: one block's activations again (their gradients in backward).
+A GPU's verdict weighs the reserved peak: the weights and optimizer state, and the rest times the caching
+allocator's overhead on the step's allocations (plan/allocator.py); a CPU's allocator returns what is freed.
 
 Time, per step: the rank's model FLOPs at `Efficiency.compute` of peak (given a routing histogram, the routed
 experts' at the slowest receiver's kept rows, plan/routing.py); the expert all-to-all (5 calls a layer:
@@ -37,6 +39,7 @@ from marinlm.model.summary import layer_flops, summarize
 from marinlm.parallel import FaultToleranceConfig, ParallelConfig
 from marinlm.parallel.mesh import ParallelDims
 from marinlm.plan.activations import activation_bytes, context_bytes_a_token, inventory, weight_key
+from marinlm.plan.allocator import overhead, reserved_bytes
 from marinlm.plan.contention import measure_contention
 from marinlm.plan.cpu_step import (
     SHORT_TOKENS,
@@ -86,7 +89,9 @@ class LayoutPlan:
     flops_per_step: float
     traffic: dict[str, float]  # bytes a step per rank by link class
     fits: bool
-    headroom_bytes: float  # device memory left on the fullest rank (negative: over)
+    headroom_bytes: float  # device memory left on the fullest rank by reserved bytes (negative: over)
+    reserved_bytes: float  # the fullest rank's predicted reserved peak (plan/allocator.py)
+    allocator_overhead: float  # the step's reserved peak over its live peak (1 on a CPU)
     host_per_node_bytes: float
     host_fits: bool
     notes: list[str] = field(default_factory=list)
@@ -315,8 +320,12 @@ def plan_layout(
     flops_step = summary.flops_per_token * tokens_step
     mfu = flops_step / (step["total"] * world * hardware.peak_bf16_flops)
 
-    fullest = max(ranks, key=lambda r: r.device_total)
-    headroom = hardware.memory_bytes - fullest.device_total
+    # CUDA's caching allocator holds more than the live peak (plan/allocator.py); a CPU's returns what is freed.
+    factor = 1.0
+    if hardware.name != "cpu":
+        factor = overhead(model, precision, train.kernels, "cuda", micro_rows * seq // dims.cp, seq, parallel)
+    reserved = max(reserved_bytes(r.device, factor) for r in ranks)
+    headroom = hardware.memory_bytes - reserved
     host_node = max(sum(r.host.values()) for r in ranks) * hardware.gpus_per_node
     if parallel.activation_checkpointing == "none" and headroom < 0:
         notes.append("does not fit without activation checkpointing: try --layout ...,ac=full")
@@ -334,6 +343,8 @@ def plan_layout(
         all_to_all_bytes=a2a_bytes,
         fits=headroom >= 0,
         headroom_bytes=headroom,
+        reserved_bytes=reserved,
+        allocator_overhead=factor,
         host_per_node_bytes=host_node,
         host_fits=host_node <= hardware.host_memory_bytes,
         notes=notes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from marinlm.plan.allocator import reserved_bytes
 from marinlm.utils.io import write_json_atomic, write_text_atomic
 
 GiB = 2**30
@@ -19,13 +20,15 @@ def layout_name(plan) -> str:
 
 
 def verdict(plan, hardware) -> str:
-    fullest = max(plan.ranks, key=lambda r: r.device_total)
-    room = plan.headroom_bytes / GiB
+    """The fullest rank's reserved peak against the device's memory (its live peak, where they differ)."""
+    live = max(r.device_total for r in plan.ranks)
+    room, held = plan.headroom_bytes / GiB, plan.reserved_bytes / GiB
+    reserved = "" if plan.allocator_overhead == 1 else f" reserved ({live / GiB:,.1f} GiB live)"
     device = (
-        f"fits: {fullest.device_total / GiB:,.1f} of {hardware.memory_bytes / GiB:,.1f} GiB on the fullest rank, "
+        f"fits: {held:,.1f} GiB{reserved} of {hardware.memory_bytes / GiB:,.1f} GiB on the fullest rank, "
         f"{room:,.1f} GiB headroom"
         if plan.fits
-        else f"does not fit: {fullest.device_total / GiB:,.1f} GiB on the fullest rank, "
+        else f"does not fit: {held:,.1f} GiB{reserved} on the fullest rank, "
         f"{-room:,.1f} GiB over the {hardware.memory_bytes / GiB:,.1f} GiB"
     )
     host = f"host {plan.host_per_node_bytes / GiB:,.1f} of {hardware.host_memory_bytes / GiB:,.1f} GiB a node" + (
@@ -42,6 +45,9 @@ def table(plan, hardware) -> str:
         for name, value in r.device.items():
             lines.append(f"    device {name:<26}{value / GiB:>10,.2f} GiB")
         lines.append(f"    device {'TOTAL':<26}{r.device_total / GiB:>10,.2f} GiB")
+        if plan.allocator_overhead != 1:
+            reserved = reserved_bytes(r.device, plan.allocator_overhead)
+            lines.append(f"    device {'reserved by the allocator':<26}{reserved / GiB:>10,.2f} GiB")
         for name, value in r.host.items():
             lines.append(f"    host   {name:<26}{value / GiB:>10,.2f} GiB")
     lines.append("  step time:")
@@ -108,9 +114,10 @@ def write_report(train, hardware, efficiency, chosen, alternatives, out: Path) -
         "Efficiency factors: " + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(efficiency).items()),
     ]
     if alternatives:
-        md += ["", "## Search", "", "| layout | step (s) | MFU | fullest rank (GiB) | why |", "| --- " * 5 + "|"]
+        header = "| layout | step (s) | MFU | fullest rank, reserved (GiB) | why |"
+        md += ["", "## Search", "", header, "| --- " * 5 + "|"]
         for alt in alternatives:
-            fullest = max(r.device_total for r in alt.ranks) / GiB
+            fullest = alt.reserved_bytes / GiB
             md.append(
                 f"| {layout_name(alt)} | {alt.step['total']:,.2f} | {100 * alt.mfu:.2f}% | {fullest:,.1f} | "
                 f"{reason(alt, chosen)} |"
