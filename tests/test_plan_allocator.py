@@ -108,8 +108,8 @@ def test_the_recorded_step_peaks_where_torchs_memtracker_says():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     config, model = _tiny("fp32")
-    ids = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    segments = packed_segments(4, 128)
+    ids = torch.randint(0, config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    segments = packed_segments(2, 128)
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
