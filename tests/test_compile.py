@@ -115,7 +115,7 @@ def test_every_block_type_compiles_whole(name, precision, packed):
             assert error <= tolerance, f"{name} {kind}: tensor {i} off by {error:.2e} of its largest value"
 
 
-@pytest.mark.parametrize("name", ["tiny", "hero"])
+@pytest.mark.parametrize("name", ["hero"])  # every block kind; `tiny` trains so, compiled, in test_train.py
 def test_checkpointed_blocks_compile_whole(name):
     """Full activation checkpointing under compile (`parallelize`'s order: checkpoint, then compile
     each wrapped block whole): the first block writes the forward's rope tables and masks into the

@@ -880,11 +880,12 @@ def test_a_run_shortened_mid_run_ends_its_schedule_at_the_new_length(token_data,
 
 @pytest.mark.slow
 def test_compiled_blocks_train_20_steps_without_recompiling(token_data, tmp_path):
-    """`parallel.compile` for 20 bf16 steps of `tiny` (all four layers) on packed rows whose
-    documents differ from step to step: no graph is compiled after step 2 (the metric counts
-    torch._dynamo's compiled graphs), and the losses are eager's within bf16 tolerance: the first
-    step's to 1%, and the run no farther from eager's than bf16 rounding moves a run (eager fp32
-    against eager bf16; 20 steps at lr 0.02 amplify any rounding difference to several percent)."""
+    """`parallel.compile` for 20 bf16 steps of `tiny` (all four layers, blocks 0 and 2 checkpointed:
+    compiled with their checkpoints, and 1 and 3 without) on packed rows whose documents differ
+    from step to step: no graph is compiled after step 2 (the metric counts torch._dynamo's compiled
+    graphs), and the losses are eager's within bf16 tolerance: the first step's to 1%, and the run
+    no farther from eager's than bf16 rounding moves a run (eager fp32 against eager bf16; 20 steps
+    at lr 0.02 amplify any rounding difference to several percent)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -898,7 +899,7 @@ def test_compiled_blocks_train_20_steps_without_recompiling(token_data, tmp_path
             token_data,
             tmp_path / name,
             train={"steps": 20, "precision": precision},
-            parallel={"compile": compile},
+            parallel={"compile": compile, "activation_checkpointing": "every_n" if compile else "none"},
             **common,
         )
         run_training(config, resume="none")
