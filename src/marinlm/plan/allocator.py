@@ -22,8 +22,8 @@ its size reads: bytes a token of a width (a saved tensor's classes, times the ra
 elements (a gradient, a cast copy: times the rank's full weight), or kept as it is (a few bytes of scalars).
 What the proxy does not run is not in the replay: parallel layouts' buffers (FSDP2's gathered blocks, the
 all-to-all rows), the optimizer step, pipeline schedules and tensor-parallel shards. Their bytes are in the
-live peak and take the step's overhead. tests/test_plan_allocator.py checks the rules, and the trace scaled from
-the proxy against the trace of the real model at its own size.
+live peak and take the step's overhead. tests/test_plan_allocator.py checks the rules, the recorder against
+torch's MemTracker, and the trace scaled from the proxy against the trace of the real model at its own size.
 """
 
 from __future__ import annotations
