@@ -119,6 +119,16 @@ def _classify(per_token: float, table: dict[str, float]) -> str | None:
     return None
 
 
+def width_class(elements: int, storage_elements: float, B: int, T: int, table: dict, kernel_size: int) -> str | None:
+    """The width a tensor of B rows of T tokens is a multiple of: by its elements a token, or its storage's (a
+    view's storage may be larger); None if none. SConv's products with its keep masks span T - shift tokens a row
+    (packed documents): filed under their width, as if the row were whole."""
+    name = _classify(elements / (B * T), table) or _classify(storage_elements / (B * T), table)
+    for shift in range(1, kernel_size if name is None else 1):
+        name = name or _classify(elements / (B * (T - shift)), table)
+    return name
+
+
 def build_proxy(
     config: MarinConfig, precision: str, kernels: KernelConfig | None, kernels_device: str, depth: bool = False
 ):
@@ -195,13 +205,7 @@ def inventory(
         nbytes = t.untyped_storage().nbytes()
         if t.dtype != torch.float32 and tuple(t.shape) in shapes:  # autocast's copy of a weight (`Casts`)
             return t
-        elements = t.numel()
-        # Bytes of one storage, filed by its elements a token; a view's storage may be larger.
-        name = _classify(elements / N, table) or _classify(nbytes / t.element_size() / N, table)
-        for shift in range(1, proxy_config.sconv.kernel_size if name is None else 1):
-            # SConv's products with its keep masks span T - shift tokens a row (packed documents):
-            # filed under their width, as if the row were whole.
-            name = name or _classify(elements / (B * (T - shift)), table)
+        name = width_class(t.numel(), nbytes / t.element_size(), B, T, table, proxy_config.sconv.kernel_size)
         if name is None:
             unknown += nbytes / N
         else:

@@ -200,7 +200,7 @@ def step_trace(
     """The allocations of a training forward and backward of `config`'s proxy at its depth, its blocks
     checkpointed as `checkpointing` says, each filed by what its size is a multiple of (`StepTrace`)."""
     from marinlm.parallel.activation_checkpoint import apply_activation_checkpointing
-    from marinlm.plan.activations import _classify, build_proxy, packed_segments, weight_key, widths
+    from marinlm.plan.activations import build_proxy, packed_segments, weight_key, width_class, widths
 
     model, c, T = build_proxy(config, precision, kernels, kernels_device, depth=True)
     apply_activation_checkpointing(model, checkpointing, every_n)
@@ -217,12 +217,7 @@ def step_trace(
             events.append(event)
             continue
         _, key, nbytes, elements, size = event
-        name = _classify(elements / N, table) or _classify(nbytes / size / N, table)
-        for shift in range(1, c.sconv.kernel_size if name is None else 1):  # SConv's products span T - shift
-            name = _classify(elements / (B * (T - shift)), table)
-            if name:
-                nbytes = nbytes * T / (T - shift)
-                break
+        name = width_class(elements, nbytes / size, B, T, table, c.sconv.kernel_size)
         if name is not None:
             events.append(("alloc", key, f"width:{name}", nbytes / N / table[name]))
         elif chunk and elements % chunk == 0 and elements // chunk <= 4:
@@ -265,11 +260,13 @@ def overhead(config, precision: str, kernels, kernels_device: str, tokens: float
     key = (repr(config), precision, repr(kernels), kernels_device, checkpointing)
     if key not in _TRACES:
         trace = step_trace(config, precision, kernels, kernels_device, *checkpointing)
-        _TRACES[key] = (trace, weight_elements(config))
-    trace, weights = _TRACES[key]
-    weights = {name: n / ep if ".experts." in name else n for name, n in weights.items()}
-    allocator = replay(trace.at(rank_widths(config, seq_len, kernels.loss_chunk_tokens), tokens, weights))
-    return allocator.peak_reserved / max(allocator.peak_allocated, 1)
+        _TRACES[key] = (trace, weight_elements(config), {})
+    trace, weights, factors = _TRACES[key]
+    if (tokens, seq_len, ep) not in factors:  # a search's layouts share a few rank shapes
+        weights = {name: n / ep if ".experts." in name else n for name, n in weights.items()}
+        allocator = replay(trace.at(rank_widths(config, seq_len, kernels.loss_chunk_tokens), tokens, weights))
+        factors[tokens, seq_len, ep] = allocator.peak_reserved / max(allocator.peak_allocated, 1)
+    return factors[tokens, seq_len, ep]
 
 
 PERSISTENT = ("weights", "optimizer_state")  # allocated once, before any step: packed without holes
