@@ -228,6 +228,18 @@ def test_version(capsys):
     assert run.returncode == 0 and run.stdout.startswith("marinlm "), run.stderr
 
 
+def test_a_process_imports_the_compiler_and_dtensor_only_when_it_runs_them():
+    """Every command, and each process torchrun starts, imports marinlm first. `marinlm --version`
+    imported DTensor to catch one exception class, and every training process torch's compiler to
+    read one counter: seconds of start-up each, in every launch."""
+    probe = (
+        "import sys, marinlm.cli; a = {m for m in ('torch._dynamo', 'torch.distributed.tensor') if m in sys.modules}; "
+        "import marinlm.jobs; print(sorted(a), 'torch._dynamo' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[0] == "[] False", run.stdout + run.stderr
+
+
 @pytest.mark.slow
 def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, tmp_path, capsys, monkeypatch):
     """`--run_dir`/`--output_dir` naming a file was a FileExistsError traceback; `marinlm eval --output`

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from marinlm.commands import COMMANDS, config_classes, config_kinds, help_of
 from marinlm.config import ConfigError
-from marinlm.parallel.fault_tolerance import LighthouseLost
 from marinlm.train.signals import OutOfMemory, StoppedBySignal, Terminated, TrainingDiverged, raise_on_sigterm
+from marinlm.utils.errors import LighthouseLost
 from marinlm.utils.pool import WorkerDied
 
 

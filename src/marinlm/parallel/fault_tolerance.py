@@ -28,12 +28,9 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from marinlm.parallel.distributed import reduce_together
+from marinlm.utils.errors import LighthouseLost
 
 _OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "avg": ReduceOp.AVG}
-
-
-class LighthouseLost(RuntimeError):
-    """The replica groups could not agree a quorum: the lighthouse or every peer is gone."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
