@@ -520,6 +520,28 @@ def test_a_finetune_resumes_exactly(tmp_path, base_run, method):
     assert sorted(b) == [5, 6, 7, 8] and all(a[step] == b[step] for step in b), (a, b)
 
 
+# Norms, embedding and head trained whole too: peft's modules_to_save, gathered like the adapters.
+LORA_ON_RANKS = {
+    "checkpoint.every_steps": 3,
+    "optim.lr": 1e-2,
+    "lora.train_norms": "true",
+    "lora.train_embeddings": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(tmp_path_factory, base_run):
+    """The one-process LoRA run of 3 steps that each layout below is held to, trained once, and its
+    data files."""
+    from marinlm.cli import main
+
+    root = tmp_path_factory.mktemp("lora-one")
+    files = gsm8k_slice(root, 48, 8)
+    args = finetune_args(base_run, files, root / "one", "lora", steps=3, **LORA_ON_RANKS)
+    assert main(["finetune", str(CONFIGS / "finetune" / "gsm8k-lora.yaml"), *args]) == 0
+    return root / "one", files
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
@@ -527,7 +549,7 @@ def test_a_finetune_resumes_exactly(tmp_path, base_run, method):
     [[], ["--parallel.expert_parallel=2"], ["--parallel.pipeline_parallel=2"], ["--parallel.tensor_parallel=2"]],
     ids=["fsdp", "ep", "pp", "tp"],
 )
-def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, base_run, layout):
+def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, base_run, lora_one_process, layout):
     """FSDP, expert, pipeline and tensor parallel: the losses and the whole adapter of one process.
     Expert parallelism once dropped the grouped expert adapters' forward, a pipeline moved the
     frozen router biases and wrote the first stage's adapters only, and tensor parallel split the
@@ -541,20 +563,9 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
 
     from conftest import ROOT
 
-    files = gsm8k_slice(tmp_path, 48, 8)
+    one_run, files = lora_one_process
     config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
-    # Norms, embedding and head trained whole too: peft's modules_to_save, gathered like the adapters.
-    common = {
-        "checkpoint.every_steps": 3,
-        "optim.lr": 1e-2,
-        "lora.train_norms": "true",
-        "lora.train_embeddings": "true",
-    }
-    assert (
-        main(["finetune", config_file, *finetune_args(base_run, files, tmp_path / "one", "lora", steps=3, **common)])
-        == 0
-    )
-    two = finetune_args(base_run, files, tmp_path / "two", "lora", steps=3, **common) + layout
+    two = finetune_args(base_run, files, tmp_path / "two", "lora", steps=3, **LORA_ON_RANKS) + layout
     done = subprocess.run(
         [*torchrun_command(2), "-m", "marinlm.cli", "finetune", config_file, *two],
         cwd=ROOT,
@@ -567,11 +578,11 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
     def losses(run):
         return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
 
-    one, two_ranks = losses(tmp_path / "one"), losses(tmp_path / "two")
+    one, two_ranks = losses(one_run), losses(tmp_path / "two")
     assert sorted(one) == sorted(two_ranks) == [1, 2, 3]
     for step, loss in one.items():
         assert two_ranks[step] == pytest.approx(loss, rel=1e-5), step
-    adapters = [load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "two")]
+    adapters = [load_file(str(run / "adapter" / "adapter_model.safetensors")) for run in (one_run, tmp_path / "two")]
     assert sorted(adapters[0]) == sorted(adapters[1])
     for key, tensor in adapters[0].items():
         # Adam's first steps turn fp32 rounding in a near-zero gradient into up to lr (1e-2) a step:
@@ -579,7 +590,7 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
         diff = (adapters[1][key] - tensor).abs()
         assert float((diff > 1e-4).float().mean()) < 0.01 and float(diff.max()) < 2 * 1e-2 * 3, key
     # the 2-rank checkpoint goes on in one process
-    more = finetune_args(base_run, files, tmp_path / "two", "lora", steps=4, **common)
+    more = finetune_args(base_run, files, tmp_path / "two", "lora", steps=4, **LORA_ON_RANKS)
     assert main(["finetune", config_file, *more]) == 0
     assert 4 in losses(tmp_path / "two")
 
