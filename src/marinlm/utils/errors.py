@@ -1,5 +1,5 @@
-"""Errors raised low in the stack that the command line reports in a line: light to import, so
-that a command which never reaches that layer does not import it (DTensor's takes half a second)."""
+"""Errors raised low in the stack that the command line reports in a line, light to import: a
+command that never reaches the layer raising one does not load that layer (and DTensor) to catch it."""
 
 from __future__ import annotations
 
