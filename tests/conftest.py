@@ -18,6 +18,21 @@ SHARED_DATA = Path(os.environ.get("MARINLM_SHARED_DATA", ROOT.parent / "shared" 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def _one_thread_rank(rank: int, fn, *args) -> None:
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
+    """`torch.multiprocessing.spawn` of `fn(rank, *args)` on `nprocs` processes, each on one intra-op
+    thread, as torchrun starts its workers (OMP_NUM_THREADS=1). Ranks that share two cores on two
+    threads each are slowed several times over: after each parallel region an OpenMP thread spins
+    waiting for the next, on a core another rank needs."""
+    import torch.multiprocessing as mp
+
+    return mp.spawn(_one_thread_rank, (fn, *args), nprocs=nprocs, join=join)
+
+
 def torchrun_command(nproc: int) -> list[str]:
     """`torchrun` with `nproc` local processes, its rendezvous on a port the OS picks
     (`--standalone`): launches from tests running side by side never share a port."""

@@ -26,6 +26,8 @@ from marinlm.parallel.context_parallel import (
     exchange,
 )
 
+from conftest import ROOT, spawn_ranks
+
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
 def test_the_head_tail_cut_gives_every_rank_the_same_causal_work(size):
@@ -155,7 +157,7 @@ def collected(tmp_path_factory) -> dict:
     results = mp.Manager().dict()
     for size in (2, 4):
         store = tmp_path_factory.mktemp(f"cp{size}") / "store"
-        mp.spawn(_ranks, args=(size, str(store), results), nprocs=size)
+        spawn_ranks(_ranks, (size, str(store), results), size)
     return dict(results)
 
 
@@ -218,8 +220,6 @@ MEMORY_SEQ = 512
 def _memory_config():
     from marinlm.config import load_config
     from marinlm.model.config import MarinConfig
-
-    from conftest import ROOT
 
     config = load_config(MarinConfig, str(ROOT / "configs" / "model" / "tiny.yaml"), [])
     config.moe.capacity_factor, config.max_seq_len = None, MEMORY_SEQ

@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 
 from marinlm.parallel.expert_parallel import combine, dispatch, receiver_keep
 
+from conftest import spawn_ranks
+
 WORLD = 4
 N, D = 12, 8
 
@@ -98,7 +100,7 @@ def _pooled(rank: int, results) -> None:
 def dispatched(tmp_path_factory) -> dict:
     """Every case of CASES through `dispatch` and `combine` on 4 gloo processes (one spawn)."""
     results = mp.Manager().dict()
-    mp.spawn(_ranks, args=(str(tmp_path_factory.mktemp("ep") / "store"), results), nprocs=WORLD)
+    spawn_ranks(_ranks, (str(tmp_path_factory.mktemp("ep") / "store"), results), WORLD)
     return dict(results)
 
 

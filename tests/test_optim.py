@@ -14,7 +14,7 @@ from marinlm.optim import (
     newton_schulz_many,
 )
 
-from conftest import build, tiny_config
+from conftest import build, spawn_ranks, tiny_config
 
 
 def test_newton_schulz_orthogonalises_each_matrix():
@@ -445,6 +445,4 @@ def test_muon_gathers_a_windows_sharded_matrices_in_one_all_gather_exactly(tmp_p
     """FSDP2 and HSDP shards (dim 0, uneven, some ranks empty) of matrices of two dtypes come back
     whole through one all-gather a dtype and group, equal to DTensor's own gather; a matrix cut
     another way is gathered alone."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_gathered_on_ranks, args=(str(tmp_path / "store"),), nprocs=4)
+    spawn_ranks(_gathered_on_ranks, (str(tmp_path / "store"),), 4)

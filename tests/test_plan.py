@@ -15,7 +15,7 @@ from marinlm.config import ConfigError, load_config
 from marinlm.kernels.config import KernelConfig
 from marinlm.parallel import ParallelConfig
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, spawn_ranks, tiny_config
 
 REFERENCE = KernelConfig(modules="reference")  # the modules CUDA runs
 LAYOUTS = {
@@ -66,7 +66,7 @@ def test_planned_shards_equal_a_real_gloo_run_and_the_search_rules(tmp_path):
     from marinlm.plan.shards import local_shards
 
     real = mp.Manager().dict()
-    mp.spawn(_real_shards, args=(str(tmp_path / "store"), real), nprocs=4)
+    spawn_ranks(_real_shards, (str(tmp_path / "store"), real), 4)
     for name, layout in LAYOUTS.items():
         for rank in range(4):
             planned = local_shards(plan_model(), ParallelConfig(**layout), 4, rank, 4, 64)
@@ -418,7 +418,6 @@ def _held_activations(rank: int, store: str, out: str) -> None:
     from marinlm.plan.op_table import packed_segments
     from marinlm.utils.device import autocast_context
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     held, weights, meshes = {}, {}, {}
     for preset, name, precision, ac in ACTIVATION_CASES:
@@ -465,7 +464,7 @@ def test_the_planned_activations_are_within_5_percent_of_real_gloo_layouts(tmp_p
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
 
-    mp.spawn(_held_activations, args=(str(tmp_path / "store"), str(tmp_path / "held")), nprocs=4)
+    spawn_ranks(_held_activations, (str(tmp_path / "store"), str(tmp_path / "held")), 4)
     held = [json.loads((tmp_path / f"held.{rank}").read_text()) for rank in range(4)]
     for preset, name, precision, ac in ACTIVATION_CASES:
         key = f"{preset}|{name}|{precision}|{ac}"
@@ -536,7 +535,6 @@ def _held_by_pipeline_stages(rank: int, store: str, out: str) -> None:
                 tensors += [unsharded, getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad]
         return {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors if t is not None}
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     cpu, held, dims = torch.device("cpu"), {}, None
     for precision, ac in PIPELINE_CASES:
@@ -585,7 +583,7 @@ def test_the_planned_pipeline_stages_hold_what_real_gloo_stages_hold(tmp_path):
     from marinlm.plan.estimate import plan_layout
     from marinlm.plan.hardware import Efficiency, load_hardware
 
-    mp.spawn(_held_by_pipeline_stages, args=(str(tmp_path / "store"), str(tmp_path / "held")), nprocs=4)
+    spawn_ranks(_held_by_pipeline_stages, (str(tmp_path / "store"), str(tmp_path / "held")), 4)
     held = [json.loads((tmp_path / f"held.{rank}").read_text()) for rank in range(4)]
     for precision, ac in PIPELINE_CASES:
         config, parallel = _pipeline_config(precision, ac)

@@ -12,6 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from marinlm.parallel.tensor_parallel import gather_tokens, scatter_tokens
 
+from conftest import spawn_ranks
+
 WORLD = 2
 
 
@@ -36,7 +38,7 @@ def _ranks(rank: int, store: str, results) -> None:
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory) -> dict:
     results = mp.Manager().dict()
-    mp.spawn(_ranks, args=(str(tmp_path_factory.mktemp("tp") / "store"), results), nprocs=WORLD)
+    spawn_ranks(_ranks, (str(tmp_path_factory.mktemp("tp") / "store"), results), WORLD)
     return dict(results)
 
 

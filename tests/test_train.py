@@ -24,7 +24,7 @@ from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer
 from marinlm.utils.io import folder_lock
 
-from conftest import ROOT, tiny_config, torchrun_command, train_config
+from conftest import ROOT, spawn_ranks, tiny_config, torchrun_command, train_config
 
 # Every test here but a few trains a model: the whole file is the slow tier (`make test`).
 pytestmark = pytest.mark.slow
@@ -1124,12 +1124,10 @@ def run_on_two_ranks(fn, args: tuple, timeout: float, hang: str) -> None:
     with `hang` if they have not all ended within `timeout` seconds."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.spawn(fn, (port, *args), nprocs=2, join=False)
+    context = spawn_ranks(fn, (port, *args), 2, join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
