@@ -16,10 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marinlm.config import save_config, to_dict
+from marinlm.config import load_config, save_config, to_dict
 from marinlm.dataset.loader import source_names
 from marinlm.jobs import run_training
 from marinlm.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, list_checkpoints, validate
+from marinlm.train.config import TrainConfig
 from marinlm.train.metrics import read_metrics
 from marinlm.train.trainer import Trainer
 from marinlm.utils.io import folder_lock
@@ -39,6 +40,11 @@ def cli(config_path, *extra, env=None):
     return subprocess.Popen(
         cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def config_at(config_path, *overrides) -> TrainConfig:
+    """The config `marinlm train config_path *overrides` runs."""
+    return load_config(TrainConfig, str(config_path), list(overrides))
 
 
 def torchrun_train(config_path) -> None:
@@ -716,8 +722,9 @@ def test_continued_training_starts_from_another_runs_weights(token_data, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_two_processes_match_one(token_data, tmp_path):
-    """FSDP2 over 2 gloo processes vs 1 process on the same global batch: losses agree to 1e-9 (fp64)."""
+def test_fsdp_two_processes_match_one(token_data, tmp_path, capsys):
+    """FSDP2 over 2 gloo processes vs 1 process (this one) on the same global batch: losses agree
+    to 1e-9 (fp64)."""
     # Dropless: with a capacity factor each rank's capacity covers its own half of the tokens, so
     # drops (and losses) legitimately differ from one process; without it the two must agree.
     # The LM head and loss run fused and chunked, as in the hero preset, so the unsharded head
@@ -730,9 +737,7 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
         optim = {"ns_dtype": "float64"}
         config = train_config(token_data, tmp_path / name, train=train, model=model, kernels=kernels, optim=optim)
         save_config(config, tmp_path / f"{name}.yaml")
-    single = cli(tmp_path / "single.yaml")
-    out, _ = single.communicate(timeout=300)
-    assert single.returncode == 0, out
+    run_training(config_at(tmp_path / "single.yaml"), resume="none")
     torchrun_train(tmp_path / "fsdp.yaml")
     a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 4
@@ -746,11 +751,10 @@ def test_fsdp_two_processes_match_one(token_data, tmp_path):
     assert sorted(listed) == sorted(on_disk)
     # The 2-process run goes on in 1 process (DCP reshards; the data position is global), and stays
     # with the 1-process run carried on alike.
+    capsys.readouterr()
     for name in ("single", "fsdp"):
-        proc = cli(tmp_path / f"{name}.yaml", "--train.steps=6")
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-    assert "(saved by 2 processes, resharded onto 1)" in out
+        run_training(config_at(tmp_path / f"{name}.yaml", "--train.steps=6"), resume="auto")
+    assert "(saved by 2 processes, resharded onto 1)" in capsys.readouterr().out
     a, b = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 6
     for step in (5, 6):
@@ -806,9 +810,7 @@ def test_bf16_async_checkpoint_and_wandb_offline(token_data, tmp_path, monkeypat
 
 def test_a_run_lengthened_mid_run_keeps_its_warmup_and_bends_its_decay(token_data, tmp_path):
     """`Trainer.set_total_steps` (the quickstart's re-plan): from 8 planned steps to 12 at step 3."""
-    from marinlm.config import load_config
     from marinlm.optim import ScheduleConfig, lr_multiplier
-    from marinlm.train.config import TrainConfig
 
     config = train_config(token_data, tmp_path / "run", schedule={"warmup_fraction": 0.25})  # 2 of 8 steps
     trainer = Trainer(config, resume="none")
@@ -945,7 +947,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(token_data, tmp_pa
     """`--model=configs/model/marin-535b-a23b.yaml` on one machine allocated until the out-of-memory
     killer came; now the weights, gradients and optimizer state are counted first."""
     import marinlm.train.provenance as provenance
-    from marinlm.config import ConfigError, load_config, to_dict
+    from marinlm.config import ConfigError
     from marinlm.model import MarinConfig
 
     from conftest import CONFIGS
@@ -1214,8 +1216,6 @@ def test_the_mixture_changes_at_its_phase_step(token_data, tmp_path, capsys):
 def _train_on_two_ranks(rank: int, port: int, config: str, out: str) -> None:
     """One rank of a 2-process gloo run in which rank 1's clock runs two minutes a reading ahead."""
     import marinlm.train.trainer as trainer_module
-    from marinlm.config import load_config
-    from marinlm.train.config import TrainConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     if rank == 1:
