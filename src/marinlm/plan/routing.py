@@ -70,8 +70,10 @@ def logged_loads(run_dir: Path, num_experts: int, last: int = 20) -> RoutingLoad
     from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 
     folder = Path(run_dir) / "tensorboard"
+    if not Path(run_dir).is_dir():
+        raise ConfigError("--routing", f"{run_dir}: no such folder; give a run folder `marinlm train` wrote, or skew=S")
     if not folder.is_dir():
-        raise ConfigError("--routing", f"{folder}: not found; give a run folder `marinlm train` wrote, or skew=S")
+        raise ConfigError("--routing", f"{run_dir}: no tensorboard/ in it, so not a run folder `marinlm train` wrote")
     events = EventAccumulator(str(folder), size_guidance={HISTOGRAMS: 0})
     events.Reload()
     tags = [t for t in events.Tags()[HISTOGRAMS] if re.fullmatch(r"router/layer_\d+/load", t)]
