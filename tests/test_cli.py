@@ -278,6 +278,27 @@ def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, t
     assert f"error: {afile}: File exists" in capsys.readouterr().err and not scored
 
 
+def test_a_path_that_cannot_be_made_is_one_line_naming_it(monkeypatch, capsys):
+    """An OSError of a path (`marinlm plan --out` under /proc, where no folder can be made) printed
+    Python's "[Errno 2] No such file or directory: '...'"; a message of our own prints whole."""
+    import errno
+
+    import marinlm.cli as cli
+
+    summary = ["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]
+    for error, printed in [
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/plan"), "/proc/plan: No such file"),
+        (FileNotFoundError("runs/x: no usable checkpoint"), "runs/x: no usable checkpoint"),
+    ]:
+
+        def fail(args, overrides, error=error):
+            raise error
+
+        monkeypatch.setattr(cli, "_model_summary", fail)
+        assert main(summary) == 2
+        assert capsys.readouterr().err.startswith(f"error: {printed}")
+
+
 def test_a_full_disk_is_one_line_naming_the_path(monkeypatch, capsys):
     """Curation, tokenization or training that runs out of disk space ended in a traceback."""
     import errno

@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        where = f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)  # OSError's own
+        print(f"error: {where}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         # An output path that runs into a file (`--run_dir` naming one) or may not be written.
