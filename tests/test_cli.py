@@ -278,6 +278,17 @@ def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, t
     assert f"error: {afile}: File exists" in capsys.readouterr().err and not scored
 
 
+def test_plan_and_model_summary_say_what_a_file_of_another_command_is(capsys):
+    """`marinlm train` named the command a model config is for; `plan` and `model summary` only
+    listed the unknown key."""
+    for argv, kind in [
+        (["plan", str(CONFIGS / "model" / "tiny.yaml"), "--hardware", "h100-sxm"], "a model config"),
+        (["model", "summary", str(CONFIGS / "data" / "python-corpus.yaml")], "a data curation config"),
+    ]:
+        assert main(argv) == 2
+        assert f"that file is {kind}" in capsys.readouterr().err, argv
+
+
 def test_a_path_that_cannot_be_made_is_one_line_naming_it(monkeypatch, capsys):
     """An OSError of a path (`marinlm plan --out` under /proc, where no folder can be made) printed
     Python's "[Errno 2] No such file or directory: '...'"; a message of our own prints whole."""

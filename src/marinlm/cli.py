@@ -183,7 +183,7 @@ def _quickstart(args, overrides) -> int:
 
 
 def _model_summary(args, overrides) -> int:
-    from marinlm.config import load_config, read_yaml
+    from marinlm.config import read_yaml
     from marinlm.model.config import MarinConfig
     from marinlm.model.summary import summarize
     from marinlm.presets import find_config
@@ -193,10 +193,10 @@ def _model_summary(args, overrides) -> int:
     if (Path(args.config) / "config.yaml").is_file():  # a run or checkpoint folder: the model it trains
         args.config = str(Path(args.config) / "config.yaml")
     if "model" in read_yaml(find_config(args.config)):  # a training config (or a run's config.yaml): its model
-        train = load_config(TrainConfig, args.config, overrides)
+        train = _load(TrainConfig, args.config, overrides)
         config, seq_len = train.model, seq_len or train.data.seq_len
     else:
-        config = load_config(MarinConfig, args.config, overrides)
+        config = _load(MarinConfig, args.config, overrides)
     summary = summarize(config, seq_len)
     print(summary.table())
     if train is not None:  # the whole run: its tokens and training FLOPs at the data's sequence length
@@ -212,7 +212,6 @@ def _model_summary(args, overrides) -> int:
 
 
 def _plan(args, overrides) -> int:
-    from marinlm.config import load_config
     from marinlm.finetune.loading import is_finetune_config
     from marinlm.plan import run_plan
     from marinlm.presets import find_config
@@ -223,7 +222,7 @@ def _plan(args, overrides) -> int:
 
         train = load_finetune_config(args.config, overrides)
     else:
-        train = load_config(TrainConfig, args.config, overrides)
+        train = _load(TrainConfig, args.config, overrides)
     run_plan(train, args.hardware, args.layout, args.search, Path(args.out), args.gpus, args.routing)
     return 0
 
