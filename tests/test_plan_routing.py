@@ -160,10 +160,10 @@ def test_a_bad_routing_argument_names_what_is_wrong(tmp_path):
     for bad in ("skew=-1", "skew=x"):
         with pytest.raises(ConfigError, match=rf"--routing: '{bad}': give skew=S with S a number >= 0"):
             parse_routing(bad, 16)
-    with pytest.raises(ConfigError, match=rf"--routing: {tmp_path / 'nowhere'}: no such folder"):
+    with pytest.raises(ConfigError, match=rf"--routing: {tmp_path / 'nowhere'}: not a folder"):
         parse_routing(str(tmp_path / "nowhere"), 16)
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ConfigError, match=rf"--routing: {tmp_path / 'a-file'}: no such folder"):
+    with pytest.raises(ConfigError, match=rf"--routing: {tmp_path / 'a-file'}: not a folder"):
         parse_routing(str(tmp_path / "a-file"), 16)
     with pytest.raises(ConfigError, match=rf"--routing: {tmp_path}: no tensorboard/ in it, so not a run folder"):
         parse_routing(str(tmp_path), 16)

@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
-        where = f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)  # OSError's own
+        where = f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)  # an OSError: path, reason
         print(f"error: {where}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:

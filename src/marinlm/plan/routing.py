@@ -71,7 +71,7 @@ def logged_loads(run_dir: Path, num_experts: int, last: int = 20) -> RoutingLoad
 
     folder = Path(run_dir) / "tensorboard"
     if not Path(run_dir).is_dir():
-        raise ConfigError("--routing", f"{run_dir}: no such folder; give a run folder `marinlm train` wrote, or skew=S")
+        raise ConfigError("--routing", f"{run_dir}: not a folder; give a run folder `marinlm train` wrote, or skew=S")
     if not folder.is_dir():
         raise ConfigError("--routing", f"{run_dir}: no tensorboard/ in it, so not a run folder `marinlm train` wrote")
     events = EventAccumulator(str(folder), size_guidance={HISTOGRAMS: 0})
