@@ -19,8 +19,11 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def _one_thread_rank(rank: int, fn, *args) -> None:
+    import gc
+
     torch.set_num_threads(1)
     fn(rank, *args)
+    gc.freeze()  # as the marinlm command ends (marinlm/__main__.py)
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):

@@ -278,6 +278,20 @@ def test_an_output_path_through_a_file_is_an_error_before_any_work(token_data, t
     assert f"error: {afile}: File exists" in capsys.readouterr().err and not scored
 
 
+def test_the_command_freezes_what_is_left_before_its_process_exits(monkeypatch):
+    """`marinlm` (and `python -m marinlm`, torchrun's workers) returns main's code with the objects
+    left frozen, so the interpreter's exit does not sweep all of torch's for cycles."""
+    import gc
+
+    import marinlm.__main__ as command
+
+    monkeypatch.setattr(command, "main", lambda: 3)
+    try:
+        assert command.entry() == 3 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_plan_and_model_summary_say_what_a_file_of_another_command_is(capsys):
     """`marinlm train` named the command a model config is for; `plan` and `model summary` only
     listed the unknown key."""

@@ -475,7 +475,7 @@ def test_mixture_meets_token_budgets(tmp_path):
 
 def _run_cli(config_path: Path):
     return subprocess.Popen(
-        [sys.executable, "-m", "marinlm.cli", "data", "run", str(config_path)],
+        [sys.executable, "-m", "marinlm", "data", "run", str(config_path)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

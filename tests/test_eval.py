@@ -724,7 +724,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     hook = {"every_n_steps": 2, "tasks": tasks, "limit": 5, "data_dir": str(tmp_path / "tasks")}
     save_config(train_config(token_data, tmp_path / "run", train={"steps": 2}, eval=hook), tmp_path / "run.yaml")
     out = subprocess.run(
-        [*torchrun_command(2), "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")],
+        [*torchrun_command(2), "-m", "marinlm", "train", str(tmp_path / "run.yaml")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -742,7 +742,7 @@ def test_eval_hook_under_torchrun_scores_what_marinlm_eval_scores(token_data, tm
     # `marinlm eval` under torchrun: the checkpoint loaded sharded (FSDP2), the items dealt over ranks.
     evaluate = ["eval", str(tmp_path / "run"), "--tasks", *tasks, "--limit", "5", "--data-dir", str(tmp_path / "tasks")]
     out = subprocess.run(
-        [*torchrun_command(2), "-m", "marinlm.cli", *evaluate, "--output", str(tmp_path / "sharded.json")],
+        [*torchrun_command(2), "-m", "marinlm", *evaluate, "--output", str(tmp_path / "sharded.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -67,7 +67,7 @@ def test_fault_tolerance_settings_are_checked_by_key():
 
 
 def _launch(config: Path, procs: int, log: Path, *extra) -> subprocess.Popen:
-    cmd = [*torchrun_command(procs), "-m", "marinlm.cli", "train", str(config), "--resume=auto", *extra]
+    cmd = [*torchrun_command(procs), "-m", "marinlm", "train", str(config), "--resume=auto", *extra]
     # Two one-rank torchruns share the cores: one thread each (torchrun sets it only for several ranks)
     env = os.environ | {"RUST_LOG": "error", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
@@ -130,7 +130,7 @@ def test_two_groups_train_as_hsdp_and_a_killed_group_rejoins_from_its_peer(token
     )
     save_config(hsdp, tmp_path / "hsdp.yaml")
     reference = subprocess.run(
-        [*torchrun_command(2), "-m", "marinlm.cli", "train", str(tmp_path / "hsdp.yaml")],
+        [*torchrun_command(2), "-m", "marinlm", "train", str(tmp_path / "hsdp.yaml")],
         cwd=ROOT,
         capture_output=True,
         text=True,

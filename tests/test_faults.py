@@ -34,7 +34,7 @@ TESTS = Path(__file__).parent
 
 def run_cli(*args, fault: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
     """`marinlm ARGS` in a fresh process, killed by itself at `fault` (point, step) if given."""
-    entry = [str(TESTS / "fault_inject.py"), *map(str, fault)] if fault else ["-m", "marinlm.cli"]
+    entry = [str(TESTS / "fault_inject.py"), *map(str, fault)] if fault else ["-m", "marinlm"]
     command = [sys.executable, *entry, *map(str, args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 

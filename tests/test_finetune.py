@@ -567,7 +567,7 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_at_one(tmp_path, ba
     config_file = str(CONFIGS / "finetune" / "gsm8k-lora.yaml")
     two = finetune_args(base_run, files, tmp_path / "two", "lora", steps=3, **LORA_ON_RANKS) + layout
     done = subprocess.run(
-        [*torchrun_command(2), "-m", "marinlm.cli", "finetune", config_file, *two],
+        [*torchrun_command(2), "-m", "marinlm", "finetune", config_file, *two],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -79,7 +79,7 @@ def test_degrees_that_do_not_split_the_model_name_the_key():
 
 def torchrun(config_path, nproc: int, *extra) -> None:
     out = subprocess.run(
-        [*torchrun_command(nproc), "-m", "marinlm.cli", "train", str(config_path), *extra],
+        [*torchrun_command(nproc), "-m", "marinlm", "train", str(config_path), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -249,6 +249,7 @@ def layout_config(token_data, folder, name, parallel, precision, steps, checkpoi
 # Runs the configs it is given one after another in one process group: what `marinlm train` runs
 # for each (a trainer, its fit), without the start-up of a launch each. The first argument: resume.
 TRAIN_EACH = """
+import gc
 import sys
 from marinlm.config import load_config
 from marinlm.parallel import shutdown_distributed
@@ -261,6 +262,7 @@ for path in sys.argv[2:]:
     finally:
         trainer.close()
 shutdown_distributed()
+gc.freeze()  # as the marinlm command ends (marinlm/__main__.py)
 """
 
 

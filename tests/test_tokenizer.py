@@ -165,7 +165,7 @@ def test_the_command_line_trains_in_a_child_with_a_clean_log(tmp_path):
     write_corpus(tmp_path / "corpus", num_docs=30)
     argv = ["tokenizer", "train", f"--inputs=[{tmp_path / 'corpus'}]", f"--output_dir={tmp_path / 'tok'}"]
     out = subprocess.run(
-        [sys.executable, "-m", "marinlm.cli", *argv, "--vocab_size=400"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "marinlm", *argv, "--vocab_size=400"], cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     assert "tokenizer: read: 100%" in out.stderr and "leaked" not in out.stderr, out.stderr
@@ -189,7 +189,7 @@ def test_ctrl_c_stops_tokenizer_training_at_once(tmp_path):
     with open(tmp_path / "corpus.txt", "w") as f:
         for _ in range(30_000):  # 51 MB: about 9 s of training on 2 cores
             f.write(" ".join(rng.choices(words, k=200)) + "\n")
-    cmd = [sys.executable, "-m", "marinlm.cli", "tokenizer", "train", f"--inputs=[{tmp_path / 'corpus.txt'}]"]
+    cmd = [sys.executable, "-m", "marinlm", "tokenizer", "train", f"--inputs=[{tmp_path / 'corpus.txt'}]"]
     child = subprocess.Popen(
         [*cmd, f"--output_dir={tmp_path / 'tok'}", "--vocab_size=30000"],
         cwd=ROOT,

@@ -36,7 +36,7 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def cli(config_path, *extra, env=None):
-    cmd = [sys.executable, "-m", "marinlm.cli", "train", str(config_path), *extra]
+    cmd = [sys.executable, "-m", "marinlm", "train", str(config_path), *extra]
     return subprocess.Popen(
         cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -49,7 +49,7 @@ def config_at(config_path, *overrides) -> TrainConfig:
 
 def torchrun_train(config_path) -> None:
     """`marinlm train` under torchrun with 2 gloo processes; fails the test with the output tail."""
-    cmd = [*torchrun_command(2), "-m", "marinlm.cli", "train", str(config_path)]
+    cmd = [*torchrun_command(2), "-m", "marinlm", "train", str(config_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -110,7 +110,7 @@ def test_a_stop_signal_saves_before_the_run_ends(token_data, tmp_path, signum, w
         data={"num_workers": workers},
     )
     save_config(config, tmp_path / "run.yaml")
-    cmd = [sys.executable, "-m", "marinlm.cli", "train", str(tmp_path / "run.yaml")]
+    cmd = [sys.executable, "-m", "marinlm", "train", str(tmp_path / "run.yaml")]
     run = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
