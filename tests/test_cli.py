@@ -303,52 +303,49 @@ def test_plan_and_model_summary_say_what_a_file_of_another_command_is(capsys):
         assert f"that file is {kind}" in capsys.readouterr().err, argv
 
 
+def main_failing_with(error: BaseException, monkeypatch, capsys) -> tuple[int, str]:
+    """`marinlm model summary`'s exit code and stderr when the command raises `error`."""
+    import marinlm.cli as cli
+
+    def fail(args, overrides):
+        raise error
+
+    monkeypatch.setattr(cli, "_model_summary", fail)
+    code = main(["model", "summary", str(CONFIGS / "model" / "tiny.yaml")])
+    return code, capsys.readouterr().err
+
+
 def test_a_path_that_cannot_be_made_is_one_line_naming_it(monkeypatch, capsys):
     """An OSError of a path (`marinlm plan --out` under /proc, where no folder can be made) printed
     Python's "[Errno 2] No such file or directory: '...'"; a message of our own prints whole."""
     import errno
 
-    import marinlm.cli as cli
-
-    summary = ["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]
     for error, printed in [
         (FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/plan"), "/proc/plan: No such file"),
         (FileNotFoundError("runs/x: no usable checkpoint"), "runs/x: no usable checkpoint"),
     ]:
-
-        def fail(args, overrides, error=error):
-            raise error
-
-        monkeypatch.setattr(cli, "_model_summary", fail)
-        assert main(summary) == 2
-        assert capsys.readouterr().err.startswith(f"error: {printed}")
+        code, err = main_failing_with(error, monkeypatch, capsys)
+        assert code == 2
+        assert err.startswith(f"error: {printed}")
 
 
 def test_a_full_disk_is_one_line_naming_the_path(monkeypatch, capsys):
     """Curation, tokenization or training that runs out of disk space ended in a traceback."""
     import errno
 
-    import marinlm.cli as cli
     from marinlm.train.checkpoint import CheckpointWriteError
 
-    summary = ["model", "summary", str(CONFIGS / "model" / "tiny.yaml")]
     for error, printed in [
         (OSError(errno.ENOSPC, "No space left on device", "/data/shard-00001.zst"), "/data/shard-00001.zst: No space"),
         (OSError(errno.EDQUOT, "Disk quota exceeded", "runs/x/metrics.jsonl"), "runs/x/metrics.jsonl: Disk quota"),
         (CheckpointWriteError("runs/x/checkpoints/step-00000010.tmp: checkpoint at step 10"), "at step 10"),
     ]:
-
-        def fail(args, overrides, error=error):
-            raise error
-
-        monkeypatch.setattr(cli, "_model_summary", fail)
-        assert main(summary) == 1
-        err = capsys.readouterr().err
+        code, err = main_failing_with(error, monkeypatch, capsys)
+        assert code == 1
         assert err.startswith("error: ") and printed in err and "Traceback" not in err
     # Any other OSError is a bug or an unexpected failure: its traceback stays.
-    monkeypatch.setattr(cli, "_model_summary", lambda args, overrides: (_ for _ in ()).throw(ConnectionResetError()))
     with pytest.raises(ConnectionResetError):
-        main(summary)
+        main_failing_with(ConnectionResetError(), monkeypatch, capsys)
 
 
 def test_a_mistyped_run_folder_is_named_as_missing(tmp_path, capsys):

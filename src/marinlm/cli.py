@@ -419,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _where(e: Exception) -> str:
+    """An OSError's path and reason (plainer than its "[Errno 2] ..."); any other error's message."""
+    return f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -450,14 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and where, no traceback
-        where = f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)  # an OSError: path, reason
-        print(f"error: {where}", file=sys.stderr)
+        print(f"error: {_where(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         # An output path that runs into a file (`--run_dir` naming one) or may not be written.
-        where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         collides = isinstance(e, (FileExistsError, NotADirectoryError))
-        print(f"error: {where}" + (" (a file stands where a folder must go)" if collides else ""), file=sys.stderr)
+        print(f"error: {_where(e)}" + (" (a file stands where a folder must go)" if collides else ""), file=sys.stderr)
         return 2
     except (WorkerDied, TrainingDiverged, OutOfMemory, LighthouseLost) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -483,12 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk or quota, a read-only or failing filesystem: say where, no traceback
         from marinlm.train.checkpoint import CheckpointWriteError
 
-        if isinstance(e, CheckpointWriteError):
-            print(f"error: {e}", file=sys.stderr)
-        elif e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
-            print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
-        else:
+        disk = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+        if not (disk or isinstance(e, CheckpointWriteError)):
             raise
+        print(f"error: {_where(e)}", file=sys.stderr)
         return 1
     finally:
         restore_sigterm()
